@@ -1,0 +1,1 @@
+"""Hot ops: portable torch implementations, flash-attn on CUDA when it is installed."""

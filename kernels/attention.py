@@ -1,0 +1,118 @@
+"""Paged attention over KV pages `[num_pages, page_size, kv_heads, head_dim]`.
+
+The portable path is plain torch (runs on CPU and CUDA). On CUDA with flash-attn installed, the
+paged-KV entry points of flash-attn are used instead. A slot is `page * page_size + offset`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:  # flash-attn only builds with CUDA; everything works without it.
+    from flash_attn import flash_attn_with_kvcache
+except ImportError:  # pragma: no cover - depends on the machine
+    flash_attn_with_kvcache = None
+
+
+@dataclass
+class AttentionBatch:
+    """Where a step's tokens live: what attention needs besides q, k and v.
+
+    Decode form (every sequence contributes one query): `block_tables` [B, max_pages] and
+    `context_lens` [B] are tensors. Prefill form: per-sequence `query_lens`, `start_positions` and
+    `block_tables_list`, because each sequence attends over its own causal window.
+    """
+
+    slots: torch.Tensor                     # [T] where each new token's K/V is written
+    is_decode: bool
+    block_tables: torch.Tensor | None = None    # decode: [B, max_pages] int32/int64
+    context_lens: torch.Tensor | None = None    # decode: [B] tokens in the cache incl. the new one
+    query_lens: list[int] | None = None         # prefill
+    start_positions: list[int] | None = None    # prefill
+    block_tables_list: list[torch.Tensor] | None = None  # prefill
+    page_size: int = 0
+
+
+def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Scatters the new tokens' K/V [T, kv_heads, head_dim] into their slots; no other slot changes."""
+    kv_heads, head_dim = k_pages.shape[-2:]
+    k_pages.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
+    v_pages.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+
+
+def _use_flash(q: torch.Tensor, page_size: int) -> bool:
+    # flash-attn's paged KV needs pages of a multiple of 256 tokens.
+    return (flash_attn_with_kvcache is not None and q.is_cuda and page_size % 256 == 0
+            and q.dtype in (torch.float16, torch.bfloat16))
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
+                    v_pages: torch.Tensor, batch: AttentionBatch, scale: float) -> torch.Tensor:
+    """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] of this step's tokens -> [T, heads, head_dim].
+
+    Writes k/v into the pages first, then attends each query over its sequence's cached context.
+    """
+    write_kv(k_pages, v_pages, k, v, batch.slots)
+    if _use_flash(q, k_pages.shape[1]):
+        return _flash(q, k_pages, v_pages, batch, scale)
+    if batch.is_decode:
+        return _decode_torch(q, k_pages, v_pages, batch, scale)
+    return _prefill_torch(q, k, v, k_pages, v_pages, batch, scale)
+
+
+def _decode_torch(q, k_pages, v_pages, batch: AttentionBatch, scale):
+    bsz, max_pages = batch.block_tables.shape
+    page_size, kv_heads, head_dim = k_pages.shape[1:]
+    ctx = max_pages * page_size
+    k = k_pages[batch.block_tables].view(bsz, ctx, kv_heads, head_dim).transpose(1, 2)
+    v = v_pages[batch.block_tables].view(bsz, ctx, kv_heads, head_dim).transpose(1, 2)
+    mask = torch.arange(ctx, device=q.device)[None, :] < batch.context_lens[:, None]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+def _prefill_torch(q, k_new, v_new, k_pages, v_pages, batch: AttentionBatch, scale):
+    page_size, kv_heads, head_dim = k_pages.shape[1:]
+    outs, offset = [], 0
+    for n, start, table in zip(batch.query_lens, batch.start_positions, batch.block_tables_list):
+        qs = q[offset:offset + n].transpose(0, 1)
+        if start == 0:  # nothing cached before this chunk: attend over the new tokens directly
+            ks = k_new[offset:offset + n].transpose(0, 1)
+            vs = v_new[offset:offset + n].transpose(0, 1)
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                 enable_gqa=True)
+        else:
+            ctx = start + n
+            pages = table[: (ctx + page_size - 1) // page_size]
+            ks = k_pages[pages].view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)
+            vs = v_pages[pages].view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)
+            q_pos = torch.arange(start, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+                                                 enable_gqa=True)
+        outs.append(out.transpose(0, 1))
+        offset += n
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _flash(q, k_pages, v_pages, batch: AttentionBatch, scale):  # pragma: no cover - CUDA only
+    if batch.is_decode:
+        out = flash_attn_with_kvcache(q.unsqueeze(1), k_pages, v_pages,
+                                      cache_seqlens=batch.context_lens.to(torch.int32),
+                                      block_table=batch.block_tables.to(torch.int32),
+                                      softmax_scale=scale, causal=True)
+        return out.squeeze(1)
+    outs, offset = [], 0
+    for n, start, table in zip(batch.query_lens, batch.start_positions, batch.block_tables_list):
+        out = flash_attn_with_kvcache(q[offset:offset + n].unsqueeze(0), k_pages, v_pages,
+                                      cache_seqlens=torch.tensor([start + n], dtype=torch.int32,
+                                                                 device=q.device),
+                                      block_table=table[None].to(torch.int32),
+                                      softmax_scale=scale, causal=True)
+        outs.append(out.squeeze(0))
+        offset += n
+    return torch.cat(outs)

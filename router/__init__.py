@@ -1,0 +1,1 @@
+"""The router: tokenizer, request lifecycle, page pool, scheduler and shard fan-out. No torch here."""

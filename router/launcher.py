@@ -1,0 +1,98 @@
+"""`shardline serve`: the router and its shards as child processes of one command.
+
+Children die with the launcher (PR_SET_PDEATHSIG), so even a killed launcher leaves no orphans.
+Ctrl-C / SIGTERM stops them all; if a child exits on its own, the launcher says which and
+exits non-zero.
+"""
+from __future__ import annotations
+
+import ctypes
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: the launcher's own cleanup still applies
+        pass
+
+
+def _flags(args, names: list[str]) -> list[str]:
+    out = []
+    for name in names:
+        out += [f"--{name}", str(getattr(args, name.replace("-", "_")))]
+    return out
+
+
+def _healthy(target: str) -> bool:
+    try:
+        with grpc.insecure_channel(target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def _stop(children: dict[str, subprocess.Popen]) -> None:
+    for proc in children.values():
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + 10
+    for proc in children.values():
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def serve(args) -> int:
+    sockets = Path(tempfile.mkdtemp(prefix="shardline-"))
+    shard_address = f"unix:{sockets / 'shard-0.sock'}"
+    base = [sys.executable, "-m", "router.cli"]
+    model = _flags(args, ["model", "page-size", "dtype"])
+    children: dict[str, subprocess.Popen] = {}
+    stopping = False
+
+    def on_signal(signum, _frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    children["shard 0"] = subprocess.Popen(
+        base + ["shard", *model, *_flags(args, ["kv-memory-gb", "threads", "device"]),
+                "--listen", shard_address], preexec_fn=_die_with_parent)
+    children["router"] = subprocess.Popen(
+        base + ["router", *model, "--shards", shard_address,
+                *_flags(args, ["host", "port", "num-pages", "max-batch", "max-batch-tokens",
+                               "max-waiting", "shard-timeout"])], preexec_fn=_die_with_parent)
+    target = f"{args.host}:{args.port}"
+    ready = False
+    try:
+        while not stopping:
+            for name, proc in children.items():
+                if proc.poll() is not None:
+                    print(f"shardline: {name} (pid {proc.pid}) exited with code {proc.returncode}",
+                          file=sys.stderr, flush=True)
+                    return 1
+            if not ready and _healthy(target):
+                ready = True
+                print(f"ready {target}", flush=True)
+            time.sleep(0.2)
+        return 0
+    finally:
+        _stop(children)
+        for sock in sockets.glob("*"):
+            sock.unlink(missing_ok=True)
+        sockets.rmdir()

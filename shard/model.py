@@ -1,0 +1,141 @@
+"""A Llama-family decoder as a plain torch module (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3).
+
+The forward pass takes a flat batch of tokens from any number of sequences; where their K/V lives
+is described by an `AttentionBatch`. It returns hidden states: the caller picks the positions it
+samples and only those go through the final norm and LM head (`logits`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from kernels.attention import AttentionBatch, paged_attention
+from shard.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 like the reference implementation, then scale in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary embedding in the rotate-half layout, with a cos/sin table over every position."""
+
+    def __init__(self, head_dim: int, theta: float, max_position: int):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos = self.cos[positions].to(x.dtype)[:, None, :]
+        sin = self.sin[positions].to(x.dtype)[:, None, :]
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.wqkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, positions, rotary: Rotary, k_pages, v_pages, batch: AttentionBatch):
+        q, k, v = self.wqkv(x).split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q, positions), rotary(k, positions)
+        out = paged_attention(q, k, v, k_pages, v_pages, batch, self.scale)
+        return self.wo(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rotary, k_pages, v_pages, batch):
+        x = x + self.attn(self.attn_norm(x), positions, rotary, k_pages, v_pages, batch)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_pages: list[tuple],
+                batch: AttentionBatch) -> torch.Tensor:
+        """tokens, positions [T] -> hidden states [T, hidden] (before the final norm)."""
+        x = self.embed(tokens)
+        for layer, (k_pages, v_pages) in zip(self.layers, kv_pages):
+            x = layer(x, positions, self.rotary, k_pages, v_pages, batch)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden)).float()
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Takes Hugging Face parameter names (what safetensors checkpoints and our GGUF loader
+        produce) and fuses q/k/v and gate/up into the matrices this module multiplies with."""
+        own = {"embed.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"],
+               "lm_head.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"])}
+        for i in range(self.cfg.num_layers):
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            own[f"layers.{i}.attn_norm.weight"] = sd[p + "input_layernorm.weight"]
+            own[f"layers.{i}.mlp_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
+            own[f"layers.{i}.attn.wqkv.weight"] = torch.cat(
+                [sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"]])
+            if self.cfg.qkv_bias:
+                own[f"layers.{i}.attn.wqkv.bias"] = torch.cat(
+                    [sd[a + "q_proj.bias"], sd[a + "k_proj.bias"], sd[a + "v_proj.bias"]])
+            if self.cfg.qk_norm:
+                own[f"layers.{i}.attn.q_norm.weight"] = sd[a + "q_norm.weight"]
+                own[f"layers.{i}.attn.k_norm.weight"] = sd[a + "k_norm.weight"]
+            own[f"layers.{i}.attn.wo.weight"] = sd[a + "o_proj.weight"]
+            own[f"layers.{i}.mlp.w13.weight"] = torch.cat(
+                [sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
+            own[f"layers.{i}.mlp.w2.weight"] = sd[p + "mlp.down_proj.weight"]
+        self.load_state_dict(own, strict=True, assign=True)
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight

@@ -1,0 +1,17 @@
+import pytest
+
+from tests.support import Server, make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """arch -> folder of a random Hugging Face checkpoint, made once per test session."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: make_tiny_model(arch, root / arch) for arch in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def smollm2_server():
+    server = Server("--max-batch", "16")
+    yield server
+    assert server.stop() == 0, "".join(server.log[-30:])
