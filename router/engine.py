@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 
 from protos import shard_pb2
 from router.scheduler import Scheduler, Step
@@ -30,7 +31,8 @@ class Engine:
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0
         self.error: str | None = None      # set when a shard failed; the replica stops serving
-        self.step_times: list[tuple[float, float]] = []  # (router wall ms, shard compute ms), recent
+        # Recent decode steps as (router wall ms, shard compute ms).
+        self.decode_step_times: deque[tuple[float, float]] = deque(maxlen=512)
 
     def submit(self, seq: Sequence, stops: list[str]) -> None:
         self._detok[seq.seq_id] = (Detokenizer(self.tokenizer), StopMatcher(stops))
@@ -74,7 +76,8 @@ class Engine:
         t0 = time.perf_counter()
         result = await self.shards.step(plan)
         wall_ms = (time.perf_counter() - t0) * 1e3
-        self.step_times = self.step_times[-999:] + [(wall_ms, result.compute_ms)]
+        if not step.is_prefill:
+            self.decode_step_times.append((wall_ms, result.compute_ms))
         if len(result.tokens) != len(step.seqs):
             raise ShardError(f"step {self.step_id}: {len(result.tokens)} tokens for {len(step.seqs)} sequences")
         return list(result.tokens)

@@ -6,6 +6,7 @@ import itertools
 import logging
 import math
 import random
+import statistics
 import uuid
 
 import grpc
@@ -132,10 +133,16 @@ class GenerationService(pb_grpc.GenerationServicer):
             pages_referenced=sched.pool.referenced, requests_waiting=len(sched.waiting),
             requests_running=len(sched.running), steps=self.engine.step_id,
             tokens_generated=self.engine.tokens_generated,
-            prompt_tokens_computed=self.engine.prompt_tokens_computed)
+            prompt_tokens_computed=self.engine.prompt_tokens_computed,
+            decode_step_ms_p50=_median([w for w, _ in self.engine.decode_step_times]),
+            shard_decode_step_ms_p50=_median([c for _, c in self.engine.decode_step_times]))
 
     async def Info(self, request, context):
         return self.info
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
 
 
 def add_services(server: grpc.aio.Server, service: GenerationService | None,

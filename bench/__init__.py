@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): run with `python -m bench.<name>` from the repository root."""

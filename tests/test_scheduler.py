@@ -1,0 +1,90 @@
+"""Page pool and scheduler: admission is all or nothing, phases alternate, nothing leaks."""
+from hypothesis import given, settings, strategies as st
+
+from router.pages import PagePool
+from router.scheduler import Scheduler
+from router.sequence import Sampling, Sequence, Status
+
+
+def _seq(i, prompt_len, max_new):
+    return Sequence(seq_id=i, request_id=str(i), prompt_ids=list(range(prompt_len)),
+                    max_new_tokens=max_new, sampling=Sampling())
+
+
+def _check(pool: PagePool, sched: Scheduler):
+    held = [p for s in sched.running for p in s.block_table]
+    assert len(held) == len(set(held)) == pool.referenced
+    assert pool.free + pool.referenced == pool.num_pages
+    assert pool.reserved == sum(s.reserved_pages for s in sched.running) <= pool.free
+
+
+def _run_step(sched: Scheduler):
+    """What the engine does with a step: K/V computed, one token sampled per sequence."""
+    step = sched.schedule()
+    for seq, inputs in zip(step.seqs, step.inputs):
+        seq.num_computed += len(inputs)
+        seq.output_ids.append(7)
+        assert len(seq.block_table) * sched.pool.page_size >= seq.num_computed
+    return step
+
+
+def test_admission_waits_at_the_head_without_changing_anything():
+    pool = PagePool(num_pages=4, page_size=4)
+    sched = Scheduler(pool, max_batch=8, max_batch_tokens=100)
+    big, small = _seq(1, 8, 8), _seq(2, 2, 2)  # big needs all 4 pages, small 1
+    sched.add(small)
+    sched.add(big)
+    step = _run_step(sched)
+    assert step.is_prefill and step.seqs == [small]   # big does not fit beside small: it waits
+    assert list(sched.waiting) == [big] and big.block_table == [] and big.reserved_pages == 0
+    _check(pool, sched)
+    sched.finish(small)
+    sched.finish(small)  # idempotent
+    _check(pool, sched)
+    step = _run_step(sched)
+    assert step.seqs == [big] and pool.reserved == 4 - len(big.block_table)
+    _check(pool, sched)
+
+
+def test_prefill_and_decode_alternate_while_both_have_work():
+    pool = PagePool(num_pages=128, page_size=4)
+    sched = Scheduler(pool, max_batch=8, max_batch_tokens=100)
+    sched.add(_seq(1, 5, 50))
+    kinds = []
+    for i in range(2, 6):
+        sched.add(_seq(i, 5, 50))
+        kinds.append(_run_step(sched).is_prefill)
+        kinds.append(_run_step(sched).is_prefill)
+    assert kinds == [True, False] * 4
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "step", "finish_one", "cancel_waiting"]),
+                          st.integers(1, 30), st.integers(1, 30)), max_size=60))
+def test_random_workloads_never_leak_or_overcommit(ops):
+    pool = PagePool(num_pages=12, page_size=4)
+    sched = Scheduler(pool, max_batch=4, max_batch_tokens=40)
+    n = 0
+    for op, a, b in ops:
+        if op == "add" and sched.can_ever_fit(a + b):
+            n += 1
+            sched.add(_seq(n, a, b))
+        elif op == "step" and sched.has_work():
+            step = sched.schedule()
+            if step is None:
+                continue
+            for seq, inputs in zip(step.seqs, step.inputs):
+                seq.num_computed += len(inputs)
+                seq.output_ids.append(1)
+                if len(seq.output_ids) >= seq.max_new_tokens:
+                    sched.finish(seq)
+        elif op == "finish_one" and sched.running:
+            sched.finish(sched.running[a % len(sched.running)])
+        elif op == "cancel_waiting" and sched.waiting:
+            seq = sched.waiting[a % len(sched.waiting)]
+            sched.finish(seq)
+            assert seq.status is Status.FINISHED
+        _check(pool, sched)
+    for seq in [*sched.waiting, *sched.running]:
+        sched.finish(seq)
+    assert pool.free == pool.num_pages and pool.reserved == 0
