@@ -10,7 +10,7 @@ from grpc_health.v1 import health, health_pb2
 
 from protos import generation_pb2 as pb
 from router.engine import Engine
-from router.pages import PagePool
+from router.page_manager import PageManager
 from router.scheduler import Scheduler
 from router.server import SERVICE, GenerationService, add_services
 from router.shard_client import ShardGroup
@@ -36,12 +36,15 @@ async def serve_router(args) -> None:
         model=head.model, page_size=head.page_size, num_pages=num_pages,
         tensor_parallel=head.tp_size, pipeline_parallel=head.pp_size, max_batch=args.max_batch,
         context_length=head.context_length, vocab_size=head.vocab_size, dtype=head.dtype,
-        device=head.device)
+        device=head.device, prefix_cache=args.prefix_cache == "on", eviction_policy=args.eviction,
+        slru_protected_ratio=args.slru_protected_ratio)
     eos = set(head.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
-    pool = PagePool(num_pages, head.page_size)
-    scheduler = Scheduler(pool, args.max_batch, args.max_batch_tokens)
+    pages = PageManager(num_pages, head.page_size, policy=args.eviction,
+                        prefix_cache=args.prefix_cache == "on",
+                        protected_ratio=args.slru_protected_ratio, model_key=f"{head.model}/{head.dtype}")
+    scheduler = Scheduler(pages, args.max_batch, args.max_batch_tokens)
     engine = Engine(scheduler, shards, tokenizer, head.context_length)
 
     server = grpc.aio.server()

@@ -15,15 +15,15 @@ def _env(name: str, default, kind=str):
     return default if value is None else kind(value)
 
 
-def _add(p: argparse.ArgumentParser, flag: str, default, kind=str, help: str = ""):
-    p.add_argument(f"--{flag}", type=kind, default=_env(flag, default, kind),
+def _add(p: argparse.ArgumentParser, flag: str, default, kind=str, help: str = "", choices=None):
+    p.add_argument(f"--{flag}", type=kind, default=_env(flag, default, kind), choices=choices,
                    help=f"{help} (env SHARDLINE_{flag.upper().replace('-', '_')}, default {default!r})")
 
 
 def _model_flags(p):
     _add(p, "model", "smollm2", help="'smollm2', a .gguf file or a Hugging Face folder")
     _add(p, "page-size", 64, int, "tokens per KV page")
-    _add(p, "dtype", "float32", help="float32 | bfloat16 | float16")
+    _add(p, "dtype", "float32", help="serving dtype", choices=["float32", "bfloat16", "float16"])
 
 
 def _shard_flags(p):
@@ -40,6 +40,10 @@ def _router_flags(p):
     _add(p, "max-batch-tokens", 4096, int, "most prompt tokens in one prefill step")
     _add(p, "max-waiting", 256, int, "most queued requests before RESOURCE_EXHAUSTED")
     _add(p, "shard-timeout", 300.0, float, "seconds to wait for the shards to come up")
+    _add(p, "prefix-cache", "on", help="reuse the KV pages of shared prompt prefixes",
+         choices=["on", "off"])
+    _add(p, "eviction", "lru", help="which cached pages are reclaimed first", choices=["lru", "slru"])
+    _add(p, "slru-protected-ratio", 0.5, float, "SLRU: share of the pool the protected segment may hold")
 
 
 def build_parser() -> argparse.ArgumentParser:

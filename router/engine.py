@@ -87,6 +87,7 @@ class Engine:
             seq.num_computed += len(inputs)
             if step.is_prefill:
                 self.prompt_tokens_computed += len(inputs)
+            self.scheduler.publish(seq)  # every shard acked: the written pages are reusable
             if seq.cancelled:
                 continue  # dropped at the top of the next loop
             seq.output_ids.append(token)

@@ -76,7 +76,8 @@ def serve(args) -> int:
     children["router"] = subprocess.Popen(
         base + ["router", *model, "--shards", shard_address,
                 *_flags(args, ["host", "port", "num-pages", "max-batch", "max-batch-tokens",
-                               "max-waiting", "shard-timeout"])], preexec_fn=_die_with_parent)
+                               "max-waiting", "shard-timeout", "prefix-cache", "eviction",
+                               "slru-protected-ratio"])], preexec_fn=_die_with_parent)
     target = f"{args.host}:{args.port}"
     ready = False
     try:

@@ -19,9 +19,10 @@ operation):
    protected queue never exceeds `protected_ratio * pool`, overflow demotes its oldest page to
    the newest end of probation, and probation is reclaimed first.
 
-Prefix hashes are SHA-256 chained over full pages (parent hash + the page's token ids, rooted in
-the model key and the request's cache salt). A cryptographic hash makes a collision, which would
-hand one request another's KV, practically impossible without storing and comparing tokens.
+Prefix hashes are SHA-256 (truncated to 128 bits) chained over full pages: parent hash + the page's
+token ids, rooted in the model key and the request's cache salt. A cryptographic hash makes a
+collision, which would hand one request another's KV, practically impossible without storing and
+comparing every page's tokens, which would cost more memory than the KV index itself.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from array import array
 from router.page_queue import PageLinks, PageQueue
 
 LRU, SLRU = "lru", "slru"
+HASH_BYTES = 16  # 128 bits of SHA-256: a collision stays out of reach (birthday bound 2^64)
 
 
 class PageManager:
@@ -44,7 +46,7 @@ class PageManager:
         self.policy, self.prefix_cache = policy, prefix_cache
         self.protected_bound = int(protected_ratio * num_pages)
         self.model_key = model_key.encode()
-        self.ref = array("q", [0]) * num_pages
+        self.ref = array("i", [0]) * num_pages
         self.hash: list[bytes | None] = [None] * num_pages
         self.parent: list[bytes | None] = [None] * num_pages
         self.protected_flag = bytearray(num_pages)
@@ -85,10 +87,10 @@ class PageManager:
 
     # -- prefix hashing and lookup ---------------------------------------------------------------
     def root_hash(self, salt: str = "") -> bytes:
-        return hashlib.sha256(self.model_key + b"\0" + salt.encode()).digest()
+        return hashlib.sha256(self.model_key + b"\0" + salt.encode()).digest()[:HASH_BYTES]
 
     def chain(self, parent: bytes, tokens: list[int]) -> bytes:
-        return hashlib.sha256(parent + array("I", tokens).tobytes()).digest()
+        return hashlib.sha256(parent + array("I", tokens).tobytes()).digest()[:HASH_BYTES]
 
     def prompt_hashes(self, prompt: list[int], salt: str = "") -> list[bytes]:
         """Hashes of the prompt pages a hit may cover: full pages, leaving at least the last token

@@ -16,8 +16,8 @@ class PageLinks:
     def __init__(self, num_pages: int, num_queues: int):
         slots = num_pages + num_queues
         self.num_pages = num_pages
-        self.prev = array("q", range(slots))   # a lone sentinel points at itself
-        self.next = array("q", range(slots))
+        self.prev = array("i", range(slots))   # a lone sentinel points at itself
+        self.next = array("i", range(slots))
         self.owner = array("b", [NO_QUEUE]) * slots
 
 

@@ -90,7 +90,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         if not scheduler.can_ever_fit(len(ids) + req.max_new_tokens):
             raise InvalidRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  f"the request needs {len(ids) + req.max_new_tokens} tokens of KV cache "
-                                 f"but the whole pool holds {self.info.num_pages * self.info.page_size}")
+                                 f"but the whole page pool holds {self.info.num_pages * self.info.page_size}")
         if len(scheduler.waiting) >= self.max_waiting:
             raise InvalidRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  f"too many waiting requests ({self.max_waiting}); retry later")
@@ -98,6 +98,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             raise InvalidRequest(grpc.StatusCode.UNAVAILABLE, f"a shard is down: {self.engine.error}")
         return Sequence(seq_id=next(self._ids), request_id=req.request_id or uuid.uuid4().hex,
                         prompt_ids=ids, max_new_tokens=req.max_new_tokens, sampling=sampling,
+                        cache_salt=req.cache_salt,
                         stop_token_ids=frozenset() if req.ignore_eos else self.eos_ids)
 
     # -- RPCs -----------------------------------------------------------------------------------
@@ -127,10 +128,13 @@ class GenerationService(pb_grpc.GenerationServicer):
             self.engine.cancel(seq)
 
     async def Stats(self, request, context):
-        sched = self.engine.scheduler
+        sched, pages = self.engine.scheduler, self.engine.scheduler.pages
         return pb.StatsResponse(
-            pages_total=sched.pool.num_pages, pages_free=sched.pool.free,
-            pages_referenced=sched.pool.referenced, requests_waiting=len(sched.waiting),
+            pages_total=pages.num_pages, pages_free=pages.free, pages_referenced=pages.referenced,
+            pages_evictable=pages.evictable, pages_cached=pages.cached, pages_reserved=pages.reserved,
+            pages_probation=len(pages.probation), pages_protected=len(pages.protected),
+            prefix_hit_tokens=pages.hit_tokens, prefix_query_tokens=pages.query_tokens,
+            requests_waiting=len(sched.waiting),
             requests_running=len(sched.running), steps=self.engine.step_id,
             tokens_generated=self.engine.tokens_generated,
             prompt_tokens_computed=self.engine.prompt_tokens_computed,

@@ -4,7 +4,7 @@ import asyncio
 
 from protos import shard_pb2
 from router.engine import Engine
-from router.pages import PagePool
+from router.page_manager import PageManager
 from router.scheduler import Scheduler
 from router.sequence import Sampling, Sequence
 from router.shard_client import ShardError
@@ -31,7 +31,7 @@ class GatedShards:
 
 
 def _setup():
-    pool = PagePool(16, 4)
+    pool = PageManager(16, 4)
     shards = GatedShards()
     engine = Engine(Scheduler(pool, 8, 1000), shards, TOK, max_position=1000)
     seq = Sequence(1, "r1", list(range(10)), 20, Sampling())
@@ -53,7 +53,8 @@ def test_cancel_during_a_step_releases_pages_only_after_the_step():
         while not out[-1].finish_reason:
             out.append(await seq.outputs.get())
         assert out[-1].finish_reason == "cancelled"
-        assert pool.free == 16 and pool.reserved == 0
+        assert pool.available == 16 and pool.referenced == 0 and pool.reserved == 0
+        pool.check()
         assert not engine.scheduler.has_work()
         loop.cancel()
 
@@ -70,6 +71,7 @@ def test_shard_failure_fails_requests_and_returns_pages():
         shards.gate.set()
         await loop
         assert (await seq.outputs.get()).finish_reason == "error"
-        assert engine.error and pool.free == 16 and pool.reserved == 0
+        assert engine.error and pool.available == 16 and pool.referenced == 0
+        pool.check()
 
     asyncio.run(scenario())

@@ -1,7 +1,10 @@
-"""Page pool and scheduler: admission is all or nothing, phases alternate, nothing leaks."""
+"""Scheduler over the page manager: admission is all or nothing, phases alternate, prefixes are
+reused, nothing leaks."""
+from collections import Counter
+
 from hypothesis import given, settings, strategies as st
 
-from router.pages import PagePool
+from router.page_manager import PageManager
 from router.scheduler import Scheduler
 from router.sequence import Sampling, Sequence, Status
 
@@ -11,11 +14,12 @@ def _seq(i, prompt_len, max_new):
                     max_new_tokens=max_new, sampling=Sampling())
 
 
-def _check(pool: PagePool, sched: Scheduler):
-    held = [p for s in sched.running for p in s.block_table]
-    assert len(held) == len(set(held)) == pool.referenced
-    assert pool.free + pool.referenced == pool.num_pages
-    assert pool.reserved == sum(s.reserved_pages for s in sched.running) <= pool.free
+def _check(pool: PageManager, sched: Scheduler):
+    holders = Counter(p for s in sched.running for p in s.block_table)
+    assert all(pool.ref[p] == n for p, n in holders.items()), "a page's ref count is not its holders"
+    assert len(holders) == pool.referenced
+    assert pool.reserved == sum(s.reserved_pages for s in sched.running)
+    pool.check()
 
 
 def _run_step(sched: Scheduler):
@@ -23,13 +27,14 @@ def _run_step(sched: Scheduler):
     step = sched.schedule()
     for seq, inputs in zip(step.seqs, step.inputs):
         seq.num_computed += len(inputs)
+        sched.publish(seq)
         seq.output_ids.append(7)
-        assert len(seq.block_table) * sched.pool.page_size >= seq.num_computed
+        assert len(seq.block_table) * sched.pages.page_size >= seq.num_computed
     return step
 
 
 def test_admission_waits_at_the_head_without_changing_anything():
-    pool = PagePool(num_pages=4, page_size=4)
+    pool = PageManager(num_pages=4, page_size=4)
     sched = Scheduler(pool, max_batch=8, max_batch_tokens=100)
     big, small = _seq(1, 8, 8), _seq(2, 2, 2)  # big needs all 4 pages, small 1
     sched.add(small)
@@ -47,7 +52,7 @@ def test_admission_waits_at_the_head_without_changing_anything():
 
 
 def test_prefill_and_decode_alternate_while_both_have_work():
-    pool = PagePool(num_pages=128, page_size=4)
+    pool = PageManager(num_pages=128, page_size=4)
     sched = Scheduler(pool, max_batch=8, max_batch_tokens=100)
     sched.add(_seq(1, 5, 50))
     kinds = []
@@ -62,7 +67,7 @@ def test_prefill_and_decode_alternate_while_both_have_work():
 @given(st.lists(st.tuples(st.sampled_from(["add", "step", "finish_one", "cancel_waiting"]),
                           st.integers(1, 30), st.integers(1, 30)), max_size=60))
 def test_random_workloads_never_leak_or_overcommit(ops):
-    pool = PagePool(num_pages=12, page_size=4)
+    pool = PageManager(num_pages=12, page_size=4)
     sched = Scheduler(pool, max_batch=4, max_batch_tokens=40)
     n = 0
     for op, a, b in ops:
@@ -75,6 +80,7 @@ def test_random_workloads_never_leak_or_overcommit(ops):
                 continue
             for seq, inputs in zip(step.seqs, step.inputs):
                 seq.num_computed += len(inputs)
+                sched.publish(seq)
                 seq.output_ids.append(1)
                 if len(seq.output_ids) >= seq.max_new_tokens:
                     sched.finish(seq)
@@ -87,4 +93,24 @@ def test_random_workloads_never_leak_or_overcommit(ops):
         _check(pool, sched)
     for seq in [*sched.waiting, *sched.running]:
         sched.finish(seq)
-    assert pool.free == pool.num_pages and pool.reserved == 0
+    assert pool.available == pool.num_pages and pool.referenced == 0 and pool.reserved == 0
+
+
+def test_a_cached_prefix_is_reused_and_only_the_rest_is_computed():
+    pool = PageManager(num_pages=32, page_size=4)
+    sched = Scheduler(pool, max_batch=8, max_batch_tokens=100)
+    first = _seq(1, 10, 3)
+    sched.add(first)
+    _run_step(sched)
+    sched.finish(first)
+    second = _seq(2, 11, 3)  # same first 10 tokens: two full pages cached
+    sched.add(second)
+    step = _run_step(sched)
+    assert second.cached_prompt_tokens == 8 and step.inputs == [[8, 9, 10]]
+    assert second.block_table[:2] == first_pages(pool, 2)
+    _check(pool, sched)
+
+
+def first_pages(pool: PageManager, n: int) -> list[int]:
+    hashes = pool.prompt_hashes(list(range(n * pool.page_size + 1)))
+    return [pool.index[h] for h in hashes[:n]]
