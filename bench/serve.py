@@ -2,10 +2,16 @@
 installed): its process tree, memory and CPU time, and the CPU everything else on the machine uses."""
 from __future__ import annotations
 
-import ctypes, os, signal, subprocess, sys, threading, time
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from collections import deque
 from pathlib import Path
 
+from router.launcher import die_with_parent
 from tests.support import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +51,7 @@ class Serve:
         self.startup_s, ready, t0 = None, threading.Event(), time.perf_counter()
         # PR_SET_PDEATHSIG: a SIGKILLed benchmark still takes the launcher (and so its children) down.
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     preexec_fn=lambda: ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM))
+                                     preexec_fn=die_with_parent)
 
         def pump():  # keeps draining the pipe so the server's logging never blocks on it
             for line in self.proc.stdout:

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:  # not Linux: the launcher's own cleanup still applies
@@ -72,12 +72,12 @@ def serve(args) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     children["shard 0"] = subprocess.Popen(
         base + ["shard", *model, *_flags(args, ["kv-memory-gb", "threads", "device"]),
-                "--listen", shard_address], preexec_fn=_die_with_parent)
+                "--listen", shard_address], preexec_fn=die_with_parent)
     children["router"] = subprocess.Popen(
         base + ["router", *model, "--shards", shard_address,
                 *_flags(args, ["host", "port", "num-pages", "max-batch", "max-batch-tokens",
                                "max-waiting", "shard-timeout", "prefix-cache", "eviction",
-                               "slru-protected-ratio"])], preexec_fn=_die_with_parent)
+                               "slru-protected-ratio"])], preexec_fn=die_with_parent)
     target = f"{args.host}:{args.port}"
     ready = False
     try:

@@ -14,6 +14,7 @@ import grpc
 import torch
 
 from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+from router.launcher import die_with_parent
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,8 +112,10 @@ class Server:
         self.target = f"127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "router.cli", "serve", "--port", str(self.port), *args]
         self.log: list[str] = []
+        # preexec: the server dies with the test process, even a killed one.
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env={**os.environ, **(env or {})})
+                                     text=True, env={**os.environ, **(env or {})},
+                                     preexec_fn=die_with_parent)
         self._ready = threading.Event()
         threading.Thread(target=self._pump, daemon=True).start()
         if not self._ready.wait(timeout):

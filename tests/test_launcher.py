@@ -4,6 +4,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.support import Server
 
 
@@ -24,8 +26,14 @@ def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
 
 
-def test_sigterm_stops_router_and_shard(tiny_models):
+@pytest.fixture
+def server(tiny_models):
     server = Server("--model", str(tiny_models["llama"]), "--page-size", "16")
+    yield server
+    server.stop()  # whatever the test did, leave no process behind
+
+
+def test_sigterm_stops_router_and_shard(server):
     kids = _children(server.proc.pid)
     assert sorted(" shard " in _cmdline(k) for k in kids) == [False, True]
     assert server.generate(prompt="hi", max_new_tokens=2)[2].finish_reason in ("length", "eos")
@@ -36,8 +44,7 @@ def test_sigterm_stops_router_and_shard(tiny_models):
     assert not any(_alive(k) for k in kids)
 
 
-def test_a_dying_shard_is_named_and_the_launcher_exits_nonzero(tiny_models):
-    server = Server("--model", str(tiny_models["llama"]), "--page-size", "16")
+def test_a_dying_shard_is_named_and_the_launcher_exits_nonzero(server):
     kids = _children(server.proc.pid)
     shard = next(k for k in kids if " shard " in _cmdline(k))
     os.kill(shard, signal.SIGKILL)
@@ -45,11 +52,9 @@ def test_a_dying_shard_is_named_and_the_launcher_exits_nonzero(tiny_models):
     time.sleep(0.5)
     assert any("shard 0" in line and "exited" in line for line in server.log), server.log[-5:]
     assert not any(_alive(k) for k in kids)
-    server.stop()
 
 
-def test_killed_launcher_takes_its_children_along(tiny_models):
-    server = Server("--model", str(tiny_models["llama"]), "--page-size", "16")
+def test_killed_launcher_takes_its_children_along(server):
     kids = _children(server.proc.pid)
     server.proc.kill()  # no chance to clean up: PR_SET_PDEATHSIG must do it
     server.proc.wait()
@@ -57,4 +62,3 @@ def test_killed_launcher_takes_its_children_along(tiny_models):
     while any(_alive(k) for k in kids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(k) for k in kids)
-    server.stop()
