@@ -136,6 +136,10 @@ class Transformer(nn.Module):
             own[f"layers.{i}.mlp.w13.weight"] = torch.cat(
                 [sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
             own[f"layers.{i}.mlp.w2.weight"] = sd[p + "mlp.down_proj.weight"]
+        # Own every tensor: weights read from an mmap'd checkpoint would otherwise keep the whole
+        # file mapped, and the pages already copied into fused matrices resident twice.
+        own = {k: v if k.endswith(("wqkv.weight", "wqkv.bias", "w13.weight")) else v.clone()
+               for k, v in own.items()}
         self.load_state_dict(own, strict=True, assign=True)
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
