@@ -37,14 +37,16 @@ async def serve_router(args) -> None:
         tensor_parallel=head.tp_size, pipeline_parallel=head.pp_size, max_batch=args.max_batch,
         context_length=head.context_length, vocab_size=head.vocab_size, dtype=head.dtype,
         device=head.device, prefix_cache=args.prefix_cache == "on", eviction_policy=args.eviction,
-        slru_protected_ratio=args.slru_protected_ratio)
+        slru_protected_ratio=args.slru_protected_ratio, chunk_size=args.chunk_size,
+        max_batch_tokens=args.max_batch_tokens)
     eos = set(head.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     pages = PageManager(num_pages, head.page_size, policy=args.eviction,
                         prefix_cache=args.prefix_cache == "on",
                         protected_ratio=args.slru_protected_ratio, model_key=f"{head.model}/{head.dtype}")
-    scheduler = Scheduler(pages, args.max_batch, args.max_batch_tokens)
+    scheduler = Scheduler(pages, args.max_batch, args.max_batch_tokens, chunk_size=args.chunk_size,
+                          aging_s=args.priority_aging_s)
     engine = Engine(scheduler, shards, tokenizer, head.context_length)
 
     server = grpc.aio.server()

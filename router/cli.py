@@ -37,7 +37,9 @@ def _router_flags(p):
     _add(p, "port", 50051, int, "port of the public API")
     _add(p, "num-pages", 0, int, "KV pages in the pool (0: what the shards' memory budget holds)")
     _add(p, "max-batch", 32, int, "most sequences in one step")
-    _add(p, "max-batch-tokens", 4096, int, "most prompt tokens in one prefill step")
+    _add(p, "max-batch-tokens", 4096, int, "most prompt tokens in one step")
+    _add(p, "chunk-size", 0, int, "most prompt tokens of one sequence in one step (0: whole prompts)")
+    _add(p, "priority-aging-s", 1.0, float, "seconds of waiting that raise a request's priority by one")
     _add(p, "max-waiting", 256, int, "most queued requests before RESOURCE_EXHAUSTED")
     _add(p, "shard-timeout", 300.0, float, "seconds to wait for the shards to come up")
     _add(p, "prefix-cache", "on", help="reuse the KV pages of shared prompt prefixes",

@@ -61,16 +61,17 @@ class Engine:
                 self.error = str(e)
                 self._fail_all()
                 return
+            self.scheduler.complete(step)
             self._apply(step, tokens)
 
     async def _execute(self, step: Step) -> list[int]:
         self.step_id += 1
         plan = shard_pb2.StepPlan(step_id=self.step_id)
-        for seq, inputs in zip(step.seqs, step.inputs):
+        for seq, inputs, emit in zip(step.seqs, step.inputs, step.emits):
             s = seq.sampling
             plan.seqs.append(shard_pb2.SequenceStep(
                 seq_id=seq.seq_id, token_ids=inputs, start_pos=seq.num_computed,
-                block_table=seq.block_table, emit=True,
+                block_table=seq.block_table, emit=emit,
                 sampling=shard_pb2.Sampling(temperature=s.temperature, top_p=s.top_p,
                                             top_k=s.top_k, seed=s.seed)))
         t0 = time.perf_counter()
@@ -78,16 +79,19 @@ class Engine:
         wall_ms = (time.perf_counter() - t0) * 1e3
         if not step.is_prefill:
             self.decode_step_times.append((wall_ms, result.compute_ms))
-        if len(result.tokens) != len(step.seqs):
-            raise ShardError(f"step {self.step_id}: {len(result.tokens)} tokens for {len(step.seqs)} sequences")
+        if len(result.tokens) != sum(step.emits):
+            raise ShardError(f"step {self.step_id}: {len(result.tokens)} tokens for {sum(step.emits)} "
+                             "emitting sequences")
         return list(result.tokens)
 
     def _apply(self, step: Step, tokens: list[int]) -> None:
-        for seq, inputs, token in zip(step.seqs, step.inputs, tokens):
-            seq.num_computed += len(inputs)
+        sampled = iter(tokens)
+        for seq, inputs, emit in zip(step.seqs, step.inputs, step.emits):
             if step.is_prefill:
                 self.prompt_tokens_computed += len(inputs)
-            self.scheduler.publish(seq)  # every shard acked: the written pages are reusable
+            if not emit:
+                continue  # an intermediate chunk: KV written, nothing sampled
+            token = next(sampled)
             if seq.cancelled:
                 continue  # dropped at the top of the next loop
             seq.output_ids.append(token)

@@ -77,7 +77,8 @@ def serve(args) -> int:
         base + ["router", *model, "--shards", shard_address,
                 *_flags(args, ["host", "port", "num-pages", "max-batch", "max-batch-tokens",
                                "max-waiting", "shard-timeout", "prefix-cache", "eviction",
-                               "slru-protected-ratio"])], preexec_fn=die_with_parent)
+                               "slru-protected-ratio", "chunk-size", "priority-aging-s"])],
+        preexec_fn=die_with_parent)
     target = f"{args.host}:{args.port}"
     ready = False
     try:

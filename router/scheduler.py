@@ -1,81 +1,146 @@
-"""Chooses each step: admit waiting requests (their whole prefill) or decode every running one.
+"""Chooses each step. A step runs one phase:
 
-Steps alternate between the two while both have work, so new requests join a running batch
-without starving it (continuous batching). Admission is all or nothing on pages: a request is
-admitted only when the pages of its cached prefix are pinned and every other page it can ever
-need is reserved; otherwise it keeps its place at the head of the queue and nothing changes.
+- Decode: one token for every sequence whose prompt is fully computed;
+- Continue: the next chunk of every admitted prefill still in progress, round-robin;
+- Admit: the first chunk of new requests, picked by priority with aging.
+
+Steps rotate over the phases that can run, so a phase with work runs at least once in every
+three steps: decodes are never starved by prefills, and new requests join a running batch
+without waiting for it to drain (continuous batching). With `chunk_size` 0 a prompt runs whole
+in its Admit step; otherwise prompts are cut into chunks of at most `chunk_size` tokens, and
+only the final chunk of a prompt samples a token.
+
+Admission is all or nothing on pages: a request is admitted only when the pages of its cached
+prefix are pinned and every other page it can ever need is reserved; otherwise the request
+keeps its place at the head of the queue and nothing changes.
+
+Priority orders only admission. A waiting request's effective priority grows by one level per
+`aging_s` seconds waited, so a request waits behind higher priorities for at most
+(priority gap) x `aging_s` seconds plus the time its pages take to become free.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from router.page_manager import PageManager
 from router.sequence import Sequence, Status
 
+PHASES = ("decode", "continue", "admit")
+
 
 @dataclass
 class Step:
+    phase: str
     seqs: list[Sequence]
     inputs: list[list[int]]       # per sequence, the tokens this step computes
-    is_prefill: bool
+    emits: list[bool]             # per sequence, whether this step samples its next token
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.phase != "decode"
 
 
 class Scheduler:
-    def __init__(self, pages: PageManager, max_batch: int, max_batch_tokens: int):
+    def __init__(self, pages: PageManager, max_batch: int, max_batch_tokens: int, chunk_size: int = 0,
+                 aging_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
         self.pages = pages
         self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self._last_was_prefill = False
+        self.chunk_size, self.aging_s, self.clock = chunk_size, aging_s, clock
+        self.waiting: list[Sequence] = []
+        self.prefilling: deque[Sequence] = deque()   # admitted, prompt not fully computed
+        self.decoding: list[Sequence] = []
+        self._next_phase = 0
+
+    @property
+    def running(self) -> list[Sequence]:
+        return [*self.prefilling, *self.decoding]
 
     def add(self, seq: Sequence) -> None:
+        seq.arrival = self.clock()
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.decoding)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         return self.pages.pages_for(num_tokens) <= self.pages.num_pages
 
     def schedule(self) -> Step | None:
-        prefer_prefill = not self._last_was_prefill or not self.running
-        step = (self._admit() or self._decode()) if prefer_prefill else (self._decode() or self._admit())
-        if step is not None:
-            self._last_was_prefill = step.is_prefill
-        return step
+        for i in range(len(PHASES)):
+            phase = (self._next_phase + i) % len(PHASES)
+            step = getattr(self, "_" + PHASES[phase])()
+            if step is not None:
+                self._next_phase = (phase + 1) % len(PHASES)
+                return step
+        return None
+
+    # -- phases -----------------------------------------------------------------------------------
+    def _decode(self) -> Step | None:
+        if not self.decoding:
+            return None
+        for seq in self.decoding:
+            self._grow(seq, seq.num_tokens)
+        seqs = list(self.decoding)
+        return Step("decode", seqs, [s.output_ids[-1:] for s in seqs], [True] * len(seqs))
+
+    def _continue(self) -> Step | None:
+        step, budget = Step("continue", [], [], []), self.max_batch_tokens
+        for _ in range(len(self.prefilling)):
+            seq = self.prefilling[0]
+            n = self._chunk(seq, budget, first=not step.seqs)
+            if n == 0:
+                break
+            self.prefilling.rotate(-1)  # round robin: the next Continue step starts after it
+            self._add_chunk(step, seq, n)
+            budget -= n
+        return step if step.seqs else None
 
     def _admit(self) -> Step | None:
-        pages, admitted, tokens = self.pages, [], 0
-        while self.waiting and len(self.running) + len(admitted) < self.max_batch:
-            seq = self.waiting[0]
+        pages, step, budget = self.pages, Step("admit", [], [], []), self.max_batch_tokens
+        while self.waiting and len(self.prefilling) + len(self.decoding) < self.max_batch:
+            seq = self._most_urgent()
             if seq.prompt_hashes is None:
                 seq.prompt_hashes = pages.prompt_hashes(seq.prompt_ids, seq.cache_salt)
             hits = pages.lookup(seq.prompt_hashes)
-            need = len(seq.prompt_ids) - len(hits) * pages.page_size
-            if admitted and tokens + need > self.max_batch_tokens:
+            cached = len(hits) * pages.page_size
+            n = self._chunk(seq, budget, first=not step.seqs, computed=cached)
+            if n == 0:
                 break
             total = pages.pages_for(seq.max_tokens)
             if not pages.admit(hits, total, len(seq.prompt_ids)):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.block_table, seq.page_hashes = hits, seq.prompt_hashes[:len(hits)]
-            seq.num_computed = seq.cached_prompt_tokens = len(hits) * pages.page_size
+            seq.num_computed = seq.cached_prompt_tokens = cached
             seq.reserved_pages, seq.status = total - len(hits), Status.RUNNING
-            self._grow(seq, len(seq.prompt_ids))
-            admitted.append(seq)
-            tokens += need
-        if not admitted:
-            return None
-        self.running.extend(admitted)
-        return Step(admitted, [s.next_input() for s in admitted], is_prefill=True)
+            self.prefilling.append(seq)
+            self._add_chunk(step, seq, n)
+            budget -= n
+        return step if step.seqs else None
 
-    def _decode(self) -> Step | None:
-        if not self.running:
-            return None
-        for seq in self.running:
-            self._grow(seq, seq.num_tokens)
-        return Step(list(self.running), [s.next_input() for s in self.running], is_prefill=False)
+    # -- helpers ----------------------------------------------------------------------------------
+    def _most_urgent(self) -> Sequence:
+        now = self.clock()
+        return max(self.waiting, key=lambda s: (s.priority + (now - s.arrival) / self.aging_s, -s.arrival))
+
+    def _chunk(self, seq: Sequence, budget: int, first: bool, computed: int | None = None) -> int:
+        """Prompt tokens `seq` computes in this step: the rest of its prompt, cut to the chunk
+        size and the step's token budget. With chunking off a prompt runs whole, alone if it is
+        larger than the budget."""
+        remaining = len(seq.prompt_ids) - (seq.num_computed if computed is None else computed)
+        if self.chunk_size:
+            return max(0, min(remaining, self.chunk_size, budget))
+        return remaining if first or remaining <= budget else 0
+
+    def _add_chunk(self, step: Step, seq: Sequence, n: int) -> None:
+        start = seq.num_computed
+        self._grow(seq, start + n)
+        step.seqs.append(seq)
+        step.inputs.append(seq.prompt_ids[start:start + n])
+        step.emits.append(start + n == len(seq.prompt_ids))
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
         """Gives the sequence the reserved pages that cover `num_tokens` positions."""
@@ -83,8 +148,19 @@ class Scheduler:
             seq.block_table.append(self.pages.allocate())
             seq.reserved_pages -= 1
 
-    def publish(self, seq: Sequence) -> None:
-        """Indexes the pages that became full in a step every shard has acked."""
+    # -- after a step -----------------------------------------------------------------------------
+    def complete(self, step: Step) -> None:
+        """Every shard acked `step`: its tokens' KV is written. Advances each sequence, publishes
+        the pages that became full, and moves finished prefills to the decode phase."""
+        for seq, inputs in zip(step.seqs, step.inputs):
+            seq.num_computed += len(inputs)
+            self._publish(seq)
+            if step.phase != "decode" and seq.num_computed == len(seq.prompt_ids) \
+                    and seq.status is Status.RUNNING:
+                self.prefilling.remove(seq)
+                self.decoding.append(seq)
+
+    def _publish(self, seq: Sequence) -> None:
         pages, ps = self.pages, self.pages.page_size
         full = seq.num_computed // ps
         if len(seq.page_hashes) >= full:
@@ -101,14 +177,14 @@ class Scheduler:
             seq.page_hashes.append(h)
 
     def finish(self, seq: Sequence) -> None:
-        """Takes the sequence out of the queues and returns its pages and reservation.
+        """Takes the sequence out of its phase and returns its pages and reservation.
         Called only at a step boundary, so no shard still writes these pages. Idempotent."""
         if seq.status is Status.FINISHED:
             return
-        if seq.status is Status.WAITING:
-            self.waiting.remove(seq)
-        else:
-            self.running.remove(seq)
+        for queue in (self.waiting, self.prefilling, self.decoding):
+            if seq in queue:
+                queue.remove(seq)
+                break
         self.pages.release(seq.block_table)
         self.pages.unreserve(seq.reserved_pages)
         seq.block_table, seq.reserved_pages, seq.status = [], 0, Status.FINISHED

@@ -48,6 +48,7 @@ class Sequence:
     finish_reason: str = ""
     cached_prompt_tokens: int = 0
     cache_salt: str = ""
+    priority: int = 0
     prompt_hashes: list[bytes] | None = None   # chain hashes of the prompt's full pages
     page_hashes: list[bytes] = field(default_factory=list)  # of block_table's published prefix
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -60,9 +61,3 @@ class Sequence:
     def max_tokens(self) -> int:
         return len(self.prompt_ids) + self.max_new_tokens
 
-    def next_input(self) -> list[int]:
-        """Tokens whose K/V the next step computes: the rest of the prompt, or the last output."""
-        n = len(self.prompt_ids)
-        if self.num_computed >= n:
-            return self.output_ids[self.num_computed - n:]
-        return self.prompt_ids[self.num_computed:] + self.output_ids

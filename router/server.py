@@ -98,7 +98,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             raise InvalidRequest(grpc.StatusCode.UNAVAILABLE, f"a shard is down: {self.engine.error}")
         return Sequence(seq_id=next(self._ids), request_id=req.request_id or uuid.uuid4().hex,
                         prompt_ids=ids, max_new_tokens=req.max_new_tokens, sampling=sampling,
-                        cache_salt=req.cache_salt,
+                        cache_salt=req.cache_salt, priority=req.priority,
                         stop_token_ids=frozenset() if req.ignore_eos else self.eos_ids)
 
     # -- RPCs -----------------------------------------------------------------------------------
@@ -135,7 +135,9 @@ class GenerationService(pb_grpc.GenerationServicer):
             pages_probation=len(pages.probation), pages_protected=len(pages.protected),
             prefix_hit_tokens=pages.hit_tokens, prefix_query_tokens=pages.query_tokens,
             requests_waiting=len(sched.waiting),
-            requests_running=len(sched.running), steps=self.engine.step_id,
+            requests_running=len(sched.prefilling) + len(sched.decoding),
+            requests_prefilling=len(sched.prefilling), requests_decoding=len(sched.decoding),
+            steps=self.engine.step_id,
             tokens_generated=self.engine.tokens_generated,
             prompt_tokens_computed=self.engine.prompt_tokens_computed,
             decode_step_ms_p50=_median([w for w, _ in self.engine.decode_step_times]),

@@ -23,12 +23,12 @@ def _check(pool: PageManager, sched: Scheduler):
 
 
 def _run_step(sched: Scheduler):
-    """What the engine does with a step: K/V computed, one token sampled per sequence."""
+    """What the engine does with a step: every shard acks, emitting sequences get a token."""
     step = sched.schedule()
-    for seq, inputs in zip(step.seqs, step.inputs):
-        seq.num_computed += len(inputs)
-        sched.publish(seq)
-        seq.output_ids.append(7)
+    sched.complete(step)
+    for seq, emit in zip(step.seqs, step.emits):
+        if emit:
+            seq.output_ids.append(7)
         assert len(seq.block_table) * sched.pages.page_size >= seq.num_computed
     return step
 
@@ -78,10 +78,10 @@ def test_random_workloads_never_leak_or_overcommit(ops):
             step = sched.schedule()
             if step is None:
                 continue
-            for seq, inputs in zip(step.seqs, step.inputs):
-                seq.num_computed += len(inputs)
-                sched.publish(seq)
-                seq.output_ids.append(1)
+            sched.complete(step)
+            for seq, emit in zip(step.seqs, step.emits):
+                if emit:
+                    seq.output_ids.append(1)
                 if len(seq.output_ids) >= seq.max_new_tokens:
                     sched.finish(seq)
         elif op == "finish_one" and sched.running:
@@ -107,6 +107,7 @@ def test_a_cached_prefix_is_reused_and_only_the_rest_is_computed():
     sched.add(second)
     step = _run_step(sched)
     assert second.cached_prompt_tokens == 8 and step.inputs == [[8, 9, 10]]
+    assert step.emits == [True]
     assert second.block_table[:2] == first_pages(pool, 2)
     _check(pool, sched)
 
