@@ -1,0 +1,125 @@
+"""The workload chunked prefill exists for, on SmolLM2: one stream decoding; after its 8th token a
+2048-token prompt arrives, and 20 ms later a 128-token prompt.
+
+Reports, per configuration (chunking off, --chunk-size 256, 512), the medians over runs of: the
+active stream's maximum and p95 inter-token latency, the short late request's TTFT, the long
+request's TTFT, and the output rate in the window (from the long prompt's arrival until both new
+requests have their first token). Writes JSON and a PNG timeline of tokens over time.
+
+    .venv/bin/python -m bench.mixed [--runs 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import threading
+import time
+
+from bench.common import machine, out_path
+from protos import generation_pb2 as pb
+from tests.support import Server
+
+CONFIGS = {"off": [], "chunk 256": ["--chunk-size", "256"], "chunk 512": ["--chunk-size", "512"]}
+
+
+def _stream(server: Server, ids: list[int], new: int, stamps: list[float], started: list[float]):
+    req = pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=new, ignore_eos=True)
+    started.append(time.perf_counter())
+    for msg in server.stub.Generate(req, timeout=600):
+        now = time.perf_counter()
+        stamps.extend([now] * len(msg.token_ids))
+
+
+def one_run(server: Server, rng: random.Random) -> dict:
+    def prompt(n):
+        return [rng.randrange(1000, 40000) for _ in range(n)]
+
+    active, long_, short = [], [], []
+    starts = {"active": [], "long": [], "short": []}
+    t_active = threading.Thread(target=_stream, args=(server, prompt(16), 160, active, starts["active"]))
+    t_active.start()
+    while len(active) < 8:
+        time.sleep(0.0005)
+    t_long = threading.Thread(target=_stream, args=(server, prompt(2048), 8, long_, starts["long"]))
+    t_long.start()
+    time.sleep(0.020)
+    t_short = threading.Thread(target=_stream, args=(server, prompt(128), 8, short, starts["short"]))
+    t_short.start()
+    for t in (t_active, t_long, t_short):
+        t.join()
+    t0 = starts["active"][0]
+    window = (starts["long"][0], max(long_[0], short[0]))
+    itl = [b - a for a, b in zip(active, active[1:])]
+    in_window = sum(window[0] <= s <= window[1] for s in active + long_ + short)
+    return {
+        "active_itl_max_ms": max(itl) * 1e3,
+        "active_itl_p95_ms": sorted(itl)[int(0.95 * (len(itl) - 1))] * 1e3,
+        "short_ttft_ms": (short[0] - starts["short"][0]) * 1e3,
+        "long_ttft_ms": (long_[0] - starts["long"][0]) * 1e3,
+        "window_s": window[1] - window[0],
+        "window_tokens_per_s": in_window / (window[1] - window[0]),
+        "timeline": {k: [s - t0 for s in v] for k, v in (("active", active), ("long", long_), ("short", short))},
+        "arrivals": {k: v[0] - t0 for k, v in starts.items()},
+    }
+
+
+METRICS = ["active_itl_max_ms", "active_itl_p95_ms", "short_ttft_ms", "long_ttft_ms", "window_tokens_per_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    result = {"benchmark": "mixed", **machine(), "runs": args.runs, "configs": {}}
+    rng = random.Random(0)  # fresh prompts every run, so no run hits an earlier one's prefix
+    for name, flags in CONFIGS.items():
+        server = Server(*flags)
+        try:
+            one_run(server, rng)  # warm-up, not counted
+            runs = [one_run(server, rng) for _ in range(args.runs)]
+        finally:
+            server.stop()
+        med = {m: statistics.median(r[m] for r in runs) for m in METRICS}
+        result["configs"][name] = {"median": med, "runs": runs}
+        print(f"{name:>9}: active ITL max {med['active_itl_max_ms']:6.0f} ms, p95 {med['active_itl_p95_ms']:5.0f} ms; "
+              f"short TTFT {med['short_ttft_ms']:6.0f} ms; long TTFT {med['long_ttft_ms']:6.0f} ms; "
+              f"window {med['window_tokens_per_s']:.1f} tok/s", flush=True)
+    off = result["configs"]["off"]["median"]
+    for name in ("chunk 256", "chunk 512"):
+        on = result["configs"][name]["median"]
+        result["configs"][name]["vs_off"] = {m: on[m] / off[m] - 1 for m in METRICS}
+        v = result["configs"][name]["vs_off"]
+        print(f"{name} vs off: max ITL {v['active_itl_max_ms']:+.0%}, short TTFT {v['short_ttft_ms']:+.0%}, "
+              f"long TTFT {v['long_ttft_ms']:+.0%}")
+    path = out_path("mixed")
+    path.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    plot(result, path.with_suffix(".png"))
+    print(f"wrote {path.with_suffix('.json')} and .png")
+
+
+def plot(result: dict, png) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["configs"])
+    fig, axes = plt.subplots(len(names), 1, figsize=(9, 2.6 * len(names)), sharex=True)
+    for ax, name in zip(axes, names):
+        run = result["configs"][name]["runs"][0]
+        for i, (stream, color) in enumerate((("active", "tab:blue"), ("long", "tab:red"), ("short", "tab:green"))):
+            stamps = run["timeline"][stream]
+            ax.scatter(stamps, [i] * len(stamps), s=8, color=color, label=f"{stream} tokens")
+            ax.axvline(run["arrivals"][stream], color=color, lw=0.8, ls="--")
+        ax.set_yticks([0, 1, 2], ["active", "2048-tok", "128-tok"])
+        med = result["configs"][name]["median"]
+        ax.set_title(f"{name}: active max ITL {med['active_itl_max_ms']:.0f} ms, "
+                     f"short TTFT {med['short_ttft_ms']:.0f} ms, long TTFT {med['long_ttft_ms']:.0f} ms", fontsize=9)
+    axes[-1].set_xlabel("seconds since the active stream started (dashed: arrivals)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
