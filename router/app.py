@@ -31,7 +31,7 @@ async def serve_router(args) -> None:
     if num_pages < 1:
         raise SystemExit(f"the shards have room for {capacity} pages; raise --kv-memory-gb")
     await shards.warmup(num_pages, args.max_batch)
-    head = infos[-1]
+    head = infos[shards.sampler]
     info = pb.InfoResponse(
         model=head.model, page_size=head.page_size, num_pages=num_pages,
         tensor_parallel=head.tp_size, pipeline_parallel=head.pp_size, max_batch=args.max_batch,

@@ -26,6 +26,11 @@ def _model_flags(p):
     _add(p, "dtype", "float32", help="serving dtype", choices=["float32", "bfloat16", "float16"])
 
 
+def _parallel_flags(p):
+    _add(p, "tp", 1, int, "tensor-parallel ranks per pipeline stage")
+    _add(p, "pp", 1, int, "pipeline stages")
+
+
 def _shard_flags(p):
     _add(p, "kv-memory-gb", 1.0, float, "memory budget of the KV page pool per shard")
     _add(p, "threads", 0, int, "torch threads per shard (0: torch's default)")
@@ -53,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="start the router and its shard(s); print 'ready HOST:PORT'")
-    for add in (_model_flags, _shard_flags, _router_flags):
+    for add in (_model_flags, _shard_flags, _router_flags, _parallel_flags):
         add(serve)
 
     router = sub.add_parser("router", help="run the router alone, driving already running shards")
@@ -65,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(shard)
     _shard_flags(shard)
     _add(shard, "listen", "127.0.0.1:50061", help="address the shard listens on")
+    _parallel_flags(shard)
+    _add(shard, "tp-rank", 0, int, "this shard's tensor-parallel rank")
+    _add(shard, "pp-stage", 0, int, "this shard's pipeline stage")
+    _add(shard, "dist-init", "", help="torch.distributed rendezvous, tcp://HOST:PORT (needed when tp*pp > 1)")
 
     gen = sub.add_parser("generate", help="stream a completion from a running server")
     gen.add_argument("prompt")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +35,12 @@ def _flags(args, names: list[str]) -> list[str]:
     return out
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _healthy(target: str) -> bool:
     try:
         with grpc.insecure_channel(target) as channel:
@@ -58,7 +65,6 @@ def _stop(children: dict[str, subprocess.Popen]) -> None:
 
 def serve(args) -> int:
     sockets = Path(tempfile.mkdtemp(prefix="shardline-"))
-    shard_address = f"unix:{sockets / 'shard-0.sock'}"
     base = [sys.executable, "-m", "router.cli"]
     model = _flags(args, ["model", "page-size", "dtype"])
     children: dict[str, subprocess.Popen] = {}
@@ -70,11 +76,19 @@ def serve(args) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    children["shard 0"] = subprocess.Popen(
-        base + ["shard", *model, *_flags(args, ["kv-memory-gb", "threads", "device"]),
-                "--listen", shard_address], preexec_fn=die_with_parent)
+    addresses = []
+    dist_init = f"tcp://127.0.0.1:{_free_port()}"
+    for stage in range(args.pp):
+        for rank in range(args.tp):
+            name = f"shard {stage * args.tp + rank}"
+            address = f"unix:{sockets / f'shard-{stage}-{rank}.sock'}"
+            addresses.append(address)
+            children[name] = subprocess.Popen(
+                base + ["shard", *model, *_flags(args, ["kv-memory-gb", "threads", "device", "tp", "pp"]),
+                        "--tp-rank", str(rank), "--pp-stage", str(stage), "--dist-init", dist_init,
+                        "--listen", address], preexec_fn=die_with_parent)
     children["router"] = subprocess.Popen(
-        base + ["router", *model, "--shards", shard_address,
+        base + ["router", *model, "--shards", ",".join(addresses),
                 *_flags(args, ["host", "port", "num-pages", "max-batch", "max-batch-tokens",
                                "max-waiting", "shard-timeout", "prefix-cache", "eviction",
                                "slru-protected-ratio", "chunk-size", "priority-aging-s"])],

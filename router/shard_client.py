@@ -51,20 +51,29 @@ class ShardClient:
 
 class ShardGroup:
     """Every shard of a replica receives the same plan; a step is done when all have answered.
-    Only the last stage's rank 0 returns sampled tokens (the only shard here, for now)."""
+    Only the last stage's TP rank 0 returns sampled tokens."""
 
     def __init__(self, addresses: list[str]):
         self.shards = [ShardClient(a) for a in addresses]
+        self.sampler = len(self.shards) - 1
 
     async def info(self, timeout: float) -> list[shard_pb2.ShardInfo]:
-        return list(await asyncio.gather(*(s.info(timeout) for s in self.shards)))
+        infos = list(await asyncio.gather(*(s.info(timeout) for s in self.shards)))
+        tp, pp = infos[0].tp_size, infos[0].pp_size
+        layout = sorted((i.pp_stage, i.tp_rank) for i in infos)
+        if layout != [(s, r) for s in range(pp) for r in range(tp)] or \
+                any((i.tp_size, i.pp_size) != (tp, pp) for i in infos):
+            raise ShardError(f"the shards do not form one TP{tp} x PP{pp} replica: {layout}")
+        self.sampler = next(n for n, i in enumerate(infos) if i.pp_stage == pp - 1 and i.tp_rank == 0)
+        return infos
 
     async def warmup(self, num_pages: int, max_batch: int) -> None:
         await asyncio.gather(*(s.warmup(num_pages, max_batch) for s in self.shards))
 
     async def step(self, plan: shard_pb2.StepPlan) -> shard_pb2.StepResult:
+        # gather raises the first failure; a shard that died fails the whole step.
         results = await asyncio.gather(*(s.step(plan) for s in self.shards))
-        return results[-1]
+        return results[self.sampler]
 
     async def close(self) -> None:
         await asyncio.gather(*(s.close() for s in self.shards), return_exceptions=True)

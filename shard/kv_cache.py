@@ -1,5 +1,6 @@
-"""KV page tensors of one shard: per layer, K and V of shape [num_pages + 1, page_size, kv_heads,
-head_dim]. The extra last page is reserved padding: a shard never gets it from the router."""
+"""KV page tensors of one shard: per layer it runs, K and V of shape [num_pages + 1, page_size,
+kv_heads, head_dim] for its own KV heads. The extra last page is reserved padding: a shard never
+gets it from the router."""
 from __future__ import annotations
 
 import torch

@@ -105,9 +105,10 @@ class Transformer(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_pages: list[tuple],
-                batch: AttentionBatch) -> torch.Tensor:
-        """tokens, positions [T] -> hidden states [T, hidden] (before the final norm)."""
-        x = self.embed(tokens)
+                batch: AttentionBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens, positions [T] -> hidden states [T, hidden] (before the final norm).
+        A later pipeline stage passes the previous stage's `hidden` instead of embedding tokens."""
+        x = self.embed(tokens) if hidden is None else hidden
         for layer, (k_pages, v_pages) in zip(self.layers, kv_pages):
             x = layer(x, positions, self.rotary, k_pages, v_pages, batch)
         return x

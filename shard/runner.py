@@ -6,16 +6,20 @@ vectorized over the batch (no per-token Python work beyond building the step's i
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from kernels.attention import AttentionBatch
 from shard.kv_cache import KVPages
 from shard.model import Transformer
+from shard.parallel import Layout
 from shard.sampler import SamplingParams, sample
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, page_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: Transformer, page_size: int, dtype: torch.dtype, device: torch.device,
+                 layout: Layout = Layout()):
         self.model, self.page_size, self.dtype, self.device = model, page_size, dtype, device
+        self.layout = layout
         self.kv: KVPages | None = None
         self.lm_head_calls = 0
 
@@ -58,10 +62,16 @@ class ModelRunner:
             return []
         is_decode = all(len(s.token_ids) == 1 for s in seqs)
         tokens, positions, batch = (self._decode_batch if is_decode else self._prefill_batch)(seqs)
-        hidden = self.model(tokens, positions, self.kv.layers, batch)
+        layout, hidden_in = self.layout, None
+        if not layout.is_first_stage:
+            hidden_in = torch.empty(len(tokens), self.model.cfg.hidden_size, dtype=self.dtype, device=self.device)
+            dist.recv(hidden_in, src=layout.peer(layout.pp_stage - 1))
+        hidden = self.model(tokens, positions, self.kv.layers, batch, hidden_in)
+        if not layout.is_last_stage:
+            dist.send(hidden, dst=layout.peer(layout.pp_stage + 1))
         ends = torch.tensor([len(s.token_ids) for s in seqs]).cumsum(0) - 1
         emitting = [i for i, s in enumerate(seqs) if s.emit]
-        if not emitting:
+        if not emitting or not layout.samples:
             return []
         self.lm_head_calls += 1
         logits = self.model.logits(hidden[ends[emitting].to(self.device)])

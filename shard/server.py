@@ -12,6 +12,7 @@ import torch
 
 from protos import shard_pb2, shard_pb2_grpc
 from shard.kv_cache import bytes_per_page
+from shard.parallel import Layout, init_distributed, keep_stage, shard_tensor_parallel
 from shard.runner import ModelRunner
 from shard.source import resolve_model
 from shard.weights import build_model
@@ -62,20 +63,37 @@ class ShardService(shard_pb2_grpc.ShardServicer):
 def serve_shard(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    layout = Layout(tp=args.tp, pp=args.pp, tp_rank=args.tp_rank, pp_stage=args.pp_stage)
+    if not (0 <= layout.tp_rank < layout.tp and 0 <= layout.pp_stage < layout.pp):
+        raise SystemExit(f"--tp-rank {layout.tp_rank} / --pp-stage {layout.pp_stage} outside --tp {layout.tp} "
+                         f"--pp {layout.pp}")
+    if args.device:
+        device = torch.device(args.device)
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", layout.rank % torch.cuda.device_count())
+    else:
+        device = torch.device("cpu")
     dtype = DTYPES[args.dtype]
     source = resolve_model(args.model)
     t0 = time.perf_counter()
     model = build_model(source, dtype, device)
+    full = model.cfg
+    if layout.world > 1:
+        if not args.dist_init:
+            raise SystemExit("--dist-init tcp://HOST:PORT is required with --tp or --pp above 1")
+        group = init_distributed(layout, args.dist_init, device)
+        keep_stage(model, layout)
+        shard_tensor_parallel(model, layout, group)
     cfg = model.cfg
-    log.info("loaded %s in %.1f s", source.name, time.perf_counter() - t0)
+    log.info("loaded %s (stage %d/%d, TP rank %d/%d, %d layers) in %.1f s", source.name, layout.pp_stage,
+             layout.pp, layout.tp_rank, layout.tp, cfg.num_layers, time.perf_counter() - t0)
     per_page = bytes_per_page(cfg, args.page_size, dtype)
     info = shard_pb2.ShardInfo(
-        model=cfg.name or source.name, vocab_size=cfg.vocab_size, context_length=cfg.max_position,
+        model=full.name or source.name, vocab_size=full.vocab_size, context_length=full.max_position,
         page_size=args.page_size, max_pages=max(0, int(args.kv_memory_gb * 2**30 // per_page) - 1),
-        tp_rank=0, tp_size=1, pp_stage=0, pp_size=1, dtype=args.dtype, device=str(device),
-        eos_token_ids=cfg.eos_token_ids)
-    runner = ModelRunner(model, args.page_size, dtype, device)
+        tp_rank=layout.tp_rank, tp_size=layout.tp, pp_stage=layout.pp_stage, pp_size=layout.pp,
+        dtype=args.dtype, device=str(device), eos_token_ids=full.eos_token_ids)
+    runner = ModelRunner(model, args.page_size, dtype, device, layout)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
         ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
     shard_pb2_grpc.add_ShardServicer_to_server(ShardService(runner, info), server)
