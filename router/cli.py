@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add(shard, "pp-stage", 0, int, "this shard's pipeline stage")
     _add(shard, "dist-init", "", help="torch.distributed rendezvous, tcp://HOST:PORT (needed when tp*pp > 1)")
 
+    check = sub.add_parser("health", help="exit 0 when the service at --target reports SERVING")
+    check.add_argument("--target", default="127.0.0.1:50051")
+    check.add_argument("--timeout", type=float, default=3.0)
+
     gen = sub.add_parser("generate", help="stream a completion from a running server")
     gen.add_argument("prompt")
     _add(gen, "target", "127.0.0.1:50051", help="router address")
@@ -108,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         from shard.server import serve_shard
         serve_shard(args)
         return 0
+    if args.command == "health":
+        from router.launcher import healthy
+        return 0 if healthy(args.target, args.timeout) else 1
     from router.client import generate
     return generate(args)
 

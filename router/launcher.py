@@ -41,10 +41,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _healthy(target: str) -> bool:
+def healthy(target: str, timeout: float = 1.0) -> bool:
+    """Whether the gRPC health service at `target` answers SERVING."""
     try:
         with grpc.insecure_channel(target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
         return False
@@ -102,7 +103,7 @@ def serve(args) -> int:
                     print(f"shardline: {name} (pid {proc.pid}) exited with code {proc.returncode}",
                           file=sys.stderr, flush=True)
                     return 1
-            if not ready and _healthy(target):
+            if not ready and healthy(target):
                 ready = True
                 print(f"ready {target}", flush=True)
             time.sleep(0.2)

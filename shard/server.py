@@ -8,6 +8,7 @@ import time
 from concurrent import futures
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import torch
 
 from protos import shard_pb2, shard_pb2_grpc
@@ -97,9 +98,12 @@ def serve_shard(args) -> None:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
         ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
     shard_pb2_grpc.add_ShardServicer_to_server(ShardService(runner, info), server)
+    health_servicer = health.HealthServicer()  # for orchestrators: SERVING once the weights are in
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if server.add_insecure_port(args.listen) == 0:
         raise SystemExit(f"cannot listen on {args.listen}")
     server.start()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     print(f"shard listening {args.listen}", flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
