@@ -24,3 +24,16 @@ def out_path(name: str) -> Path:
     """bench/out/<name>-<timestamp> without a suffix; callers add .json and .png."""
     OUT.mkdir(exist_ok=True)
     return OUT / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def save(name: str, result: dict, plot) -> Path:
+    """Writes bench/out/<name>-<timestamp>.json and the PNG that `plot(result, png_path)` draws."""
+    import json
+
+    import matplotlib
+    matplotlib.use("Agg")  # no screen needed
+    path = out_path(name)
+    path.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    plot(result, path.with_suffix(".png"))
+    print(f"wrote {path.with_suffix('.json')} and .png")
+    return path

@@ -11,13 +11,12 @@ requests have their first token). Writes JSON and a PNG timeline of tokens over 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import threading
 import time
 
-from bench.common import machine, out_path
+from bench.common import machine, save
 from protos import generation_pb2 as pb
 from tests.support import Server
 
@@ -93,15 +92,10 @@ def main() -> None:
         v = result["configs"][name]["vs_off"]
         print(f"{name} vs off: max ITL {v['active_itl_max_ms']:+.0%}, short TTFT {v['short_ttft_ms']:+.0%}, "
               f"long TTFT {v['long_ttft_ms']:+.0%}")
-    path = out_path("mixed")
-    path.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    plot(result, path.with_suffix(".png"))
-    print(f"wrote {path.with_suffix('.json')} and .png")
+    save("mixed", result, plot)
 
 
 def plot(result: dict, png) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(result["configs"])

@@ -7,8 +7,6 @@ loopback: an all-reduce of one decode step's activations, and a stage-to-stage s
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
 import time
@@ -18,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.common import machine, out_path
+from bench.common import machine, save
 from protos import generation_pb2 as pb
 from tests.support import Server, free_port
 
@@ -117,15 +115,10 @@ def main() -> None:
     print(f"gloo all-reduce 1x{HIDDEN}: {c[f'all_reduce_1x{HIDDEN}_ms']:.3f} ms, 8x{HIDDEN}: "
           f"{c[f'all_reduce_8x{HIDDEN}_ms']:.3f} ms; send/recv 1x{HIDDEN}: {c[f'send_recv_1x{HIDDEN}_ms']:.3f} ms")
     print(f"TP2 runs 2 all-reduces per layer x 30 layers: ~{per_step:.0f} ms of every decode step")
-    path = out_path("parallel")
-    path.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    plot(result, path.with_suffix(".png"))
-    print(f"wrote {path.with_suffix('.json')} and .png")
+    save("parallel", result, plot)
 
 
 def plot(result: dict, png) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = result["layouts"]

@@ -10,13 +10,12 @@ scan:   a 48-page pool; two hot 10-page prefixes, used twice up front, then reus
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from bench.common import machine, out_path
+from bench.common import machine, save
 from protos import generation_pb2 as pb
 from tests.support import Server
 
@@ -112,15 +111,10 @@ def main() -> None:
         for r in result["scan"]:
             print(f"scan pollution, {r['policy']:>4}: hit rate {r['token_hit_rate']:.1%}, "
                   f"{r['prefill_tokens_computed']} prefill tokens, hot prompt hits {r['hot_prompt_cached_tokens']}")
-    path = out_path("prefix")
-    path.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    plot(result, path.with_suffix(".png"))
-    print(f"wrote {path.with_suffix('.json')} and .png")
+    save("prefix", result, plot)
 
 
 def plot(result: dict, png) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = [k for k in ("shared", "scan") if k in result]

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import time
 import tracemalloc
 from pathlib import Path
 
-from bench.common import machine, out_path
+from bench.common import machine, save
 from router.page_manager import PageManager
 
 
@@ -101,21 +100,16 @@ def main() -> None:
     result["scan"] = {"reclaim_us_median": statistics.median(scan_times), "samples": len(scan_times)}
     result["speedup_vs_scan"] = result["scan"]["reclaim_us_median"] / result["lru"]["reclaim_us_median"]
 
-    path = out_path("reclaim")
-    path.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    plot(result, times, scan_times, path.with_suffix(".png"))
+    save("reclaim", result, lambda res, png: plot(res, times, scan_times, png))
     for k in ("lru", "slru"):
         r = result[k]
         print(f"{k}: median {r['reclaim_us_median']:.2f} us, p99 {r['reclaim_us_p99']:.2f} us per one-page "
               f"reclaim; metadata {r['retained_mb']:.2f} MB")
     print(f"scan baseline: median {result['scan']['reclaim_us_median']:.0f} us "
           f"({result['speedup_vs_scan']:.0f}x slower)")
-    print(f"wrote {path.with_suffix('.json')} and .png")
 
 
 def plot(result, times, scan_times, png: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -1,7 +1,6 @@
 """The public gRPC API (`shardline.v1.Generation`), health and reflection, on top of the engine."""
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import math

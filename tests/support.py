@@ -98,6 +98,19 @@ def assert_greedy_match(got: list[int], want: list[int], margins: list[float], t
     assert len(got) == len(want), f"got {len(got)} tokens, reference {len(want)}"
 
 
+def assert_serves_like_reference(server: "Server", prompts, wants, cache: str, new_tokens: int = 10):
+    """Runs every prompt twice (the second round hits the prefix cache when it is on): each time
+    the greedy tokens match the reference; afterwards no page is held and every page is usable."""
+    for _ in range(2):
+        for prompt, (want, margins) in zip(prompts, wants):
+            got, _, last = server.generate(prompt_token_ids=pb.PromptTokens(ids=prompt),
+                                           max_new_tokens=new_tokens, ignore_eos=True)
+            assert_greedy_match(got, want, margins)
+    assert (last.usage.cached_prompt_tokens > 0) == (cache == "on")
+    st = server.wait_idle()
+    assert st.pages_referenced == 0 and st.pages_free + st.pages_evictable == st.pages_total
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

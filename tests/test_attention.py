@@ -9,7 +9,7 @@ PAGE, KVH, HEADS, HD, PAGES = 4, 2, 4, 8, 32
 
 def _dense(q, k, v, start):
     """q [n, H, D] at positions start.., k/v [start+n, KVH, D]."""
-    n, ctx = q.shape[0], k.shape[0]
+    ctx = k.shape[0]
     mask = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                          attn_mask=mask, enable_gqa=True)

@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from protos import generation_pb2 as pb
-from tests.support import Server, assert_greedy_match, hf_greedy, hf_model, smollm2_hf_model, smollm2_tokenizer
+from tests.support import Server, assert_greedy_match, assert_serves_like_reference, hf_greedy, hf_model, smollm2_hf_model, smollm2_tokenizer
 
 PAGE = 16
 
@@ -26,14 +26,7 @@ def test_tiny_greedy_tokens_do_not_depend_on_chunking(tiny_models, reference, ch
     server = Server("--model", str(tiny_models["qwen3"]), "--page-size", str(PAGE), "--chunk-size", str(chunk),
                     "--prefix-cache", cache, "--max-batch-tokens", "512")
     try:
-        for _ in range(2):  # the second round hits the prefix cache when it is on
-            for prompt, (want, margins) in zip(prompts, wants):
-                got, _, last = server.generate(prompt_token_ids=pb.PromptTokens(ids=prompt), max_new_tokens=10,
-                                               ignore_eos=True)
-                assert_greedy_match(got, want, margins)
-        assert (last.usage.cached_prompt_tokens > 0) == (cache == "on")
-        st = server.wait_idle()
-        assert st.pages_referenced == 0 and st.pages_free + st.pages_evictable == st.pages_total
+        assert_serves_like_reference(server, prompts, wants, cache)
         assert server.stub.Info(pb.InfoRequest()).chunk_size == chunk
     finally:
         assert server.stop() == 0

@@ -3,7 +3,7 @@ from hypothesis import given, settings, strategies as st
 
 from router.page_manager import PageManager
 from router.scheduler import Scheduler
-from router.sequence import Sampling, Sequence, Status
+from router.sequence import Sampling, Sequence
 
 
 class FakeClock:

@@ -58,7 +58,9 @@ def test_killed_launcher_takes_its_children_along(server):
     kids = _children(server.proc.pid)
     server.proc.kill()  # no chance to clean up: PR_SET_PDEATHSIG must do it
     server.proc.wait()
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 30
     while any(_alive(k) for k in kids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(_alive(k) for k in kids)
+    alive = {k: Path(f"/proc/{k}/status").read_text().splitlines()[:3] + [_cmdline(k)]
+             for k in kids if _alive(k)}
+    assert not alive, alive

@@ -1,7 +1,5 @@
 """The page manager against every invariant of DESIGN.md "Page lifecycle", after every operation."""
-import copy
 
-import pytest
 from hypothesis import given, settings, strategies as st
 
 from router.page_manager import LRU, SLRU, PageManager

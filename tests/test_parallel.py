@@ -1,5 +1,4 @@
 """Tensor and pipeline parallel replicas: real shard processes joined by torch.distributed (gloo)."""
-import os
 import random
 import signal
 import subprocess
@@ -15,8 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 from router.launcher import die_with_parent
-from tests.support import (ROOT, Server, assert_greedy_match, free_port, hf_greedy, hf_model,
-                           smollm2_hf_model, smollm2_tokenizer)
+from tests.support import (ROOT, Server, assert_greedy_match, assert_serves_like_reference, free_port,
+                           hf_greedy, hf_model, smollm2_hf_model, smollm2_tokenizer)
 
 PAGE = 16
 
@@ -36,14 +35,7 @@ def test_tiny_parallel_layouts_match_transformers(tiny_models, arch, tp, pp, chu
     try:
         info = server.stub.Info(pb.InfoRequest())
         assert (info.tensor_parallel, info.pipeline_parallel) == (tp, pp)
-        for _ in range(2):  # the second round hits the prefix cache when it is on
-            for prompt, (want, margins) in zip(prompts, wants):
-                got, _, last = server.generate(prompt_token_ids=pb.PromptTokens(ids=prompt), max_new_tokens=10,
-                                               ignore_eos=True)
-                assert_greedy_match(got, want, margins)
-        assert (last.usage.cached_prompt_tokens > 0) == (cache == "on")
-        st = server.wait_idle()
-        assert st.pages_referenced == 0 and st.pages_free + st.pages_evictable == st.pages_total
+        assert_serves_like_reference(server, prompts, wants, cache)
     finally:
         assert server.stop() == 0
 
