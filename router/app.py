@@ -10,6 +10,7 @@ from grpc_health.v1 import health, health_pb2
 
 from protos import generation_pb2 as pb
 from router.engine import Engine
+from router.launcher import exit_soon
 from router.page_manager import PageManager
 from router.scheduler import Scheduler
 from router.server import SERVICE, GenerationService, add_services
@@ -64,8 +65,12 @@ async def serve_router(args) -> None:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    def on_stop():
+        exit_soon()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_stop)
     engine_task = asyncio.create_task(engine.run())
     stop_task = asyncio.create_task(stop.wait())
     await asyncio.wait([engine_task, stop_task], return_when=asyncio.FIRST_COMPLETED)

@@ -7,11 +7,13 @@ exits non-zero.
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +35,14 @@ def _flags(args, names: list[str]) -> list[str]:
     for name in names:
         out += [f"--{name}", str(getattr(args, name.replace("-", "_")))]
     return out
+
+
+def exit_soon(seconds: float = 10.0) -> None:
+    """Called when a service is told to stop: if a graceful shutdown hangs (a peer that vanished
+    mid-call, a stuck thread), the process still ends after `seconds`."""
+    timer = threading.Timer(seconds, os._exit, args=(1,))
+    timer.daemon = True
+    timer.start()
 
 
 def _free_port() -> int:

@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import torch
 
 from protos import shard_pb2, shard_pb2_grpc
+from router.launcher import exit_soon
 from shard.kv_cache import bytes_per_page
 from shard.parallel import Layout, init_distributed, keep_stage, shard_tensor_parallel
 from shard.runner import ModelRunner
@@ -106,7 +107,11 @@ def serve_shard(args) -> None:
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     print(f"shard listening {args.listen}", flush=True)
     done = threading.Event()
+    def on_stop(*_):
+        exit_soon()
+        done.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
+        signal.signal(sig, on_stop)
     done.wait()
     server.stop(grace=1.0).wait()
