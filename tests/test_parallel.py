@@ -41,7 +41,7 @@ def test_tiny_parallel_layouts_match_transformers(tiny_models, arch, tp, pp, chu
 
 
 @pytest.mark.smollm2
-@pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)])
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
 def test_smollm2_parallel_layouts_match_transformers(tp, pp, tmp_path):
     tok = smollm2_tokenizer()
     ids = tok.encode(" ".join(f"Fact {i}: water boils at {90 + i} degrees on mountain {i}." for i in range(20)),
