@@ -5,6 +5,9 @@ is cached next to the converted weights, so later starts read a plain `tokenizer
 """
 from __future__ import annotations
 
+import os
+import shutil
+
 from shard.source import ModelSource
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -19,7 +22,13 @@ def load_tokenizer(source: ModelSource):
     if (cached / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(cached)
     tok = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
-    tok.save_pretrained(cached)
+    # Saved beside and renamed into place, so a concurrent reader never sees half a folder.
+    tmp = cached.with_name(f"tokenizer.{os.getpid()}.tmp")
+    tok.save_pretrained(tmp)
+    try:
+        tmp.rename(cached)
+    except OSError:  # another process got there first; its copy is as good
+        shutil.rmtree(tmp, ignore_errors=True)
     return tok
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import numpy as np
 import torch
@@ -79,10 +80,12 @@ def load_state_dict(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.T
         return ModelConfig.from_json(config.read_text()), load_file(weights)
     cfg, sd = read_gguf(source)
     cache.mkdir(parents=True, exist_ok=True)
-    tmp = weights.with_suffix(".tmp")
-    save_file(sd, tmp)
-    tmp.replace(weights)  # atomic: a concurrent reader never sees half a file
+    # Shards of one replica may convert at the same time: each writes its own temporary file and
+    # renames it into place, config first, so a reader that finds the weights finds both whole.
     config.write_text(cfg.to_json())
+    tmp = weights.with_suffix(f".{os.getpid()}.tmp")
+    save_file(sd, tmp)
+    tmp.replace(weights)
     return cfg, sd
 
 
