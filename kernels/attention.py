@@ -32,7 +32,6 @@ class AttentionBatch:
     query_lens: list[int] | None = None         # prefill
     start_positions: list[int] | None = None    # prefill
     block_tables_list: list[torch.Tensor] | None = None  # prefill
-    page_size: int = 0
 
 
 def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -106,21 +106,20 @@ class Engine:
                 text += stops.flush()
             seq.outputs.put_nowait(Output([token], text, reason))
             if reason:
-                self._finish(seq, reason)
+                self._finish(seq)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.finish_reason = reason
+    def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self._detok.pop(seq.seq_id, None)
 
     def _drop_cancelled(self) -> None:
         for seq in self._cancelled:
             if seq.status is not Status.FINISHED:
-                self._finish(seq, "cancelled")
+                self._finish(seq)
                 seq.outputs.put_nowait(Output([], "", "cancelled"))
         self._cancelled.clear()
 
     def _fail_all(self) -> None:
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
-            self._finish(seq, "error")
+            self._finish(seq)
             seq.outputs.put_nowait(Output([], "", "error"))

@@ -45,7 +45,6 @@ class Sequence:
     reserved_pages: int = 0       # pages promised at admission and not yet taken
     num_computed: int = 0         # tokens whose K/V is written on every shard
     cancelled: bool = False
-    finish_reason: str = ""
     cached_prompt_tokens: int = 0
     cache_salt: str = ""
     priority: int = 0

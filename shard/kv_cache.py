@@ -17,7 +17,6 @@ class KVPages:
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
                  device: torch.device):
         shape = (num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim)
-        self.num_pages, self.page_size = num_pages, page_size
         self.padding_page = num_pages
         self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
                         torch.zeros(shape, dtype=dtype, device=device))

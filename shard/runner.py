@@ -39,7 +39,7 @@ class ModelRunner:
         rows = torch.arange(len(seqs), device=self.device)
         slots = tables[rows, positions // ps] * ps + positions % ps
         batch = AttentionBatch(slots=slots, is_decode=True, block_tables=tables,
-                               context_lens=positions + 1, page_size=ps)
+                               context_lens=positions + 1)
         return tokens, positions, batch
 
     def _prefill_batch(self, seqs) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
@@ -51,8 +51,7 @@ class ModelRunner:
         slots = torch.cat([table[pos // ps] * ps + pos % ps for table, pos in
                            zip(tables, positions.split([len(s.token_ids) for s in seqs]))])
         batch = AttentionBatch(slots=slots, is_decode=False, query_lens=[len(s.token_ids) for s in seqs],
-                               start_positions=[s.start_pos for s in seqs], block_tables_list=tables,
-                               page_size=ps)
+                               start_positions=[s.start_pos for s in seqs], block_tables_list=tables)
         return tokens, positions, batch
 
     @torch.inference_mode()

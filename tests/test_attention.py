@@ -31,7 +31,7 @@ def test_prefill_chunks_and_decode_match_dense():
     for n in (9, 6, 1, 7):  # a first chunk, a chunk over cached context, a single token, the rest
         positions = torch.arange(pos, pos + n)
         batch = AttentionBatch(slots=_slots(table, positions), is_decode=False, query_lens=[n],
-                               start_positions=[pos], block_tables_list=[table], page_size=PAGE)
+                               start_positions=[pos], block_tables_list=[table])
         outs.append(paged_attention(q[pos:pos + n], k[pos:pos + n], v[pos:pos + n], kp, vp, batch,
                                     HD ** -0.5))
         pos += n
@@ -57,7 +57,7 @@ def test_batched_decode_matches_dense_per_sequence():
     positions = torch.tensor(lens) - 1
     slots = block_tables[torch.arange(len(lens)), positions // PAGE] * PAGE + positions % PAGE
     batch = AttentionBatch(slots=slots, is_decode=True, block_tables=block_tables,
-                           context_lens=positions + 1, page_size=PAGE)
+                           context_lens=positions + 1)
     got = paged_attention(torch.stack([q[-1] for q, _, _ in seqs]), torch.stack([k[-1] for _, k, _ in seqs]),
                           torch.stack([v[-1] for _, _, v in seqs]), kp, vp, batch, HD ** -0.5)
     for i, (q, k, v) in enumerate(seqs):
@@ -70,7 +70,7 @@ def test_kv_write_touches_only_scheduled_slots():
     table = torch.tensor([7, 3, 19])
     positions = torch.arange(2, 10)
     batch = AttentionBatch(slots=_slots(table, positions), is_decode=False, query_lens=[8],
-                           start_positions=[2], block_tables_list=[table], page_size=PAGE)
+                           start_positions=[2], block_tables_list=[table])
     k = torch.randn(8, KVH, HD)
     # start > 0 makes attention read cached slots 0-1 (NaN); only the writes are checked here.
     paged_attention(torch.randn(8, HEADS, HD), k, k.clone(), kp, vp, batch, 1.0)

@@ -73,6 +73,15 @@ class Request:
         self.pages, self.reserved = [], 0
 
 
+def prefilled(m: PageManager, tokens: list[int], salt: str = "") -> Request:
+    """A request admitted with its whole prompt computed and published, still holding its pages."""
+    r = Request(m, list(tokens), max_new=1, salt=salt)
+    assert r.admit()
+    r.start_step(len(tokens))
+    r.complete_step()
+    return r
+
+
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 9, 9], [1, 2, 8], [5, 5, 5, 5, 5, 5, 5, 5, 5], [1, 2, 3, 4, 5]]
 
 
@@ -138,10 +147,7 @@ def test_random_operations_keep_every_invariant(policy, pool, ratio, ops):
 
 def test_reclaim_order_after_tail_first_release():
     m = PageManager(6, PS)
-    r = Request(m, [1, 2, 3, 4, 5, 6, 7], max_new=1)
-    assert r.admit()
-    r.start_step(7)
-    r.complete_step()
+    r = prefilled(m, [1, 2, 3, 4, 5, 6, 7])
     chain = list(r.pages)              # 4 pages; the first three are full and published
     r.release()
     assert list(m.probation) == [chain[2], chain[1], chain[0]]  # tail first
@@ -150,10 +156,7 @@ def test_reclaim_order_after_tail_first_release():
 
 def test_reclaim_takes_free_pages_first_then_the_chain_tail_first():
     m = PageManager(5, PS)
-    r = Request(m, [1, 2, 3, 4, 5, 6, 7], max_new=1)
-    assert r.admit()
-    r.start_step(7)
-    r.complete_step()
+    r = prefilled(m, [1, 2, 3, 4, 5, 6, 7])
     chain = list(r.pages)  # pages 0..3: 0,1,2 full and indexed, 3 partial
     r.release()
     assert m.free == 2 and m.evictable == 3   # partial page 3 went straight back to free
@@ -168,10 +171,7 @@ def test_reclaim_takes_free_pages_first_then_the_chain_tail_first():
 
 def test_refused_admission_pins_nothing_and_moves_nothing():
     m = PageManager(4, PS, policy=SLRU)
-    a = Request(m, [1, 2, 3, 4, 5], max_new=1)
-    assert a.admit()
-    a.start_step(5)
-    a.complete_step()
+    a = prefilled(m, [1, 2, 3, 4, 5])
     a.release()                          # pages of [1,2] [3,4] evictable
     holder = Request(m, [7, 7, 7], max_new=1)
     assert holder.admit()                # holds 2 pages' reservation
@@ -184,10 +184,7 @@ def test_refused_admission_pins_nothing_and_moves_nothing():
 
 def test_reset_is_refused_while_pages_are_referenced():
     m = PageManager(4, PS)
-    r = Request(m, [1, 2, 3], max_new=1)
-    assert r.admit()
-    r.start_step(3)
-    r.complete_step()
+    r = prefilled(m, [1, 2, 3])
     assert m.reset() is False and m.cached == 1
     r.release()
     assert m.reset() is True and m.cached == 0 and m.free == 4
@@ -196,10 +193,7 @@ def test_reset_is_refused_while_pages_are_referenced():
 
 def test_salted_requests_never_share_pages():
     m = PageManager(8, PS)
-    first = Request(m, [1, 2, 3, 4, 5], max_new=1, salt="alice")
-    assert first.admit()
-    first.start_step(5)
-    first.complete_step()
+    first = prefilled(m, [1, 2, 3, 4, 5], salt="alice")
     same = Request(m, [1, 2, 3, 4, 5], max_new=1, salt="alice")
     other = Request(m, [1, 2, 3, 4, 5], max_new=1, salt="bob")
     assert same.admit() and other.admit()
@@ -209,10 +203,7 @@ def test_salted_requests_never_share_pages():
 
 def test_shared_pages_become_evictable_only_after_every_holder_releases():
     m = PageManager(8, PS)
-    owner = Request(m, [1, 2, 3, 4, 5], max_new=1)
-    assert owner.admit()
-    owner.start_step(5)
-    owner.complete_step()
+    owner = prefilled(m, [1, 2, 3, 4, 5])
     sharers = [Request(m, [1, 2, 3, 4, 6], max_new=1) for _ in range(3)]
     for s in sharers:
         assert s.admit() and s.pages == owner.pages[:2]
@@ -231,18 +222,10 @@ def _hot_and_scan(policy: str) -> bool:
     m = PageManager(8, PS, policy=policy, protected_ratio=0.5)
     hot = [1, 2, 3, 4, 5]
 
-    def run(tokens):
-        r = Request(m, list(tokens), max_new=1)
-        assert r.admit()
-        r.start_step(len(tokens))
-        r.complete_step()
-        r.release()
-        return r
-
-    run(hot)
-    run(hot)  # second use hits the hot prefix: SLRU promotes it
+    prefilled(m, hot).release()
+    prefilled(m, hot).release()  # second use hits the hot prefix: SLRU promotes it
     for i in range(6):
-        run([100 + i] * 7)  # one-use prompts, 3 full pages each
+        prefilled(m, [100 + i] * 7).release()  # one-use prompts, 3 full pages each
     m.check()
     probe = Request(m, hot, max_new=1)
     assert probe.admit()
@@ -259,10 +242,7 @@ def test_protected_segment_stays_within_its_bound():
     for i in range(4):
         prompt = [i] * 5
         for _ in range(2):  # the second admission hits and promotes
-            r = Request(m, prompt, max_new=1)
-            assert r.admit()
-            r.start_step(5)
-            r.complete_step()
+            r = prefilled(m, prompt)
             r.release()
             m.check()
     assert len(m.protected) == 2 and m.probation

@@ -120,7 +120,7 @@ def test_kv_writes_land_only_in_scheduled_slots_on_each_stage(tiny_models, stage
     positions = torch.arange(0, 6)
     slots = table[positions // 4] * 4 + positions % 4
     batch = AttentionBatch(slots=slots, is_decode=False, query_lens=[6], start_positions=[0],
-                           block_tables_list=[table], page_size=4)
+                           block_tables_list=[table])
     hidden = None if stage == 0 else torch.randn(6, model.cfg.hidden_size)
     with torch.inference_mode():
         model(torch.arange(6), positions, kv.layers, batch, hidden)
