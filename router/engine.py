@@ -47,6 +47,14 @@ class Engine:
             self._wake.set()
 
     async def run(self) -> None:
+        try:
+            await self._loop()
+        except Exception as e:  # a bug in a step must not leave every stream hanging
+            log.exception("the step loop failed")
+            self.error = f"internal error: {e!r}"
+            self._fail_all()
+
+    async def _loop(self) -> None:
         while self.error is None:
             self._drop_cancelled()
             step = self.scheduler.schedule()
@@ -121,5 +129,7 @@ class Engine:
 
     def _fail_all(self) -> None:
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
-            self._finish(seq)
-            seq.outputs.put_nowait(Output([], "", "error"))
+            try:
+                self._finish(seq)
+            finally:  # whatever state the failure left, the client hears of it
+                seq.outputs.put_nowait(Output([], "", "error"))

@@ -112,7 +112,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 out = await seq.outputs.get()
                 if out.finish_reason == "error":
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                        f"a shard failed while serving this request: {self.engine.error}")
+                                        f"the replica failed while serving this request: {self.engine.error}")
                 msg = pb.GenerateResponse(token_ids=out.token_ids, text=out.text,
                                           finish_reason=out.finish_reason, request_id=seq.request_id)
                 if out.finish_reason:

@@ -1,5 +1,5 @@
-"""The step loop with stand-in shards (a unit test of one class): deferred release on cancel,
-and a shard failure that fails every request and returns every page."""
+"""The step loop with stand-in shards (a unit test of one class): deferred release on cancel, and
+a shard failure or an internal error that fails every request and returns every page."""
 import asyncio
 
 from protos import shard_pb2
@@ -73,5 +73,24 @@ def test_shard_failure_fails_requests_and_returns_pages():
         assert (await seq.outputs.get()).finish_reason == "error"
         assert engine.error and pool.available == 16 and pool.referenced == 0
         pool.check()
+
+    asyncio.run(scenario())
+
+
+def test_an_internal_error_fails_requests_instead_of_leaving_them_hanging():
+    class BrokenTokenizer:
+        def decode(self, *args, **kwargs):
+            raise RuntimeError("detokenizer bug")
+
+    async def scenario():
+        pool, shards, _, seq = _setup()
+        engine = Engine(Scheduler(pool, 8, 1000), shards, BrokenTokenizer(), max_position=1000)
+        engine.submit(seq, [])
+        loop = asyncio.create_task(engine.run())
+        shards.gate.set()
+        await asyncio.wait_for(loop, 5)
+        assert (await asyncio.wait_for(seq.outputs.get(), 5)).finish_reason == "error"
+        assert "detokenizer bug" in engine.error
+        assert pool.referenced == 0 and pool.reserved == 0
 
     asyncio.run(scenario())
