@@ -99,7 +99,12 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         from router.launcher import serve
-        return serve(args)
+        code = serve(args)
+        # The children are stopped; skip interpreter teardown, where gRPC's C core has been seen
+        # to abort (SIGABRT) and hide the launcher's real exit status.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     if args.command == "router":
         import asyncio
         from router.app import serve_router

@@ -175,4 +175,6 @@ class Server:
                 self.proc.wait()
         if hasattr(self, "channel"):
             self.channel.close()
+        if self.proc.returncode != 0:  # shown by pytest when the test fails
+            print(f"server exited with {self.proc.returncode}; its last output:\n" + "".join(self.log[-60:]))
         return self.proc.returncode
