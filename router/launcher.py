@@ -88,7 +88,10 @@ def serve(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     addresses = []
-    dist_init = f"tcp://127.0.0.1:{_free_port()}"
+    dist_port = _free_port()
+    while dist_port == args.port:  # the router binds its port only later
+        dist_port = _free_port()
+    dist_init = f"tcp://127.0.0.1:{dist_port}"
     for stage in range(args.pp):
         for rank in range(args.tp):
             name = f"shard {stage * args.tp + rank}"

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 from router.launcher import die_with_parent
-from tests.support import (ROOT, Server, assert_greedy_match, assert_serves_like_reference, free_port,
+from tests.support import (ROOT, Server, assert_greedy_match, assert_serves_like_reference, free_ports,
                            hf_greedy, hf_model, smollm2_hf_model, smollm2_tokenizer)
 
 PAGE = 16
@@ -58,21 +58,22 @@ def test_smollm2_parallel_layouts_match_transformers(tp, pp, tmp_path):
         assert server.stop() == 0
 
 
-def _spawn(*args):
-    return subprocess.Popen([sys.executable, "-m", "router.cli", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+def _spawn(log: Path, *args):
+    with open(log, "w") as out:  # read back when the test fails
+        return subprocess.Popen([sys.executable, "-m", "router.cli", *args], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
 
 
 def test_a_dead_shard_fails_requests_with_unavailable_and_returns_pages(tiny_models):
     """Router and a PP2 replica as separate processes, as a compose deployment runs them."""
     model, sockets = str(tiny_models["llama"]), Path(tempfile.mkdtemp())
-    dist = f"tcp://127.0.0.1:{free_port()}"
-    common = ["--model", model, "--page-size", str(PAGE), "--pp", "2", "--threads", "1", "--dist-init", dist]
-    shards = [_spawn("shard", *common, "--pp-stage", str(s), "--listen", f"unix:{sockets}/s{s}.sock")
-              for s in range(2)]
-    port = free_port()
-    router = _spawn("router", "--model", model, "--page-size", str(PAGE), "--port", str(port),
-                    "--shards", f"unix:{sockets}/s0.sock,unix:{sockets}/s1.sock")
+    dist_port, port = free_ports(2)
+    common = ["--model", model, "--page-size", str(PAGE), "--pp", "2", "--threads", "1",
+              "--dist-init", f"tcp://127.0.0.1:{dist_port}"]
+    shards = [_spawn(sockets / f"shard{s}.log", "shard", *common, "--pp-stage", str(s),
+                     "--listen", f"unix:{sockets}/s{s}.sock") for s in range(2)]
+    router = _spawn(sockets / "router.log", "router", "--model", model, "--page-size", str(PAGE),
+                    "--port", str(port), "--shards", f"unix:{sockets}/s0.sock,unix:{sockets}/s1.sock")
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         stub = pb_grpc.GenerationStub(channel)
@@ -95,6 +96,10 @@ def test_a_dead_shard_fails_requests_with_unavailable_and_returns_pages(tiny_mod
             next(stub.Generate(pb.GenerateRequest(prompt="again", max_new_tokens=2)))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert router.poll() is None
+    except BaseException:
+        for log in sorted(sockets.glob("*.log")):
+            print(f"--- {log.name}\n" + log.read_text()[-3000:])
+        raise
     finally:
         channel.close()
         for proc in [router, *shards]:
