@@ -62,38 +62,85 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: 
     return _prefill_torch(q, k, v, k_pages, v_pages, batch, scale)
 
 
+# Decode attends in blocks of this many context tokens: a batch's temporary K/V copies are at
+# most batch x DECODE_BLOCK_TOKENS tokens, however long its longest sequence is.
+DECODE_BLOCK_TOKENS = 1024
+
+
+def attend_plain(q, k, v, bias, scale):
+    """q [B, h, n, d], k/v [B, h, S, d], additive bias broadcast to [B, h, n, S] ->
+    (out [B, h, n, d], log-sum-exp [B, h, n]), in plain torch for any device."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale + bias
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v), lse
+
+
+def attend_fused_cpu(q, k, v, bias, scale):
+    """As attend_plain, in torch's fused CPU kernel, which returns the log-sum-exp it computed."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)
+
+
+def _attend(q, k, v, bias, scale):
+    return (attend_fused_cpu if q.device.type == "cpu" else attend_plain)(q, k, v, bias, scale)
+
+
 def _decode_torch(q, k_pages, v_pages, batch: AttentionBatch, scale):
+    """Split-KV decode: the context is read in blocks of DECODE_BLOCK_TOKENS, each block only for
+    the sequences that reach into it, and the blocks' partial results are merged by their
+    log-sum-exp (as flash-decoding does). A batch of short sequences is one block."""
     bsz, max_pages = batch.block_tables.shape
     page_size, kv_heads, head_dim = k_pages.shape[1:]
-    ctx = max_pages * page_size
-    k = k_pages[batch.block_tables].view(bsz, ctx, kv_heads, head_dim).transpose(1, 2)
-    v = v_pages[batch.block_tables].view(bsz, ctx, kv_heads, head_dim).transpose(1, 2)
-    mask = torch.arange(ctx, device=q.device)[None, :] < batch.context_lens[:, None]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
-                                         scale=scale, enable_gqa=True)
-    return out.squeeze(2)
+    heads = q.shape[1]
+    # One query per sequence: view the q heads of each KV head as that head's queries, so the
+    # kernel runs plain multi-head attention over the KV heads with no K/V repeated.
+    qg = q.view(bsz, kv_heads, heads // kv_heads, head_dim)
+    block_pages = max(1, DECODE_BLOCK_TOKENS // page_size)
+    out = lse = None
+    for first in range(0, max_pages, block_pages):
+        start = first * page_size
+        rows = (batch.context_lens > start).nonzero().squeeze(1)  # sequences with tokens here
+        if first and len(rows) < bsz:
+            tables, lens, q_rows = batch.block_tables[rows, first:first + block_pages], batch.context_lens[rows], qg[rows]
+        else:
+            tables, lens, q_rows = batch.block_tables[:, first:first + block_pages], batch.context_lens, qg
+        n, width = tables.shape
+        k = k_pages[tables].view(n, width * page_size, kv_heads, head_dim).transpose(1, 2)
+        v = v_pages[tables].view(n, width * page_size, kv_heads, head_dim).transpose(1, 2)
+        positions = torch.arange(start, start + width * page_size, device=q.device)
+        bias = torch.zeros(n, 1, 1, width * page_size, dtype=q.dtype, device=q.device)
+        bias.masked_fill_((positions[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
+        o, l = _attend(q_rows, k, v, bias, scale)
+        if out is None:
+            out, lse = o.float(), l.float()
+            continue
+        # Merge this block into the running result of its rows.
+        m = torch.maximum(lse[rows], l)
+        w_old, w_new = torch.exp(lse[rows] - m), torch.exp(l - m)
+        total = w_old + w_new
+        out[rows] = (out[rows] * w_old[..., None] + o.float() * w_new[..., None]) / total[..., None]
+        lse[rows] = m + torch.log(total)
+    return out.to(q.dtype).reshape(bsz, heads, head_dim)
 
 
 def _prefill_torch(q, k_new, v_new, k_pages, v_pages, batch: AttentionBatch, scale):
+    # 4-D inputs: torch's fused CPU attention kernel; 3-D ones would take its slow math path.
     page_size, kv_heads, head_dim = k_pages.shape[1:]
     outs, offset = [], 0
     for n, start, table in zip(batch.query_lens, batch.start_positions, batch.block_tables_list):
-        qs = q[offset:offset + n].transpose(0, 1)
+        qs = q[offset:offset + n].transpose(0, 1)[None]
         if start == 0:  # nothing cached before this chunk: attend over the new tokens directly
-            ks = k_new[offset:offset + n].transpose(0, 1)
-            vs = v_new[offset:offset + n].transpose(0, 1)
-            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                                 enable_gqa=True)
-        else:
+            ks = k_new[offset:offset + n].transpose(0, 1)[None]
+            vs = v_new[offset:offset + n].transpose(0, 1)[None]
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        else:  # a later chunk: the cached context, then the chunk itself causally
             ctx = start + n
             pages = table[: (ctx + page_size - 1) // page_size]
-            ks = k_pages[pages].view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)
-            vs = v_pages[pages].view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)
+            ks = k_pages[pages].view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)[None]
+            vs = v_pages[pages].view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)[None]
             q_pos = torch.arange(start, ctx, device=q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
-            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
-                                                 enable_gqa=True)
-        outs.append(out.transpose(0, 1))
+            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+        outs.append(out[0].transpose(0, 1))
         offset += n
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 

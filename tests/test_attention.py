@@ -80,3 +80,54 @@ def test_kv_write_touches_only_scheduled_slots():
     assert not torch.isnan(kp[written]).any()
     assert torch.isnan(kp[~written]).all()
     torch.testing.assert_close(kp.view(-1, KVH, HD)[_slots(table, positions)], k)
+
+
+def _decode_case(lens, seed=2):
+    """Random caches for sequences of `lens` tokens; returns (q, k, v of the new tokens, pages,
+    batch, dense reference per sequence)."""
+    torch.manual_seed(seed)
+    kp, vp = torch.zeros(PAGES * 4 + 1, PAGE, KVH, HD), torch.zeros(PAGES * 4 + 1, PAGE, KVH, HD)
+    pages = torch.randperm(PAGES * 4)
+    tables, offset, seqs = [], 0, []
+    for n in lens:
+        tables.append(pages[offset: offset + -(-n // PAGE)])
+        offset += len(tables[-1])
+        seqs.append((torch.randn(n, HEADS, HD), torch.randn(n, KVH, HD), torch.randn(n, KVH, HD)))
+    for table, (q, k, v) in zip(tables, seqs):
+        flat = _slots(table, torch.arange(len(q) - 1))
+        kp.view(-1, KVH, HD)[flat], vp.view(-1, KVH, HD)[flat] = k[:-1], v[:-1]
+    width = max(len(t) for t in tables)
+    block_tables = torch.stack([torch.cat([t, torch.full((width - len(t),), PAGES * 4)]) for t in tables])
+    positions = torch.tensor(lens) - 1
+    slots = block_tables[torch.arange(len(lens)), positions // PAGE] * PAGE + positions % PAGE
+    batch = AttentionBatch(slots=slots, is_decode=True, block_tables=block_tables, context_lens=positions + 1)
+    new = [torch.stack([s[j][-1] for s in seqs]) for j in range(3)]
+    return new, kp, vp, batch, [_dense(q, k, v, 0)[-1] for q, k, v in seqs]
+
+
+def test_decode_in_blocks_matches_dense_and_reads_only_what_each_sequence_reaches(monkeypatch):
+    import kernels.attention as attention
+
+    monkeypatch.setattr(attention, "DECODE_BLOCK_TOKENS", 2 * PAGE)  # blocks of 8 tokens
+    calls = []
+    real = attention._attend
+    monkeypatch.setattr(attention, "_attend", lambda q, k, *a: calls.append(tuple(k.shape[::2])) or real(q, k, *a))
+    lens = [3, 40, 1, 17, 8, 9]   # one long sequence, blocks boundaries hit exactly
+    (q, k, v), kp, vp, batch, want = _decode_case(lens)
+    got = paged_attention(q, k, v, kp, vp, batch, HD ** -0.5)
+    for i in range(len(lens)):
+        torch.testing.assert_close(got[i], want[i])
+    # (sequences, context tokens) gathered per block: every block holds at most 8 tokens per
+    # sequence, and after the first block only the sequences that reach into it.
+    assert calls == [(6, 8), (3, 8), (2, 8), (1, 8), (1, 8)]
+
+
+def test_plain_and_fused_cpu_attention_agree_on_output_and_log_sum_exp():
+    from kernels.attention import attend_fused_cpu, attend_plain
+
+    torch.manual_seed(3)
+    q, k, v = torch.randn(3, 2, 4, HD), torch.randn(3, 2, 20, HD), torch.randn(3, 2, 20, HD)
+    bias = torch.zeros(3, 1, 1, 20)
+    bias[1, ..., 7:] = float("-inf")
+    for a, b in zip(attend_plain(q, k, v, bias, 0.3), attend_fused_cpu(q, k, v, bias, 0.3)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,1 @@
+"""What router and shard share: process plumbing, the command line, and where a model comes from."""
