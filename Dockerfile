@@ -8,6 +8,7 @@ WORKDIR /app
 RUN if [ -n "$TORCH_INDEX" ]; then pip install --no-cache-dir "$TORCH_SPEC" --index-url "$TORCH_INDEX"; \
     else pip install --no-cache-dir "$TORCH_SPEC"; fi
 COPY pyproject.toml setup.py README.md ./
+COPY common common
 COPY protos protos
 COPY router router
 COPY shard shard

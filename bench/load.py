@@ -115,15 +115,17 @@ def run_scenario(stub, target: str, n: int, max_new: int, group_steps0: int, met
 # --- Hugging Face baseline ---
 
 def hf_setup(model_spec: str):
-    from router.tokenizer import load_tokenizer
-    from shard.source import resolve_model
-    tok = load_tokenizer(resolve_model(model_spec))  # the tokenizer the router uses
+    from transformers import AutoTokenizer
+    from common.model_source import resolve_model
+    from common.tokenizer_files import tokenizer_folder
+    from shard.weights import transformers_model
+    source = resolve_model(model_spec)
+    tok = AutoTokenizer.from_pretrained(tokenizer_folder(source))  # the files the router reads
     tok.padding_side = "left"
     tok.pad_token = tok.pad_token or tok.eos_token
     if model_spec == "smollm2":
-        from tests.support import smollm2_hf_model
         with tempfile.TemporaryDirectory(prefix="bench-hf-") as tmp:  # only holds config.json
-            model = smollm2_hf_model(Path(tmp))
+            model = transformers_model(source, Path(tmp))
     else:
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(model_spec, dtype=torch.float32)
@@ -281,11 +283,11 @@ def main() -> int:
     server = None
     try:
         if not args.target:
-            from shard.source import resolve_model
+            from common.model_source import resolve_model
             src = resolve_model(args.model)
             res["cache_present"] = src.kind != "gguf" or src.cache_dir.exists()
-            server = Serve(["--model", args.model, "--max-batch", str(args.max_batch),
-                            *shlex.split(args.serve_args)], args.ready_timeout)
+            server = Serve("--model", args.model, "--max-batch", str(args.max_batch),
+                           *shlex.split(args.serve_args), timeout=args.ready_timeout)
             res["startup_s"] = server.startup_s
         run(args, res, server)
     finally:

@@ -18,12 +18,12 @@ import time
 
 from bench.common import machine, save
 from protos import generation_pb2 as pb
-from tests.support import Server
+from bench.serve import Serve
 
 CONFIGS = {"off": [], "chunk 256": ["--chunk-size", "256"], "chunk 512": ["--chunk-size", "512"]}
 
 
-def _stream(server: Server, ids: list[int], new: int, stamps: list[float], started: list[float]):
+def _stream(server: Serve, ids: list[int], new: int, stamps: list[float], started: list[float]):
     req = pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=new, ignore_eos=True)
     started.append(time.perf_counter())
     for msg in server.stub.Generate(req, timeout=600):
@@ -31,7 +31,7 @@ def _stream(server: Server, ids: list[int], new: int, stamps: list[float], start
         stamps.extend([now] * len(msg.token_ids))
 
 
-def one_run(server: Server, rng: random.Random) -> dict:
+def one_run(server: Serve, rng: random.Random) -> dict:
     def prompt(n):
         return [rng.randrange(1000, 40000) for _ in range(n)]
 
@@ -74,7 +74,7 @@ def main() -> None:
     result = {"benchmark": "mixed", **machine(), "runs": args.runs, "configs": {}}
     rng = random.Random(0)  # fresh prompts every run, so no run hits an earlier one's prefix
     for name, flags in CONFIGS.items():
-        server = Server(*flags)
+        server = Serve(*flags)
         try:
             one_run(server, rng)  # warm-up, not counted
             runs = [one_run(server, rng) for _ in range(args.runs)]

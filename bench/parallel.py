@@ -18,13 +18,14 @@ import torch.multiprocessing as mp
 
 from bench.common import machine, save
 from protos import generation_pb2 as pb
-from tests.support import Server, free_port
+from bench.serve import Serve
+from common.process import free_port
 
 LAYOUTS = {"TP1": (1, 1, 2), "TP2": (2, 1, 1), "PP2": (1, 2, 2)}  # tp, pp, torch threads per shard
 HIDDEN = 576  # SmolLM2
 
 
-def _stream(server: Server, ids: list[int], new: int) -> list[float]:
+def _stream(server: Serve, ids: list[int], new: int) -> list[float]:
     stamps = []
     req = pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=new, ignore_eos=True)
     t0 = time.perf_counter()
@@ -35,7 +36,7 @@ def _stream(server: Server, ids: list[int], new: int) -> list[float]:
 
 def measure(layout: str, args, rng: random.Random) -> dict:
     tp, pp, threads = LAYOUTS[layout]
-    server = Server("--tp", str(tp), "--pp", str(pp), "--threads", str(threads), "--prefix-cache", "off")
+    server = Serve("--tp", str(tp), "--pp", str(pp), "--threads", str(threads), "--prefix-cache", "off")
     try:
         def prompt(n):
             return [rng.randrange(1000, 40000) for _ in range(n)]

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from bench.common import machine, save
 from protos import generation_pb2 as pb
-from tests.support import Server
+from bench.serve import Serve
 
 VOCAB_LO, VOCAB_HI = 1000, 40000  # ordinary tokens, no special ones
 
@@ -26,7 +26,7 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]
 
 
-def _request(server: Server, ids: list[int], new: int) -> tuple[float, pb.GenerateResponse]:
+def _request(server: Serve, ids: list[int], new: int) -> tuple[float, pb.GenerateResponse]:
     """Returns (TTFT seconds, last message)."""
     t0, ttft, last = time.perf_counter(), None, None
     req = pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=new, ignore_eos=True)
@@ -46,7 +46,7 @@ def shared_prefix(prefix_cache: str, args) -> dict:
     rng = random.Random(0)
     system = _tokens(rng, 512)
     prompts = [system + _tokens(rng, 64) for _ in range(args.requests)]
-    server = Server("--prefix-cache", prefix_cache, "--max-batch", "16")
+    server = Serve("--prefix-cache", prefix_cache, "--max-batch", "16")
     try:
         before = server.stats()
         t0 = time.perf_counter()
@@ -72,7 +72,7 @@ def scan_pollution(policy: str, args) -> dict:
         # One-use prompts of 26 pages: between two uses of a hot prefix, more new pages than
         # the pool holds beside the hot ones, so recency alone (LRU) evicts the hot prefix.
         workload += [_tokens(rng, 26 * page), hot[i % 2]]
-    server = Server("--page-size", str(page), "--num-pages", "48", "--eviction", policy,
+    server = Serve("--page-size", str(page), "--num-pages", "48", "--eviction", policy,
                     "--slru-protected-ratio", "0.5", "--max-batch", "1")
     try:
         before = server.stats()

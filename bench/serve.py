@@ -3,18 +3,13 @@ installed): its process tree, memory and CPU time, and the CPU everything else o
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import threading
 import time
-from collections import deque
 from pathlib import Path
 
-from router.launcher import die_with_parent
-from tests.support import free_port
+import grpc
 
-ROOT = Path(__file__).resolve().parent.parent
+from common.serve_process import ROOT, ServeProcess
+from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 
 
 def _proc(pid: int, name: str) -> str:
@@ -41,31 +36,21 @@ def _status_mb(pid: int, key: str) -> float:
     return int(line.split()[1]) / 1024
 
 
-class Serve:
-    """`shardline serve` as a child process; startup_s is spawn to its `ready` line."""
+class Serve(ServeProcess):
+    """`shardline serve` as a child process, with a client stub and what /proc says about it."""
 
-    def __init__(self, args: list[str], timeout: float):
-        self.target = f"127.0.0.1:{free_port()}"
-        cmd = [sys.executable, "-m", "router.cli", "serve", "--port", self.target.split(":")[1], *args]
-        self.log: deque[str] = deque(maxlen=200)
-        self.startup_s, ready, t0 = None, threading.Event(), time.perf_counter()
-        # PR_SET_PDEATHSIG: a SIGKILLed benchmark still takes the launcher (and so its children) down.
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     preexec_fn=die_with_parent)
+    def __init__(self, *args: str, timeout: float = 600, cwd: Path = ROOT):
+        # A checkout from before the command line moved to common/ (a baseline being compared).
+        module = "common.cli" if (cwd / "common" / "cli.py").is_file() else "router.cli"
+        super().__init__(*args, timeout=timeout, cwd=cwd, module=module)
+        self.channel = grpc.insecure_channel(self.target)
+        self.stub = pb_grpc.GenerationStub(self.channel)
 
-        def pump():  # keeps draining the pipe so the server's logging never blocks on it
-            for line in self.proc.stdout:
-                self.log.append(line)
-                if line.startswith("ready ") and self.startup_s is None:
-                    self.startup_s = time.perf_counter() - t0
-                    ready.set()
-            ready.set()
-        threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(timeout) or self.startup_s is None:
-            self.stop()
-            raise RuntimeError("server never became ready:\n" + "".join(self.log))
+    def stats(self) -> pb.StatsResponse:
+        return self.stub.Stats(pb.StatsRequest(), timeout=10)
 
     def roles(self) -> dict[str, int]:
+        """launcher, router and shard pids (the last shard when there are several)."""
         out = {"launcher": self.proc.pid}
         for pid in _descendants(self.proc.pid):
             cmd = " " + _proc(pid, "cmdline")
@@ -86,14 +71,10 @@ class Serve:
                 pass
         return ticks / os.sysconf("SC_CLK_TCK")
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # the launcher stops router and shard itself
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    def stop(self, timeout: float = 60) -> int:
+        code = super().stop(timeout)
+        self.channel.close()
+        return code
 
 
 class CpuMeter:

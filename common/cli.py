@@ -1,56 +1,89 @@
-"""`shardline` command line: serve (router + shards), router, shard, generate.
+"""`shardline` command line: serve (router + shards), router, shard, generate, health.
 
 Every flag can also be set through the environment as SHARDLINE_<FLAG> (e.g. SHARDLINE_PORT).
+Numeric flags are range-checked before anything starts: a value out of range exits with status 2
+and a message naming the flag.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 
 
-def _env(name: str, default, kind=str):
-    value = os.environ.get("SHARDLINE_" + name.upper().replace("-", "_"))
-    return default if value is None else kind(value)
+def _number(kind, low=None, high=None, low_open=False):
+    """An argparse type: `kind` within [low, high] ((low, high] when low_open), finite."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if (isinstance(value, float) and not math.isfinite(value)) or too_low \
+                or (high is not None and value > high):
+            bounds = f"{'(' if low_open else '['}{low if low is not None else '-inf'}, " \
+                     f"{high if high is not None else 'inf'}]"
+            raise argparse.ArgumentTypeError(f"must lie in {bounds}, got {text!r}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+COUNT = _number(int, 1)             # at least one
+SIZE = _number(int, 0)              # zero or more
+SECONDS = _number(float, 0, low_open=True)
 
 
 def _add(p: argparse.ArgumentParser, flag: str, default, kind=str, help: str = "", choices=None):
-    p.add_argument(f"--{flag}", type=kind, default=_env(flag, default, kind), choices=choices,
-                   help=f"{help} (env SHARDLINE_{flag.upper().replace('-', '_')}, default {default!r})")
+    env = "SHARDLINE_" + flag.upper().replace("-", "_")
+    # The environment's value is a string: argparse runs it through `kind`, so it is checked too.
+    p.add_argument(f"--{flag}", type=kind, default=os.environ.get(env, default), choices=choices,
+                   help=f"{help} (env {env}, default {default!r})")
 
 
 def _model_flags(p):
     _add(p, "model", "smollm2", help="'smollm2', a .gguf file or a Hugging Face folder")
-    _add(p, "page-size", 64, int, "tokens per KV page")
+    _add(p, "page-size", 64, _number(int, 1, 1 << 16), "tokens per KV page")
     _add(p, "dtype", "float32", help="serving dtype", choices=["float32", "bfloat16", "float16"])
 
 
 def _parallel_flags(p):
-    _add(p, "tp", 1, int, "tensor-parallel ranks per pipeline stage")
-    _add(p, "pp", 1, int, "pipeline stages")
+    _add(p, "tp", 1, _number(int, 1, 256), "tensor-parallel ranks per pipeline stage")
+    _add(p, "pp", 1, _number(int, 1, 256), "pipeline stages")
+
+
+def _drain_flags(p):
+    _add(p, "drain-timeout-s", 30.0, _number(float, 0),
+         "on SIGTERM, how long in-flight requests may run to completion before the process exits")
 
 
 def _shard_flags(p):
-    _add(p, "kv-memory-gb", 1.0, float, "memory budget of the KV page pool per shard")
-    _add(p, "threads", 0, int, "torch threads per shard (0: torch's default)")
+    _add(p, "kv-memory-gb", 1.0, _number(float, 0, 1 << 16, low_open=True), "memory budget of the KV page pool per shard")
+    _add(p, "threads", 0, SIZE, "torch threads per shard (0: torch's default)")
     _add(p, "device", "", help="cpu | cuda (default: cuda when available)")
 
 
 def _router_flags(p):
     _add(p, "host", "127.0.0.1", help="address the public API listens on")
-    _add(p, "port", 50051, int, "port of the public API")
-    _add(p, "num-pages", 0, int, "KV pages in the pool (0: what the shards' memory budget holds)")
-    _add(p, "max-batch", 32, int, "most sequences in one step")
-    _add(p, "max-batch-tokens", 4096, int, "most prompt tokens in one step")
-    _add(p, "chunk-size", 0, int, "most prompt tokens of one sequence in one step (0: whole prompts)")
-    _add(p, "priority-aging-s", 1.0, float, "seconds of waiting that raise a request's priority by one")
-    _add(p, "max-waiting", 256, int, "most queued requests before RESOURCE_EXHAUSTED")
-    _add(p, "shard-timeout", 300.0, float, "seconds to wait for the shards to come up")
+    _add(p, "port", 50051, _number(int, 1, 65535), "port of the public API")
+    _add(p, "num-pages", 0, SIZE, "KV pages in the pool (0: what the shards' memory budget holds)")
+    _add(p, "max-batch", 32, _number(int, 1, 4096), "most sequences in one step")
+    _add(p, "max-batch-tokens", 4096, COUNT, "most prompt tokens in one step")
+    _add(p, "chunk-size", 0, SIZE, "most prompt tokens of one sequence in one step (0: whole prompts)")
+    _add(p, "priority-aging-s", 1.0, SECONDS, "seconds of waiting that raise a request's priority by one")
+    _add(p, "max-waiting", 256, COUNT, "most queued requests before RESOURCE_EXHAUSTED")
+    _add(p, "shard-timeout", 300.0, SECONDS, "seconds to wait for the shards to come up")
+    _add(p, "step-timeout-s", 20.0, SECONDS,
+         "a step running this long makes the router check that every shard still answers; "
+         "one that does not within 5 s fails the replica")
     _add(p, "prefix-cache", "on", help="reuse the KV pages of shared prompt prefixes",
          choices=["on", "off"])
     _add(p, "eviction", "lru", help="which cached pages are reclaimed first", choices=["lru", "slru"])
-    _add(p, "slru-protected-ratio", 0.5, float, "SLRU: share of the pool the protected segment may hold")
+    _add(p, "slru-protected-ratio", 0.5, _number(float, 0, 1),
+         "SLRU: share of the pool the protected segment may hold")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,47 +91,55 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="start the router and its shard(s); print 'ready HOST:PORT'")
-    for add in (_model_flags, _shard_flags, _router_flags, _parallel_flags):
+    for add in (_model_flags, _shard_flags, _router_flags, _parallel_flags, _drain_flags):
         add(serve)
+    _add(serve, "shard-restarts", 5, SIZE,
+         "restarts of a failed shard group in a row before `serve` gives up and exits 1")
 
     router = sub.add_parser("router", help="run the router alone, driving already running shards")
     _model_flags(router)
     _router_flags(router)
+    _drain_flags(router)
     _add(router, "shards", "", help="comma-separated shard addresses (host:port or unix:PATH)")
 
     shard = sub.add_parser("shard", help="run one shard alone")
     _model_flags(shard)
     _shard_flags(shard)
+    _drain_flags(shard)
     _add(shard, "listen", "127.0.0.1:50061", help="address the shard listens on")
     _parallel_flags(shard)
-    _add(shard, "tp-rank", 0, int, "this shard's tensor-parallel rank")
-    _add(shard, "pp-stage", 0, int, "this shard's pipeline stage")
+    _add(shard, "tp-rank", 0, SIZE, "this shard's tensor-parallel rank")
+    _add(shard, "pp-stage", 0, SIZE, "this shard's pipeline stage")
     _add(shard, "dist-init", "", help="torch.distributed rendezvous, tcp://HOST:PORT (needed when tp*pp > 1)")
 
     check = sub.add_parser("health", help="exit 0 when the service at --target reports SERVING")
     check.add_argument("--target", default="127.0.0.1:50051")
-    check.add_argument("--timeout", type=float, default=3.0)
+    check.add_argument("--timeout", type=SECONDS, default=3.0)
 
     gen = sub.add_parser("generate", help="stream a completion from a running server")
     gen.add_argument("prompt")
     _add(gen, "target", "127.0.0.1:50051", help="router address")
-    gen.add_argument("--max-new-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-new-tokens", type=COUNT, default=256)
+    gen.add_argument("--temperature", type=_number(float, 0), default=0.0)
+    gen.add_argument("--top-p", type=_number(float, 0, 1, low_open=True), default=None)
+    gen.add_argument("--top-k", type=SIZE, default=0)
+    gen.add_argument("--seed", type=SIZE, default=None)
     gen.add_argument("--stop", action="append", default=[])
-    gen.add_argument("--wait", type=float, default=0, help="seconds to wait for the server to come up")
+    gen.add_argument("--wait", type=_number(float, 0), default=0,
+                     help="seconds to wait for the server to come up")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from common.process import die_with_parent
+    die_with_parent()
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("SHARDLINE_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        from router.launcher import serve
+        from common.launcher import serve
         code = serve(args)
         # The children are stopped; skip interpreter teardown, where gRPC's C core has been seen
         # to abort (SIGABRT) and hide the launcher's real exit status.
@@ -110,15 +151,18 @@ def main(argv: list[str] | None = None) -> int:
         from router.app import serve_router
         args.shards = [a for a in args.shards.split(",") if a]
         if not args.shards:
-            raise SystemExit("--shards is required")
-        asyncio.run(serve_router(args))
-        return 0
+            parser.error("router: --shards is required")
+        return asyncio.run(serve_router(args))
     if args.command == "shard":
+        if args.tp_rank >= args.tp or args.pp_stage >= args.pp:
+            parser.error(f"shard: --tp-rank {args.tp_rank} / --pp-stage {args.pp_stage} outside "
+                         f"--tp {args.tp} / --pp {args.pp}")
+        if args.tp * args.pp > 1 and not args.dist_init:
+            parser.error("shard: --dist-init tcp://HOST:PORT is required with --tp or --pp above 1")
         from shard.server import serve_shard
-        serve_shard(args)
-        return 0
+        return serve_shard(args)
     if args.command == "health":
-        from router.launcher import healthy
+        from common.process import healthy
         return 0 if healthy(args.target, args.timeout) else 1
     from router.client import generate
     return generate(args)

@@ -1,33 +1,32 @@
-"""`shardline serve`: the router and its shards as child processes of one command.
+"""`shardline serve`: the router and one replica's shards as child processes of one command.
 
-Children die with the launcher (PR_SET_PDEATHSIG), so even a killed launcher leaves no orphans.
-Ctrl-C / SIGTERM stops them all; if a child exits on its own, the launcher says which and
-exits non-zero.
+- Children die with the launcher (PR_SET_PDEATHSIG), so even a killed launcher leaves no orphans.
+- The shard group is supervised as a whole: when a shard exits, or stops answering its health
+  check for `--step-timeout-s` after it once answered (a hung or SIGSTOPped process), every shard
+  of the group is killed and the group is started again, after a backoff that doubles from 1 s
+  to 30 s. A torch.distributed group cannot take back one restarted rank, hence all of them.
+  The router notices on its own, fails what was in flight, and reconnects when the group is back.
+  After `--shard-restarts` restarts in a row (a group that stays up for a minute resets the
+  count) the launcher gives up and exits 1.
+- SIGTERM / Ctrl-C: the router drains (up to `--drain-timeout-s`) and exits, then the shards stop.
+  The launcher exits with 0 when that went cleanly. If the router dies, the launcher names it,
+  stops the shards and exits 1.
 """
 from __future__ import annotations
 
-import ctypes
-import os
+import logging
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from common.process import HealthProbe, free_ports, spawn_service
 
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:  # not Linux: the launcher's own cleanup still applies
-        pass
+log = logging.getLogger("shardline.launcher")
+BACKOFF_S = (1, 2, 4, 8, 16, 30)
+STABLE_S = 60.0   # a group up this long resets the restart count
 
 
 def _flags(args, names: list[str]) -> list[str]:
@@ -37,36 +36,12 @@ def _flags(args, names: list[str]) -> list[str]:
     return out
 
 
-def exit_soon(seconds: float = 10.0) -> None:
-    """Called when a service is told to stop: if a graceful shutdown hangs (a peer that vanished
-    mid-call, a stuck thread), the process still ends after `seconds`."""
-    timer = threading.Timer(seconds, os._exit, args=(1,))
-    timer.daemon = True
-    timer.start()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def healthy(target: str, timeout: float = 1.0) -> bool:
-    """Whether the gRPC health service at `target` answers SERVING."""
-    try:
-        with grpc.insecure_channel(target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
-def _stop(children: dict[str, subprocess.Popen]) -> None:
-    for proc in children.values():
+def _stop(procs: list[subprocess.Popen], timeout: float, kill_first: bool = False) -> None:
+    for proc in procs:
         if proc.poll() is None:
-            proc.terminate()
-    deadline = time.monotonic() + 10
-    for proc in children.values():
+            proc.kill() if kill_first else proc.terminate()
+    deadline = time.monotonic() + timeout
+    for proc in procs:
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -74,11 +49,62 @@ def _stop(children: dict[str, subprocess.Popen]) -> None:
             proc.wait()
 
 
+class ShardGroup:
+    """The shard processes of one replica, started, checked and killed together."""
+
+    def __init__(self, args, sockets: Path):
+        self.args = args
+        self.addresses = [f"unix:{sockets / f'shard-{stage}-{rank}.sock'}"
+                          for stage in range(args.pp) for rank in range(args.tp)]
+        self.procs: list[subprocess.Popen] = []
+        self.probes: list[HealthProbe] = []
+        self.started = 0.0
+        self.answered: list[bool] = []
+        self.silent_since: list[float | None] = []
+
+    def start(self) -> None:
+        args = self.args
+        dist_port = next(p for p in free_ports(2) if p != args.port)  # the router binds its port later
+        self.procs = []
+        for address in self.addresses:
+            Path(address[len("unix:"):]).unlink(missing_ok=True)
+        for n, address in enumerate(self.addresses):
+            stage, rank = divmod(n, args.tp)
+            self.procs.append(spawn_service(
+                ["shard", *_flags(args, ["model", "page-size", "dtype", "kv-memory-gb", "threads", "device",
+                                         "tp", "pp", "drain-timeout-s"]),
+                 "--tp-rank", str(rank), "--pp-stage", str(stage), "--dist-init", f"tcp://127.0.0.1:{dist_port}",
+                 "--listen", address]))
+        self.probes = [HealthProbe(a) for a in self.addresses]
+        self.started = time.monotonic()
+        self.answered = [False] * len(self.procs)
+        self.silent_since = [None] * len(self.procs)
+
+    def failure(self) -> str | None:
+        """Why the group must be restarted, or None while it is fine (or still loading)."""
+        now = time.monotonic()
+        for n, proc in enumerate(self.procs):
+            if proc.poll() is not None:
+                return f"shard {n} (pid {proc.pid}) exited with code {proc.returncode}"
+        for n, probe in enumerate(self.probes):
+            if probe.serving(timeout=1.0):
+                self.answered[n], self.silent_since[n] = True, None
+            elif self.answered[n]:  # loading weights is not a hang; silence after serving is
+                self.silent_since[n] = self.silent_since[n] or now
+                if now - self.silent_since[n] > self.args.step_timeout_s:
+                    return (f"shard {n} (pid {self.procs[n].pid}) has not answered its health check "
+                            f"for {now - self.silent_since[n]:.0f} s")
+        return None
+
+    def stop(self, kill: bool = False) -> None:
+        _stop(self.procs, timeout=10, kill_first=kill)
+        for probe in self.probes:
+            probe.close()
+        self.probes = []
+
+
 def serve(args) -> int:
     sockets = Path(tempfile.mkdtemp(prefix="shardline-"))
-    base = [sys.executable, "-m", "router.cli"]
-    model = _flags(args, ["model", "page-size", "dtype"])
-    children: dict[str, subprocess.Popen] = {}
     stopping = False
 
     def on_signal(signum, _frame):
@@ -87,42 +113,55 @@ def serve(args) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    addresses = []
-    dist_port = _free_port()
-    while dist_port == args.port:  # the router binds its port only later
-        dist_port = _free_port()
-    dist_init = f"tcp://127.0.0.1:{dist_port}"
-    for stage in range(args.pp):
-        for rank in range(args.tp):
-            name = f"shard {stage * args.tp + rank}"
-            address = f"unix:{sockets / f'shard-{stage}-{rank}.sock'}"
-            addresses.append(address)
-            children[name] = subprocess.Popen(
-                base + ["shard", *model, *_flags(args, ["kv-memory-gb", "threads", "device", "tp", "pp"]),
-                        "--tp-rank", str(rank), "--pp-stage", str(stage), "--dist-init", dist_init,
-                        "--listen", address], preexec_fn=die_with_parent)
-    children["router"] = subprocess.Popen(
-        base + ["router", *model, "--shards", ",".join(addresses),
-                *_flags(args, ["host", "port", "num-pages", "max-batch", "max-batch-tokens",
-                               "max-waiting", "shard-timeout", "prefix-cache", "eviction",
-                               "slru-protected-ratio", "chunk-size", "priority-aging-s"])],
-        preexec_fn=die_with_parent)
-    target = f"{args.host}:{args.port}"
-    ready = False
+    group = ShardGroup(args, sockets)
+    group.start()
+    router = spawn_service(
+        ["router", *_flags(args, ["model", "page-size", "dtype"]), "--shards", ",".join(group.addresses),
+         *_flags(args, ["host", "port", "num-pages", "max-batch", "max-batch-tokens", "max-waiting",
+                        "shard-timeout", "step-timeout-s", "drain-timeout-s", "prefix-cache", "eviction",
+                        "slru-protected-ratio", "chunk-size", "priority-aging-s"])])
+    target = HealthProbe(f"{args.host}:{args.port}")
+    ready, restarts, code = False, 0, 0
     try:
         while not stopping:
-            for name, proc in children.items():
-                if proc.poll() is not None:
-                    print(f"shardline: {name} (pid {proc.pid}) exited with code {proc.returncode}",
-                          file=sys.stderr, flush=True)
+            if router.poll() is not None:
+                print(f"shardline: router (pid {router.pid}) exited with code {router.returncode}",
+                      file=sys.stderr, flush=True)
+                return 1
+            why = group.failure()
+            if why:
+                if restarts >= args.shard_restarts:
+                    print(f"shardline: {why}; giving up after {restarts} restarts", file=sys.stderr, flush=True)
                     return 1
-            if not ready and healthy(target):
+                delay = BACKOFF_S[min(restarts, len(BACKOFF_S) - 1)]
+                print(f"shardline: {why}; restarting the shard group in {delay} s", file=sys.stderr, flush=True)
+                group.stop(kill=True)
+                restarts += 1
+                deadline = time.monotonic() + delay
+                while not stopping and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                if stopping:
+                    break
+                group.start()
+                continue
+            if restarts and time.monotonic() - group.started > STABLE_S:
+                restarts = 0
+            if not ready and target.serving():
                 ready = True
-                print(f"ready {target}", flush=True)
-            time.sleep(0.2)
-        return 0
+                print(f"ready {args.host}:{args.port}", flush=True)
+            time.sleep(0.5)
+        # Drain: the router finishes what is in flight, then exits; the shards go after it.
+        router.terminate()
+        try:
+            code = router.wait(args.drain_timeout_s + 15)
+        except subprocess.TimeoutExpired:
+            router.kill()
+            code = 1
+        return 0 if code == 0 else 1
     finally:
-        _stop(children)
+        _stop([router], timeout=args.drain_timeout_s + 15)
+        group.stop()
+        target.close()
         for sock in sockets.glob("*"):
             sock.unlink(missing_ok=True)
         sockets.rmdir()

@@ -1,6 +1,6 @@
 """Where a model comes from: the default SmolLM2 GGUF, any `.gguf` file, or a Hugging Face folder.
 
-Torch-free on purpose: the router imports it to find the tokenizer.
+Torch-free: the router reads the tokenizer through it, the shard the weights.
 """
 from __future__ import annotations
 

@@ -3,6 +3,11 @@ sampled tokens, and streams outputs to the waiting request handlers.
 
 Everything that changes pages happens here between steps, so a page a shard may still write is
 never released while its step is in flight (cancellations wait for the step boundary).
+
+Blast radius: a failure that belongs to one request (the shard could not serve its plan entry or
+sample its token; its detokenizer or stop strings raised) ends that request alone with a status,
+and releases its pages. A failure of the shard group (`ShardError`) or of the loop itself leaves
+`run` with the exception; the replica (router/replica.py) then fails every request and reconnects.
 """
 from __future__ import annotations
 
@@ -13,29 +18,30 @@ from collections import deque
 
 from protos import shard_pb2
 from router.scheduler import Scheduler, Step
-from router.sequence import Output, Sequence, Status
+from router.sequence import Failure, Output, Sequence, Status
 from router.shard_client import ShardError, ShardGroup
-from router.tokenizer import Detokenizer, StopMatcher
+from router.stop_strings import StopMatcher
+from router.tokenizer import Detokenizer, TextCodec
 
 log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler, shards: ShardGroup, tokenizer, max_position: int):
-        self.scheduler, self.shards, self.tokenizer = scheduler, shards, tokenizer
+    def __init__(self, scheduler: Scheduler, shards: ShardGroup, codec: TextCodec, max_position: int):
+        self.scheduler, self.shards, self.codec = scheduler, shards, codec
         self.max_position = max_position
         self._wake = asyncio.Event()
-        self._detok: dict[int, tuple[Detokenizer, StopMatcher]] = {}
+        self._text: dict[int, tuple[Detokenizer, StopMatcher]] = {}
         self._cancelled: set[Sequence] = set()
         self.step_id = 0
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0
-        self.error: str | None = None      # set when a shard failed; the replica stops serving
+        self.requests_failed = 0
         # Recent decode steps as (router wall ms, shard compute ms).
         self.decode_step_times: deque[tuple[float, float]] = deque(maxlen=512)
 
     def submit(self, seq: Sequence, stops: list[str]) -> None:
-        self._detok[seq.seq_id] = (Detokenizer(self.tokenizer), StopMatcher(stops))
+        self._text[seq.seq_id] = (self.codec.stream(), StopMatcher(stops))
         self.scheduler.add(seq)
         self._wake.set()
 
@@ -47,32 +53,20 @@ class Engine:
             self._wake.set()
 
     async def run(self) -> None:
-        try:
-            await self._loop()
-        except Exception as e:  # a bug in a step must not leave every stream hanging
-            log.exception("the step loop failed")
-            self.error = f"internal error: {e!r}"
-            self._fail_all()
-
-    async def _loop(self) -> None:
-        while self.error is None:
+        """Runs steps until the shard group or the loop fails (the exception propagates)."""
+        while True:
             self._drop_cancelled()
             step = self.scheduler.schedule()
             if step is None:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            try:
-                tokens = await self._execute(step)
-            except ShardError as e:
-                log.error("shard failure, failing every request: %s", e)
-                self.error = str(e)
-                self._fail_all()
-                return
-            self.scheduler.complete(step)
-            self._apply(step, tokens)
+            result = await self._execute(step)
+            failed = {f.seq_id: f.message for f in result.failures}
+            self.scheduler.complete(step, failed)
+            self._apply(step, result, failed)
 
-    async def _execute(self, step: Step) -> list[int]:
+    async def _execute(self, step: Step) -> shard_pb2.StepResult:
         self.step_id += 1
         plan = shard_pb2.StepPlan(step_id=self.step_id)
         for seq, inputs, emit in zip(step.seqs, step.inputs, step.emits):
@@ -87,38 +81,66 @@ class Engine:
         wall_ms = (time.perf_counter() - t0) * 1e3
         if not step.is_prefill:
             self.decode_step_times.append((wall_ms, result.compute_ms))
-        if len(result.tokens) != sum(step.emits):
-            raise ShardError(f"step {self.step_id}: {len(result.tokens)} tokens for {sum(step.emits)} "
-                             "emitting sequences")
-        return list(result.tokens)
+        failed = {f.seq_id for f in result.failures}
+        want = sum(1 for seq, emit in zip(step.seqs, step.emits) if emit and seq.seq_id not in failed)
+        if len(result.tokens) != want:
+            raise ShardError(f"step {self.step_id}: {len(result.tokens)} tokens for {want} emitting sequences")
+        return result
 
-    def _apply(self, step: Step, tokens: list[int]) -> None:
-        sampled = iter(tokens)
+    def _apply(self, step: Step, result: shard_pb2.StepResult, failed: dict[int, str]) -> None:
+        sampled = iter(result.tokens)
         for seq, inputs, emit in zip(step.seqs, step.inputs, step.emits):
             if step.is_prefill:
                 self.prompt_tokens_computed += len(inputs)
+            if seq.seq_id in failed:
+                self.fail(seq, Failure("INTERNAL", f"the shard could not serve this request: {failed[seq.seq_id]}"))
+                continue
             if not emit:
                 continue  # an intermediate chunk: KV written, nothing sampled
             token = next(sampled)
             if seq.cancelled:
                 continue  # dropped at the top of the next loop
-            seq.output_ids.append(token)
-            self.tokens_generated += 1
-            detok, stops = self._detok[seq.seq_id]
-            is_eos = token in seq.stop_token_ids
-            text, stopped = stops.feed("" if is_eos else detok.push(token))
-            reason = ("stop" if stopped else "eos" if is_eos else
-                      "length" if len(seq.output_ids) >= seq.max_new_tokens
-                      or seq.num_tokens >= self.max_position else "")
-            if reason and not stopped:
-                text += stops.flush()
-            seq.outputs.put_nowait(Output([token], text, reason))
-            if reason:
-                self._finish(seq)
+            try:
+                self._emit(seq, token)
+            except Exception as e:  # a detokenizer or stop-string edge case: this request only
+                log.exception("request %s failed on token %d", seq.request_id, token)
+                self.fail(seq, Failure("INTERNAL", f"turning token {token} into text failed: {e!r}"))
+
+    def _emit(self, seq: Sequence, token: int) -> None:
+        seq.output_ids.append(token)
+        self.tokens_generated += 1
+        detok, stops = self._text[seq.seq_id]
+        is_eos = token in seq.stop_token_ids
+        text, stopped = stops.feed("" if is_eos else detok.push(token))
+        reason = ("stop" if stopped else "eos" if is_eos else
+                  "length" if len(seq.output_ids) >= seq.max_new_tokens
+                  or seq.num_tokens >= self.max_position else "")
+        if reason and not stopped:
+            rest, stopped = stops.flush()
+            text, reason = text + rest, "stop" if stopped else reason
+        seq.outputs.put_nowait(Output([token], text, reason))
+        if reason:
+            self._finish(seq)
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
-        self._detok.pop(seq.seq_id, None)
+        self._text.pop(seq.seq_id, None)
+
+    def fail(self, seq: Sequence, failure: Failure) -> None:
+        """Ends one request with a status; its pages go back at once (call between steps only)."""
+        if seq.status is Status.FINISHED:
+            return
+        self.requests_failed += 1
+        try:
+            self._finish(seq)
+        finally:  # whatever state the failure left, the client hears of it
+            seq.outputs.put_nowait(Output([], "", failure=failure))
+
+    def fail_all(self, failure: Failure) -> None:
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            self.fail(seq, failure)
+        self._cancelled.clear()
+        self._text.clear()
 
     def _drop_cancelled(self) -> None:
         for seq in self._cancelled:
@@ -126,10 +148,3 @@ class Engine:
                 self._finish(seq)
                 seq.outputs.put_nowait(Output([], "", "cancelled"))
         self._cancelled.clear()
-
-    def _fail_all(self) -> None:
-        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
-            try:
-                self._finish(seq)
-            finally:  # whatever state the failure left, the client hears of it
-                seq.outputs.put_nowait(Output([], "", "error"))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 from router.page_manager import PageManager
 from router.sequence import Sequence, Status
@@ -46,6 +46,9 @@ class Step:
 class Scheduler:
     def __init__(self, pages: PageManager, max_batch: int, max_batch_tokens: int, chunk_size: int = 0,
                  aging_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
+        if max_batch < 1 or max_batch_tokens < 1 or chunk_size < 0 or not aging_s > 0:
+            raise ValueError(f"scheduler limits out of range: max_batch {max_batch}, max_batch_tokens "
+                             f"{max_batch_tokens}, chunk_size {chunk_size}, aging_s {aging_s}")
         self.pages = pages
         self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
         self.chunk_size, self.aging_s, self.clock = chunk_size, aging_s, clock
@@ -149,10 +152,14 @@ class Scheduler:
             seq.reserved_pages -= 1
 
     # -- after a step -----------------------------------------------------------------------------
-    def complete(self, step: Step) -> None:
-        """Every shard acked `step`: its tokens' KV is written. Advances each sequence, publishes
-        the pages that became full, and moves finished prefills to the decode phase."""
+    def complete(self, step: Step, failed: Collection[int] = ()) -> None:
+        """Every shard acked `step`: its tokens' KV is written, except for the sequences in
+        `failed` (ids), which the shards left out and which are to be finished. Advances each
+        other sequence, publishes the pages that became full, and moves finished prefills to
+        the decode phase."""
         for seq, inputs in zip(step.seqs, step.inputs):
+            if seq.seq_id in failed:
+                continue
             seq.num_computed += len(inputs)
             self._publish(seq)
             if step.phase != "decode" and seq.num_computed == len(seq.prompt_ids) \

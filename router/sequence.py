@@ -22,12 +22,21 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class Failure:
+    """Why a request ended without finishing: a gRPC status code name and a message for the client."""
+
+    code: str        # INTERNAL | UNAVAILABLE | INVALID_ARGUMENT ...
+    message: str
+
+
+@dataclass(frozen=True)
 class Output:
-    """What a step produced for one request; `finish_reason` set on the last one."""
+    """What a step produced for one request; `finish_reason` or `failure` set on the last one."""
 
     token_ids: list[int]
     text: str = ""
     finish_reason: str = ""
+    failure: Failure | None = None
 
 
 @dataclass(eq=False)
@@ -59,4 +68,3 @@ class Sequence:
     @property
     def max_tokens(self) -> int:
         return len(self.prompt_ids) + self.max_new_tokens
-

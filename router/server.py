@@ -1,24 +1,36 @@
-"""The public gRPC API (`shardline.v1.Generation`), health and reflection, on top of the engine."""
+"""The public gRPC API (`shardline.v1.Generation`), health and reflection, on top of the replica.
+
+Hostile input is bounded before it costs anything: bytes that do not parse are INVALID_ARGUMENT
+(not gRPC's INTERNAL); stop strings, ids, salts and message counts have limits; a prompt longer
+than the context times the longest token can never fit and is refused before tokenizing.
+Tokenizing and chat templating run on a worker thread, with the GIL released while tokenizing,
+so a long prompt does not delay other streams' tokens.
+"""
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import math
 import random
 import statistics
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
-from router.engine import Engine
+from protos import generation_pb2 as pb
+from router.replica import Replica
 from router.sequence import Sampling, Sequence
-from router.tokenizer import CHAT_ROLES
+from router.tokenizer import CHAT_ROLES, TemplateError
 
 log = logging.getLogger(__name__)
 SERVICE = "shardline.v1.Generation"
+MAX_STOPS, MAX_STOP_CHARS = 16, 256
+MAX_ID_CHARS = 256        # request_id, cache_salt
+MAX_MESSAGES = 1024
 
 
 class InvalidRequest(Exception):
@@ -31,42 +43,92 @@ def _invalid(message: str) -> InvalidRequest:
     return InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, info: pb.InfoResponse, eos_ids: frozenset[int], max_waiting: int):
-        self.engine, self.info, self.eos_ids, self.max_waiting = engine, info, eos_ids, max_waiting
+class Malformed:
+    """Stands in for a request whose bytes did not parse; the handler answers INVALID_ARGUMENT."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _parser(cls):
+    def parse(data: bytes):
+        try:
+            return cls.FromString(data)
+        except Exception as e:  # DecodeError, or whatever else hostile bytes provoke
+            return Malformed(f"the request does not parse as {cls.DESCRIPTOR.full_name}: {e}")
+    return parse
+
+
+class GenerationService:
+    def __init__(self, replica: Replica, max_waiting: int):
+        self.replica, self.max_waiting = replica, max_waiting
         self._ids = itertools.count(1)
+        # One thread: a burst of long prompts queues here instead of taking every core.
+        self._text_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     # -- validation ---------------------------------------------------------------------------
-    def _prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
+    def _check_cheap(self, req: pb.GenerateRequest, info: pb.InfoResponse) -> None:
+        """Everything that costs nothing to check, before any tokenizing."""
+        if req.max_new_tokens == 0:
+            raise _invalid("max_new_tokens must be at least 1")
+        if req.max_new_tokens >= info.context_length:
+            raise _invalid(f"max_new_tokens ({req.max_new_tokens}) exceeds the model's context of "
+                           f"{info.context_length} tokens")
+        if len(req.stop) > MAX_STOPS:
+            raise _invalid(f"at most {MAX_STOPS} stop strings, got {len(req.stop)}")
+        for s in req.stop:
+            if not 1 <= len(s) <= MAX_STOP_CHARS:
+                raise _invalid(f"stop strings must have 1 to {MAX_STOP_CHARS} characters, got {len(s)}")
+        for name in ("request_id", "cache_salt"):
+            if len(getattr(req, name)) > MAX_ID_CHARS:
+                raise _invalid(f"{name} is longer than {MAX_ID_CHARS} characters")
+        self._sampling(req)
         kind = req.WhichOneof("input")
-        tok = self.engine.tokenizer
+        limit = info.context_length * self.replica.codec.max_token_chars
         if kind == "prompt":
             if not req.prompt:
                 raise _invalid("prompt is empty")
-            ids = tok.encode(req.prompt, add_special_tokens=False)
+            chars = len(req.prompt)
         elif kind == "prompt_token_ids":
-            ids = list(req.prompt_token_ids.ids)
-            bad = [t for t in ids if t >= self.info.vocab_size]
-            if bad:
-                raise _invalid(f"token id {bad[0]} is outside the vocabulary (size {self.info.vocab_size})")
+            ids = req.prompt_token_ids.ids
+            if not ids:
+                raise _invalid("the prompt has no tokens")
+            if len(ids) + req.max_new_tokens > info.context_length:
+                raise _invalid(f"prompt ({len(ids)} tokens) + max_new_tokens ({req.max_new_tokens}) "
+                               f"exceeds the model's context of {info.context_length} tokens")
+            if max(ids) >= info.vocab_size:
+                raise _invalid(f"token id {max(ids)} is outside the vocabulary (size {info.vocab_size})")
+            return
         elif kind == "messages":
-            if not req.messages.messages:
+            messages = req.messages.messages
+            if not messages:
                 raise _invalid("messages is empty")
-            for m in req.messages.messages:
+            if len(messages) > MAX_MESSAGES:
+                raise _invalid(f"at most {MAX_MESSAGES} messages, got {len(messages)}")
+            for m in messages:
                 if m.role not in CHAT_ROLES:
-                    raise _invalid(f"unknown chat role {m.role!r}; expected one of {sorted(CHAT_ROLES)}")
-            chat = [{"role": m.role, "content": m.content} for m in req.messages.messages]
-            ids = list(tok.apply_chat_template(chat, tokenize=True, add_generation_prompt=True,
-                                               return_dict=False))
+                    raise _invalid(f"unknown chat role {m.role[:40]!r}; expected one of {sorted(CHAT_ROLES)}")
+            chars = sum(len(m.content) for m in messages)
         else:
             raise _invalid("no input: set prompt, prompt_token_ids or messages")
-        if not ids:
-            raise _invalid("the prompt has no tokens")
-        return ids
+        if chars > limit:
+            raise _invalid(f"the prompt has {chars} characters; no prompt over {limit} characters fits the "
+                           f"model's context of {info.context_length} tokens")
 
-    def _sampling(self, req: pb.GenerateRequest) -> Sampling:
+    def _prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
+        """Tokenizes (and templates) the input; runs on the worker thread."""
+        codec, kind = self.replica.codec, req.WhichOneof("input")
+        if kind == "prompt_token_ids":
+            return list(req.prompt_token_ids.ids)
+        if kind == "prompt":
+            return codec.encode(req.prompt)
+        chat = [{"role": m.role, "content": m.content} for m in req.messages.messages]
+        return codec.encode(codec.render_chat(chat))
+
+    @staticmethod
+    def _sampling(req: pb.GenerateRequest) -> Sampling:
         s = req.sampling
-        if math.isnan(s.temperature) or s.temperature < 0 or math.isinf(s.temperature):
+        if not (math.isfinite(s.temperature) and s.temperature >= 0):
             raise _invalid(f"temperature must be a finite number >= 0, got {s.temperature}")
         top_p = s.top_p if s.HasField("top_p") else 1.0
         if not 0.0 < top_p <= 1.0:  # NaN fails this too
@@ -74,45 +136,59 @@ class GenerationService(pb_grpc.GenerationServicer):
         seed = s.seed if s.HasField("seed") else random.getrandbits(63)
         return Sampling(temperature=s.temperature, top_p=top_p, top_k=s.top_k, seed=seed)
 
-    def _validate(self, req: pb.GenerateRequest) -> Sequence:
-        ids = self._prompt_ids(req)
-        context = self.info.context_length
-        if req.max_new_tokens == 0:
-            raise _invalid("max_new_tokens must be at least 1")
-        if len(ids) + req.max_new_tokens > context:
+    def _unavailable(self) -> InvalidRequest | None:
+        replica = self.replica
+        if not replica.accepting:
+            return InvalidRequest(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if not replica.serving:
+            return InvalidRequest(grpc.StatusCode.UNAVAILABLE,
+                                  f"the shard group is not serving: {replica.down_reason}")
+        return None
+
+    async def _accept(self, req) -> Sequence:
+        if isinstance(req, Malformed):
+            raise _invalid(req.message)
+        if error := self._unavailable():
+            raise error
+        info = self.replica.info
+        self._check_cheap(req, info)
+        try:
+            ids = await asyncio.get_running_loop().run_in_executor(self._text_worker, self._prompt_ids, req)
+        except TemplateError as e:
+            raise _invalid(str(e)) from None
+        if not ids:
+            raise _invalid("the prompt has no tokens")
+        if len(ids) + req.max_new_tokens > info.context_length:
             raise _invalid(f"prompt ({len(ids)} tokens) + max_new_tokens ({req.max_new_tokens}) "
-                           f"exceeds the model's context of {context} tokens")
-        if any(not s for s in req.stop):
-            raise _invalid("stop strings must not be empty")
-        sampling = self._sampling(req)
-        scheduler = self.engine.scheduler
+                           f"exceeds the model's context of {info.context_length} tokens")
+        if error := self._unavailable():  # the group may have failed while we tokenized
+            raise error
+        info, scheduler = self.replica.info, self.replica.engine.scheduler
         if not scheduler.can_ever_fit(len(ids) + req.max_new_tokens):
             raise InvalidRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  f"the request needs {len(ids) + req.max_new_tokens} tokens of KV cache "
-                                 f"but the whole page pool holds {self.info.num_pages * self.info.page_size}")
+                                 f"but the whole page pool holds {info.num_pages * info.page_size}")
         if len(scheduler.waiting) >= self.max_waiting:
             raise InvalidRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  f"too many waiting requests ({self.max_waiting}); retry later")
-        if self.engine.error:
-            raise InvalidRequest(grpc.StatusCode.UNAVAILABLE, f"a shard is down: {self.engine.error}")
         return Sequence(seq_id=next(self._ids), request_id=req.request_id or uuid.uuid4().hex,
-                        prompt_ids=ids, max_new_tokens=req.max_new_tokens, sampling=sampling,
+                        prompt_ids=ids, max_new_tokens=req.max_new_tokens, sampling=self._sampling(req),
                         cache_salt=req.cache_salt, priority=req.priority,
-                        stop_token_ids=frozenset() if req.ignore_eos else self.eos_ids)
+                        stop_token_ids=frozenset() if req.ignore_eos else self.replica.eos_ids)
 
     # -- RPCs -----------------------------------------------------------------------------------
     async def Generate(self, request, context):
         try:
-            seq = self._validate(request)
+            seq = await self._accept(request)
         except InvalidRequest as e:
             await context.abort(e.code, str(e))
-        self.engine.submit(seq, list(request.stop))
+        engine = self.replica.engine
+        engine.submit(seq, list(request.stop))
         try:
             while True:
                 out = await seq.outputs.get()
-                if out.finish_reason == "error":
-                    await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                        f"the replica failed while serving this request: {self.engine.error}")
+                if out.failure is not None:
+                    await context.abort(grpc.StatusCode[out.failure.code], out.failure.message)
                 msg = pb.GenerateResponse(token_ids=out.token_ids, text=out.text,
                                           finish_reason=out.finish_reason, request_id=seq.request_id)
                 if out.finish_reason:
@@ -124,11 +200,18 @@ class GenerationService(pb_grpc.GenerationServicer):
                 yield msg
         finally:
             # Client cancelled, deadline passed or the stream broke: free the request's pages.
-            self.engine.cancel(seq)
+            engine.cancel(seq)
 
     async def Stats(self, request, context):
-        sched, pages = self.engine.scheduler, self.engine.scheduler.pages
-        return pb.StatsResponse(
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        replica, engine = self.replica, self.replica.engine
+        st = pb.StatsResponse(serving=replica.serving, replica_failures=replica.failures,
+                              replica_recoveries=replica.recoveries)
+        if engine is None:
+            return st
+        sched, pages = engine.scheduler, engine.scheduler.pages
+        st.MergeFrom(pb.StatsResponse(
             pages_total=pages.num_pages, pages_free=pages.free, pages_referenced=pages.referenced,
             pages_evictable=pages.evictable, pages_cached=pages.cached, pages_reserved=pages.reserved,
             pages_probation=len(pages.probation), pages_protected=len(pages.protected),
@@ -136,25 +219,38 @@ class GenerationService(pb_grpc.GenerationServicer):
             requests_waiting=len(sched.waiting),
             requests_running=len(sched.prefilling) + len(sched.decoding),
             requests_prefilling=len(sched.prefilling), requests_decoding=len(sched.decoding),
-            steps=self.engine.step_id,
-            tokens_generated=self.engine.tokens_generated,
-            prompt_tokens_computed=self.engine.prompt_tokens_computed,
-            decode_step_ms_p50=_median([w for w, _ in self.engine.decode_step_times]),
-            shard_decode_step_ms_p50=_median([c for _, c in self.engine.decode_step_times]))
+            steps=engine.step_id, tokens_generated=engine.tokens_generated,
+            prompt_tokens_computed=engine.prompt_tokens_computed, requests_failed=engine.requests_failed,
+            decode_step_ms_p50=_median([w for w, _ in engine.decode_step_times]),
+            shard_decode_step_ms_p50=_median([c for _, c in engine.decode_step_times])))
+        return st
 
     async def Info(self, request, context):
-        return self.info
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        if self.replica.info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"not connected: {self.replica.down_reason}")
+        return self.replica.info
 
 
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def add_services(server: grpc.aio.Server, service: GenerationService | None,
-                 health_servicer: health.HealthServicer) -> None:
-    if service is not None:
-        pb_grpc.add_GenerationServicer_to_server(service, server)
+def add_services(server: grpc.aio.Server, service: GenerationService,
+                 health_servicer: health.aio.HealthServicer) -> None:
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate, request_deserializer=_parser(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            service.Stats, request_deserializer=_parser(pb.StatsRequest),
+            response_serializer=pb.StatsResponse.SerializeToString),
+        "Info": grpc.unary_unary_rpc_method_handler(
+            service.Info, request_deserializer=_parser(pb.InfoRequest),
+            response_serializer=pb.InfoResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (pb.DESCRIPTOR.services_by_name["Generation"].full_name,
-             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)

@@ -1,15 +1,25 @@
-"""The router's side of the shard contract: one long-lived Steps stream per shard."""
+"""The router's side of the shard contract: one long-lived Steps stream per shard.
+
+A shard is judged failed when its stream breaks (it died, or its connection did), when it ends a
+step with an error, or when a step has run for `step_timeout_s` and the shard then does not
+answer a health check within `probe_timeout_s` (a hung or SIGSTOPped process). A step that runs
+long on shards that still answer is a long prefill, not a failure, and is left to finish.
+"""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import shard_pb2, shard_pb2_grpc
 
+PROBE_TIMEOUT_S = 5.0
+
 
 class ShardError(RuntimeError):
-    """A shard failed or went away; the replica cannot serve until it is back."""
+    """A shard failed or went away; the replica cannot serve until its group is back."""
 
 
 class ShardClient:
@@ -18,6 +28,7 @@ class ShardClient:
         self.channel = grpc.aio.insecure_channel(address, options=[
             ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
         self.stub = shard_pb2_grpc.ShardStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
         self._stream = None
 
     async def info(self, timeout: float) -> shard_pb2.ShardInfo:
@@ -25,9 +36,20 @@ class ShardClient:
         return await self.stub.Info(shard_pb2.InfoRequest(), wait_for_ready=True, timeout=timeout)
 
     async def warmup(self, num_pages: int, max_batch: int) -> None:
-        await self.stub.Warmup(shard_pb2.WarmupRequest(num_pages=num_pages, max_batch=max_batch),
-                               timeout=600)
+        await self.stub.Warmup(shard_pb2.WarmupRequest(num_pages=num_pages, max_batch=max_batch), timeout=600)
         self._stream = self.stub.Steps()
+
+    async def answers(self, timeout: float) -> bool:
+        try:
+            await self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            return True
+        except grpc.aio.AioRpcError:
+            return False
+
+    async def ended(self) -> str:
+        """Waits until the step stream ends, and says how."""
+        code = await self._stream.code()
+        return f"shard {self.address} ended its step stream: {code.name} {await self._stream.details()}"
 
     async def step(self, plan: shard_pb2.StepPlan) -> shard_pb2.StepResult:
         try:
@@ -36,44 +58,104 @@ class ShardClient:
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
             raise ShardError(f"shard {self.address}: {e}") from e
         if result is grpc.aio.EOF:
-            code = await self._stream.code()
-            details = await self._stream.details()
-            raise ShardError(f"shard {self.address} closed its step stream: {code} {details}")
+            code, details = await self._stream.code(), await self._stream.details()
+            raise ShardError(f"shard {self.address} closed its step stream: {code.name} {details}")
         if result.step_id != plan.step_id:
             raise ShardError(f"shard {self.address} answered step {result.step_id}, expected {plan.step_id}")
         return result
 
+    async def close_stream(self, abandon: bool) -> None:
+        """Ends the step stream: cleanly (the shard keeps its state and may be driven again), or
+        by cancelling it (a shard of a multi-rank group then exits, to be restarted with it)."""
+        stream, self._stream = self._stream, None
+        if stream is None:
+            return
+        if abandon:
+            stream.cancel()
+            return
+        try:
+            await asyncio.wait_for(stream.done_writing(), 5)
+            await asyncio.wait_for(stream.code(), 5)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, asyncio.TimeoutError):
+            stream.cancel()
+
     async def close(self) -> None:
-        if self._stream is not None:
-            self._stream.cancel()
+        await self.close_stream(abandon=False)
         await self.channel.close()
+
+
+def _mismatch(infos: list[shard_pb2.ShardInfo], field: str) -> str | None:
+    values = {getattr(i, field) for i in infos}
+    return f"the shards disagree on {field}: {sorted(map(str, values))}" if len(values) > 1 else None
 
 
 class ShardGroup:
     """Every shard of a replica receives the same plan; a step is done when all have answered.
     Only the last stage's TP rank 0 returns sampled tokens."""
 
-    def __init__(self, addresses: list[str]):
+    def __init__(self, addresses: list[str], step_timeout_s: float = 20.0):
         self.shards = [ShardClient(a) for a in addresses]
         self.sampler = len(self.shards) - 1
+        self.step_timeout_s = step_timeout_s
+        self.probe_timeout_s = min(PROBE_TIMEOUT_S, step_timeout_s)
 
     async def info(self, timeout: float) -> list[shard_pb2.ShardInfo]:
-        infos = list(await asyncio.gather(*(s.info(timeout) for s in self.shards)))
+        """Every shard's Info, checked to form one replica of one model."""
+        try:
+            infos = list(await asyncio.gather(*(s.info(timeout) for s in self.shards)))
+        except grpc.aio.AioRpcError as e:
+            raise ShardError(f"a shard did not answer Info: {e.code().name} {e.details()}") from e
+        for field in ("model", "page_size", "dtype", "vocab_size", "context_length", "tp_size", "pp_size"):
+            if why := _mismatch(infos, field):
+                raise ShardError(why)
         tp, pp = infos[0].tp_size, infos[0].pp_size
         layout = sorted((i.pp_stage, i.tp_rank) for i in infos)
-        if layout != [(s, r) for s in range(pp) for r in range(tp)] or \
-                any((i.tp_size, i.pp_size) != (tp, pp) for i in infos):
-            raise ShardError(f"the shards do not form one TP{tp} x PP{pp} replica: {layout}")
+        if layout != [(s, r) for s in range(pp) for r in range(tp)]:
+            raise ShardError(f"the shards do not form one TP{tp} x PP{pp} replica: (stage, rank) {layout}")
         self.sampler = next(n for n, i in enumerate(infos) if i.pp_stage == pp - 1 and i.tp_rank == 0)
         return infos
 
     async def warmup(self, num_pages: int, max_batch: int) -> None:
-        await asyncio.gather(*(s.warmup(num_pages, max_batch) for s in self.shards))
+        try:
+            await asyncio.gather(*(s.warmup(num_pages, max_batch) for s in self.shards))
+        except grpc.aio.AioRpcError as e:
+            raise ShardError(f"a shard failed its warmup: {e.code().name} {e.details()}") from e
+
+    async def ended(self) -> str:
+        """Waits until any shard's step stream ends (between steps too), and says how."""
+        tasks = [asyncio.ensure_future(s.ended()) for s in self.shards]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            return done.pop().result()
+        finally:
+            for t in tasks:
+                t.cancel()
 
     async def step(self, plan: shard_pb2.StepPlan) -> shard_pb2.StepResult:
-        # gather raises the first failure; a shard that died fails the whole step.
-        results = await asyncio.gather(*(s.step(plan) for s in self.shards))
-        return results[self.sampler]
+        tasks = [asyncio.ensure_future(s.step(plan)) for s in self.shards]
+        t0 = time.monotonic()
+        try:
+            while True:
+                done, pending = await asyncio.wait(tasks, timeout=self.step_timeout_s,
+                                                   return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    if task.exception() is not None:
+                        raise task.exception()
+                if not pending:
+                    return tasks[self.sampler].result()
+                # A long step: it may be a long prefill, or a shard that hangs. Ask them all.
+                answers = await asyncio.gather(*(s.answers(self.probe_timeout_s) for s in self.shards))
+                silent = [s.address for s, ok in zip(self.shards, answers) if not ok]
+                if silent:
+                    raise ShardError(f"step {plan.step_id} has run {time.monotonic() - t0:.0f} s and shard(s) "
+                                     f"{', '.join(silent)} did not answer a health check within "
+                                     f"{self.probe_timeout_s:.0f} s")
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def close_streams(self, abandon: bool) -> None:
+        await asyncio.gather(*(s.close_stream(abandon) for s in self.shards), return_exceptions=True)
 
     async def close(self) -> None:
         await asyncio.gather(*(s.close() for s in self.shards), return_exceptions=True)

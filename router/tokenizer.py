@@ -1,89 +1,103 @@
-"""Tokenizer and chat template of the served model, plus incremental detokenization.
+"""The served model's tokenizer, chat template and streaming detokenizer, without torch.
 
-A GGUF carries its tokenizer and chat template; `transformers` converts them once and the result
-is cached next to the converted weights, so later starts read a plain `tokenizer.json`.
+`tokenizers` reads `tokenizer.json`; jinja2 renders the chat template as `transformers` does (a
+sandbox, trim_blocks and lstrip_blocks, `raise_exception`, a `tojson` that keeps non-ASCII);
+`tokenizers.decoders.DecodeStream` turns sampled tokens into text deltas.
 """
 from __future__ import annotations
 
-import os
-import shutil
+import json
+from datetime import datetime
+from pathlib import Path
 
-from shard.source import ModelSource
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
-def load_tokenizer(source: ModelSource):
-    from transformers import AutoTokenizer
+class TemplateError(ValueError):
+    """The chat template refused the conversation (its own `raise_exception`, or a render error)."""
 
-    if source.kind == "hf":
-        return AutoTokenizer.from_pretrained(source.path)
-    cached = source.cache_dir / "tokenizer"
-    if (cached / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(cached)
-    tok = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
-    # Saved beside and renamed into place, so a concurrent reader never sees half a folder.
-    tmp = cached.with_name(f"tokenizer.{os.getpid()}.tmp")
-    tok.save_pretrained(tmp)
-    try:
-        tmp.rename(cached)
-    except OSError:  # another process got there first; its copy is as good
-        shutil.rmtree(tmp, ignore_errors=True)
-    return tok
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class TextCodec:
+    """Text <-> token ids for one model folder (tokenizer.json + tokenizer_config.json)."""
+
+    def __init__(self, folder: Path):
+        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        config_file = folder / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        self.special = {k: _token_text(config.get(k)) or "" for k in _SPECIAL}
+        eos = self.special["eos_token"]
+        self.eos_token_id = self.tokenizer.token_to_id(eos) if eos else None
+        template = config.get("chat_template")
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self._template = None
+        if template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = _tojson
+            env.globals.update(raise_exception=_raise_exception,
+                               strftime_now=lambda fmt: datetime.now().strftime(fmt))
+            self._template = env.from_string(template)
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        # The most characters one token stands for: a prompt longer than context x this cannot fit.
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        self.max_token_chars = max(len(self.tokenizer.decode([i], skip_special_tokens=False))
+                                   for i in vocab.values())
+
+    def encode(self, text: str) -> list[int]:
+        # encode_batch releases the GIL (plain encode holds it for the whole text), so a long
+        # prompt tokenized on a worker thread does not stall the event loop.
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        if self._template is None:
+            raise TemplateError("the model has no chat template; send a prompt or token ids instead")
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=True, **self.special)
+        except jinja2.exceptions.TemplateError as e:
+            raise TemplateError(f"the chat template refused the messages: {e}") from e
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            raise TemplateError(f"the chat template failed on the messages: {e!r}") from e
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def stream(self) -> "Detokenizer":
+        return Detokenizer(self.tokenizer)
 
 
 class Detokenizer:
-    """Turns a growing list of token ids into text deltas, holding back an incomplete UTF-8
-    sequence (decoded as U+FFFD) until the token that completes it arrives."""
+    """Text deltas for a growing list of token ids. A token that ends inside a UTF-8 character
+    yields nothing until the token completing it arrives; special tokens yield nothing."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
+        self._stream = DecodeStream(skip_special_tokens=True)
 
     def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        decode = self.tokenizer.decode
-        before = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
-        after = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return after[len(before):]
-        return ""
-
-
-class StopMatcher:
-    """Finds stop strings in the streamed text. Text that could still become the start of a stop
-    string is withheld, so a client never sees part of a stop string."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self.text = ""
-        self.sent = 0
-
-    def feed(self, delta: str) -> tuple[str, bool]:
-        """Returns (text safe to send now, whether a stop string matched)."""
-        self.text += delta
-        if not self.stops:
-            out, self.sent = self.text[self.sent:], len(self.text)
-            return out, False
-        # Withheld text covers every possible stop start, so a match never begins before `sent`.
-        hits = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
-        if hits:
-            end = min(hits)
-            out, self.sent = self.text[self.sent:end], end
-            return out, True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-        safe = max(self.sent, len(self.text) - hold)
-        out, self.sent = self.text[self.sent:safe], safe
-        return out, False
-
-    def flush(self) -> str:
-        out, self.sent = self.text[self.sent:], len(self.text)
-        return out
+        return self._stream.step(self.tokenizer, token_id) or ""

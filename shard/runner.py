@@ -1,9 +1,18 @@
-"""Runs step plans on the model: builds the step's tensors, runs the layers, samples.
+"""Runs step plans on the model: checks each sequence's entry, builds the step's tensors, runs the
+layers, samples.
 
 Slots are derived here from each sequence's block table and positions; a decode step is
 vectorized over the batch (no per-token Python work beyond building the step's index tensors).
+
+A plan entry that cannot be served (a page id outside the pool, positions its block table does
+not cover, a token outside the vocabulary) fails its sequence alone: it is left out of the step
+and reported. Every shard of a replica receives the same plan and judges it the same way, so
+every rank leaves out the same sequences and the collectives stay matched.
 """
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -15,19 +24,46 @@ from shard.parallel import Layout
 from shard.sampler import SamplingParams, sample
 
 
+@dataclass
+class StepOutput:
+    tokens: list[int] = field(default_factory=list)       # per emitting sequence that did not fail
+    failures: dict[int, str] = field(default_factory=dict)  # seq_id -> why
+
+
 class ModelRunner:
     def __init__(self, model: Transformer, page_size: int, dtype: torch.dtype, device: torch.device,
-                 layout: Layout = Layout()):
+                 layout: Layout = Layout(), vocab_size: int | None = None, max_position: int | None = None):
         self.model, self.page_size, self.dtype, self.device = model, page_size, dtype, device
         self.layout = layout
+        self.vocab_size = vocab_size or model.cfg.vocab_size
+        self.max_position = max_position or model.cfg.max_position
         self.kv: KVPages | None = None
         self.lm_head_calls = 0
 
     def allocate(self, num_pages: int) -> None:
+        self.kv = None  # let the old pool go before the new one is allocated
         self.kv = KVPages(self.model.cfg, num_pages, self.page_size, self.dtype, self.device)
 
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def check(self, s) -> str | None:
+        """Why this plan entry cannot be served, or None."""
+        n, end = len(s.token_ids), s.start_pos + len(s.token_ids)
+        if n == 0:
+            return "no input tokens"
+        if end > self.max_position:
+            return f"positions up to {end} exceed the model's context of {self.max_position}"
+        if len(s.block_table) * self.page_size < end:
+            return f"block table of {len(s.block_table)} pages does not cover {end} positions"
+        if max(s.block_table) >= self.kv.padding_page:
+            return f"page id {max(s.block_table)} outside the pool of {self.kv.padding_page} pages"
+        if max(s.token_ids) >= self.vocab_size:
+            return f"token id {max(s.token_ids)} outside the vocabulary of {self.vocab_size}"
+        sp = s.sampling
+        if not (math.isfinite(sp.temperature) and sp.temperature >= 0 and 0 <= sp.top_p <= 1):
+            return f"invalid sampling parameters {sp}"
+        return None
 
     def _decode_batch(self, seqs) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
         ps = self.page_size
@@ -55,10 +91,19 @@ class ModelRunner:
         return tokens, positions, batch
 
     @torch.inference_mode()
-    def step(self, seqs) -> list[int]:
-        """seqs: SequenceStep messages. Returns one sampled token per sequence with emit set."""
+    def step(self, plan_seqs) -> StepOutput:
+        """plan_seqs: SequenceStep messages. Samples one token per valid sequence with emit set
+        (on the sampling shard). An exception here leaves the shard's state unknown."""
+        out = StepOutput()
+        seqs = []
+        for s in plan_seqs:
+            why = self.check(s)
+            if why is None:
+                seqs.append(s)
+            else:
+                out.failures[s.seq_id] = why
         if not seqs:
-            return []
+            return out
         is_decode = all(len(s.token_ids) == 1 for s in seqs)
         tokens, positions, batch = (self._decode_batch if is_decode else self._prefill_batch)(seqs)
         layout, hidden_in = self.layout, None
@@ -71,10 +116,15 @@ class ModelRunner:
         ends = torch.tensor([len(s.token_ids) for s in seqs]).cumsum(0) - 1
         emitting = [i for i, s in enumerate(seqs) if s.emit]
         if not emitting or not layout.samples:
-            return []
+            return out
         self.lm_head_calls += 1
         logits = self.model.logits(hidden[ends[emitting].to(self.device)])
         params = [SamplingParams(s.sampling.temperature, s.sampling.top_p or 1.0, s.sampling.top_k,
                                  s.sampling.seed) for s in (seqs[i] for i in emitting)]
         sampled_at = [seqs[i].start_pos + len(seqs[i].token_ids) for i in emitting]
-        return sample(logits, params, sampled_at)
+        for i, token in zip(emitting, sample(logits, params, sampled_at)):
+            if isinstance(token, str):
+                out.failures[seqs[i].seq_id] = token
+            else:
+                out.tokens.append(token)
+        return out

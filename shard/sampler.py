@@ -2,6 +2,17 @@
 
 A seeded draw depends only on (seed, position), not on which other sequences share the batch,
 so the same request with the same seed gets the same tokens under any load.
+
+Numerics, for every value the router accepts (temperature finite and >= 0, top_p in (0, 1]):
+- temperature T > 0 samples from softmax(logits / T), computed as softmax((logits - max) / T),
+  which cannot overflow. As T shrinks the distribution tends to a uniform choice among the tied
+  best tokens; once T is below (best - second best) / 104 every other token's probability
+  underflows to exactly 0, so a tiny temperature (1e-39, say) is greedy, ties broken by the seed.
+  A huge T makes the choice uniform over what top-k / top-p keep.
+- top_p keeps the smallest set of best tokens whose mass reaches top_p, and always the best
+  one, so a tiny top_p is greedy too.
+- A row whose logits are not all finite (a numerically broken model) is not sampled at all:
+  its sequence fails alone, with a message, and the others in the batch are unaffected.
 """
 from __future__ import annotations
 
@@ -23,8 +34,8 @@ def _mix(seed: int, position: int) -> int:
 
 
 def sample_row(logits: torch.Tensor, p: SamplingParams, position: int) -> int:
-    logits = logits / p.temperature
-    if p.top_k > 0 and p.top_k < logits.numel():
+    logits = (logits - logits.max()) / p.temperature
+    if 0 < p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
@@ -32,16 +43,23 @@ def sample_row(logits: torch.Tensor, p: SamplingParams, position: int) -> int:
         sorted_probs, order = torch.sort(probs, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
         drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        drop[0] = False
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     gen = torch.Generator(device=logits.device).manual_seed(_mix(p.seed, position))
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
-    """logits [B, vocab] fp32 -> one token per row."""
-    tokens = logits.argmax(dim=-1).tolist()
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int | str]:
+    """logits [B, vocab] fp32 -> per row a token id, or a str saying why that row failed."""
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    out: list[int | str] = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
-        if p.temperature > 0:
-            tokens[i] = sample_row(logits[i], p, positions[i])
-    return tokens
+        if not finite[i]:
+            out[i] = "the model produced non-finite logits for this sequence"
+        elif p.temperature > 0:
+            try:
+                out[i] = sample_row(logits[i], p, positions[i])
+            except RuntimeError as e:  # a bug here must cost this request only
+                out[i] = f"sampling failed: {e}"
+    return out

@@ -1,7 +1,18 @@
-"""The shard process: loads its weights, answers Info/Warmup, and runs the step stream."""
+"""The shard process: loads its weights, answers Info/Warmup, and runs the step stream.
+
+Failures: an invalid plan entry or a failed sampling fails that sequence alone (reported in the
+step result). An exception inside the forward pass leaves the shard's state unknown: the stream
+ends with INTERNAL. A shard of a multi-rank group then exits, as it does when the router abandons
+its stream, because a torch.distributed group cannot take back one restarted rank: the group is
+restarted as a whole by its supervisor (`shardline serve`, or compose's restart policy).
+
+SIGTERM drains: health turns NOT_SERVING and the shard keeps serving its step stream until the
+router closes it, for up to `--drain-timeout-s`.
+"""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -11,12 +22,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import torch
 
+from common.model_source import resolve_model
+from common.process import exit_soon
 from protos import shard_pb2, shard_pb2_grpc
-from router.launcher import exit_soon
 from shard.kv_cache import bytes_per_page
 from shard.parallel import Layout, init_distributed, keep_stage, shard_tensor_parallel
 from shard.runner import ModelRunner
-from shard.source import resolve_model
 from shard.weights import build_model
 
 log = logging.getLogger("shardline.shard")
@@ -24,9 +35,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class ShardService(shard_pb2_grpc.ShardServicer):
-    def __init__(self, runner: ModelRunner, info: shard_pb2.ShardInfo):
-        self.runner, self.info = runner, info
+    def __init__(self, runner: ModelRunner, info: shard_pb2.ShardInfo, grouped: bool):
+        self.runner, self.info, self.grouped = runner, info, grouped
         self._stream_lock = threading.Lock()  # one router drives a shard at a time
+        self.streaming = threading.Event()    # a step stream is open
 
     def Info(self, request, context):
         return self.info
@@ -35,40 +47,52 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         if request.num_pages < 1 or request.num_pages > self.info.max_pages:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"num_pages {request.num_pages} outside [1, {self.info.max_pages}]")
+        if self.streaming.is_set():
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a step stream is still open")
         self.runner.allocate(request.num_pages)
         # One prefill and one decode, so first-request latency does not pay for lazy init.
-        step = shard_pb2.SequenceStep(seq_id=0, token_ids=[0, 1], start_pos=0, block_table=[0], emit=True)
+        sampling = shard_pb2.Sampling(top_p=1.0)
+        step = shard_pb2.SequenceStep(seq_id=0, token_ids=[0, 1], start_pos=0, block_table=[0], emit=True,
+                                      sampling=sampling)
         self.runner.step([step])
-        self.runner.step([shard_pb2.SequenceStep(seq_id=0, token_ids=[1], start_pos=2,
-                                                 block_table=[0], emit=True)])
+        self.runner.step([shard_pb2.SequenceStep(seq_id=0, token_ids=[1], start_pos=2, block_table=[0],
+                                                 emit=True, sampling=sampling)])
         return shard_pb2.WarmupResponse()
 
     def Steps(self, request_iterator, context):
         if not self._stream_lock.acquire(blocking=False):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another router already drives this shard")
+        self.streaming.set()
         try:
             if self.runner.kv is None:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Warmup must come before Steps")
             for plan in request_iterator:
                 t0 = time.perf_counter()
                 try:
-                    tokens = self.runner.step(plan.seqs)
-                except (IndexError, RuntimeError, ValueError) as e:
+                    out = self.runner.step(plan.seqs)
+                except Exception as e:  # the step's effects are unknown
                     log.exception("step %d failed", plan.step_id)
-                    context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {e}")
-                yield shard_pb2.StepResult(step_id=plan.step_id, tokens=tokens,
-                                           compute_ms=(time.perf_counter() - t0) * 1e3)
+                    self._leave_group_soon(f"step {plan.step_id} failed")
+                    context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {e!r}")
+                yield shard_pb2.StepResult(
+                    step_id=plan.step_id, tokens=out.tokens, compute_ms=(time.perf_counter() - t0) * 1e3,
+                    failures=[shard_pb2.SequenceFailure(seq_id=k, message=v) for k, v in out.failures.items()])
+        except grpc.RpcError:  # cancelled by the router, or the router went away
+            self._leave_group_soon("the router abandoned the step stream")
         finally:
+            self.streaming.clear()
             self._stream_lock.release()
 
+    def _leave_group_soon(self, why: str) -> None:
+        if self.grouped:
+            log.error("%s; exiting so that the shard group restarts as a whole", why)
+            exit_soon(0.5)  # time for the abort to reach the router
 
-def serve_shard(args) -> None:
+
+def serve_shard(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     layout = Layout(tp=args.tp, pp=args.pp, tp_rank=args.tp_rank, pp_stage=args.pp_stage)
-    if not (0 <= layout.tp_rank < layout.tp and 0 <= layout.pp_stage < layout.pp):
-        raise SystemExit(f"--tp-rank {layout.tp_rank} / --pp-stage {layout.pp_stage} outside --tp {layout.tp} "
-                         f"--pp {layout.pp}")
     if args.device:
         device = torch.device(args.device)
     elif torch.cuda.is_available():
@@ -81,8 +105,6 @@ def serve_shard(args) -> None:
     model = build_model(source, dtype, device)
     full = model.cfg
     if layout.world > 1:
-        if not args.dist_init:
-            raise SystemExit("--dist-init tcp://HOST:PORT is required with --tp or --pp above 1")
         group = init_distributed(layout, args.dist_init, device)
         keep_stage(model, layout)
         shard_tensor_parallel(model, layout, group)
@@ -90,28 +112,39 @@ def serve_shard(args) -> None:
     log.info("loaded %s (stage %d/%d, TP rank %d/%d, %d layers) in %.1f s", source.name, layout.pp_stage,
              layout.pp, layout.tp_rank, layout.tp, cfg.num_layers, time.perf_counter() - t0)
     per_page = bytes_per_page(cfg, args.page_size, dtype)
+    weight_bytes = sum(t.numel() * t.element_size() for t in {id(p): p for p in model.parameters()}.values())
     info = shard_pb2.ShardInfo(
-        model=full.name or source.name, vocab_size=full.vocab_size, context_length=full.max_position,
+        model=source.name, vocab_size=full.vocab_size, context_length=full.max_position,
         page_size=args.page_size, max_pages=max(0, int(args.kv_memory_gb * 2**30 // per_page) - 1),
         tp_rank=layout.tp_rank, tp_size=layout.tp, pp_stage=layout.pp_stage, pp_size=layout.pp,
-        dtype=args.dtype, device=str(device), eos_token_ids=full.eos_token_ids)
-    runner = ModelRunner(model, args.page_size, dtype, device, layout)
+        dtype=args.dtype, device=str(device), eos_token_ids=full.eos_token_ids,
+        weight_bytes=weight_bytes, kv_bytes_per_page=per_page)
+    runner = ModelRunner(model, args.page_size, dtype, device, layout, full.vocab_size, full.max_position)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
         ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
-    shard_pb2_grpc.add_ShardServicer_to_server(ShardService(runner, info), server)
+    service = ShardService(runner, info, grouped=layout.world > 1)
+    shard_pb2_grpc.add_ShardServicer_to_server(service, server)
     health_servicer = health.HealthServicer()  # for orchestrators: SERVING once the weights are in
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if server.add_insecure_port(args.listen) == 0:
         raise SystemExit(f"cannot listen on {args.listen}")
+    if args.listen.startswith("unix:"):  # the step stream writes KV: only this user may drive it
+        os.chmod(args.listen[len("unix:"):], 0o600)
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     print(f"shard listening {args.listen}", flush=True)
-    done = threading.Event()
+    stop = threading.Event()
+
     def on_stop(*_):
-        exit_soon()
-        done.set()
+        exit_soon(args.drain_timeout_s + 10)
+        stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_stop)
-    done.wait()
+    stop.wait()
+    health_servicer.enter_graceful_shutdown()  # NOT_SERVING from now on
+    deadline = time.monotonic() + args.drain_timeout_s
+    while service.streaming.is_set() and time.monotonic() < deadline:
+        time.sleep(0.05)
     server.stop(grace=1.0).wait()
+    return 0

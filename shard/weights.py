@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from shard.config import ModelConfig
 from shard.model import Rotary, Transformer
-from shard.source import ModelSource
+from common.model_source import ModelSource
 
 log = logging.getLogger(__name__)
 
@@ -112,3 +112,17 @@ def write_hf_config(cfg: ModelConfig, path) -> None:
         "max_position_embeddings": cfg.max_position, "tie_word_embeddings": cfg.tie_word_embeddings,
         "eos_token_id": cfg.eos_token_ids, "hidden_act": "silu", "torch_dtype": "float32",
     }))
+
+
+def transformers_model(source: ModelSource, folder):
+    """`transformers`' own model class over exactly the weights Shardline serves (a GGUF
+    dequantized as the shard does it): the reference for parity tests and the peer in benchmarks.
+    `folder` receives the config.json it is built from."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg, sd = load_state_dict(source)
+    write_hf_config(cfg, folder / "config.json")
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
+    model.load_state_dict(sd, strict=False)
+    model.tie_weights()
+    return model.eval()

@@ -1,22 +1,17 @@
 """What the tests share: tiny random models, Hugging Face references, and real server processes."""
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import grpc
 import torch
 
+from common.model_source import resolve_model
+from common.process import free_port, free_ports  # noqa: F401  (re-exported for the tests)
+from common.serve_process import ROOT, ServeProcess  # noqa: F401
+from common.tokenizer_files import tokenizer_folder
 from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
-from router.launcher import die_with_parent
-
-ROOT = Path(__file__).resolve().parent.parent
 
 TINY_CONFIGS = {
     # Large enough init that random logits are not near-uniform (greedy ties would be noise).
@@ -30,9 +25,14 @@ TINY_CONFIGS = {
 
 
 def smollm2_tokenizer():
-    from router.tokenizer import load_tokenizer
-    from shard.source import resolve_model
-    return load_tokenizer(resolve_model(None))
+    """transformers' tokenizer of the default model: the reference for the router's own."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tokenizer_folder(resolve_model(None)))
+
+
+def smollm2_codec():
+    from router.tokenizer import TextCodec
+    return TextCodec(tokenizer_folder(resolve_model(None)))
 
 
 def make_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
@@ -64,16 +64,8 @@ def hf_model(path: Path):
 
 def smollm2_hf_model(tmp: Path):
     """transformers' Llama over exactly the weights Shardline serves (the dequantized GGUF)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from shard.source import resolve_model
-    from shard.weights import load_state_dict, write_hf_config
-
-    cfg, sd = load_state_dict(resolve_model(None))
-    write_hf_config(cfg, tmp / "config.json")
-    model = LlamaForCausalLM(LlamaConfig.from_pretrained(tmp))
-    model.load_state_dict(sd, strict=False)
-    model.tie_weights()
-    return model.eval()
+    from shard.weights import transformers_model
+    return transformers_model(resolve_model(None), tmp)
 
 
 @torch.no_grad()
@@ -111,48 +103,13 @@ def assert_serves_like_reference(server: "Server", prompts, wants, cache: str, n
     assert st.pages_referenced == 0 and st.pages_free + st.pages_evictable == st.pages_total
 
 
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free ports: all held open together, so the kernel cannot hand one out twice."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-class Server:
+class Server(ServeProcess):
     """`shardline serve` as a real child process; `stub` talks to it over gRPC."""
 
     def __init__(self, *args: str, env: dict | None = None, timeout: float = 180):
-        self.port = free_port()
-        self.target = f"127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "router.cli", "serve", "--port", str(self.port), *args]
-        self.log: list[str] = []
-        # preexec: the server dies with the test process, even a killed one.
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env={**os.environ, **(env or {})},
-                                     preexec_fn=die_with_parent)
-        self._ready = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-        if not self._ready.wait(timeout):
-            self.stop()
-            raise RuntimeError("server never became ready:\n" + "".join(self.log[-40:]))
+        super().__init__(*args, env=env, timeout=timeout)
         self.channel = grpc.insecure_channel(self.target)
         self.stub = pb_grpc.GenerationStub(self.channel)
-
-    def _pump(self):
-        for line in self.proc.stdout:
-            self.log.append(line)
-            if line.startswith("ready "):
-                self._ready.set()
-        self._ready.set()  # exited: let the waiter see it
 
     def generate(self, **kwargs) -> tuple[list[int], str, pb.GenerateResponse]:
         tokens, text, last = [], "", None
@@ -175,16 +132,55 @@ class Server:
                 return st
             time.sleep(0.05)
 
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if hasattr(self, "channel"):
+    def stop(self, timeout: float = 60) -> int:
+        code = super().stop(timeout)
+        if hasattr(self, "channel"):  # not when the server never came up
             self.channel.close()
-        if self.proc.returncode != 0:  # shown by pytest when the test fails
-            print(f"server exited with {self.proc.returncode}; its last output:\n" + "".join(self.log[-60:]))
-        return self.proc.returncode
+        if code != 0:  # shown by pytest when the test fails
+            print(f"server exited with {code}; its last output:\n" + self.output())
+        return code
+
+
+# -- processes ----------------------------------------------------------------------------------
+def children(pid: int) -> list[int]:
+    # The launcher starts its children from its main thread, whose task id is its pid.
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+
+
+def alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+def shard_pids(server: ServeProcess) -> list[int]:
+    """The launcher's shard processes, in (stage, rank) order."""
+    def place(pid):
+        args = cmdline(pid).split()
+        return int(args[args.index("--pp-stage") + 1]), int(args[args.index("--tp-rank") + 1])
+    return sorted((p for p in children(server.proc.pid) if " shard " in cmdline(p)), key=place)
+
+
+def router_pid(server: ServeProcess) -> int:
+    return next(p for p in children(server.proc.pid) if " router " in cmdline(p))
+
+
+def health_status(channel, timeout: float = 5) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout).status
+
+
+def wait_for(predicate, timeout: float, what: str, every: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

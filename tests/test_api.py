@@ -1,5 +1,6 @@
 """The public API against real server processes: bad input, concurrency, cancellation, seeds."""
 import math
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,13 @@ BAD_REQUESTS = [
     ("unknown chat role", dict(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")]),
                                max_new_tokens=4), INVALID, "role"),
     ("empty stop string", dict(prompt="hi", max_new_tokens=4, stop=[""]), INVALID, "stop"),
+    ("17 stop strings", dict(prompt="hi", max_new_tokens=4, stop=[str(i) for i in range(17)]), INVALID, "at most 16"),
+    ("a 257-character stop string", dict(prompt="hi", max_new_tokens=4, stop=["x" * 257]), INVALID, "1 to 256"),
+    ("a long request id", dict(prompt="hi", max_new_tokens=4, request_id="r" * 257), INVALID, "request_id"),
+    ("a long cache salt", dict(prompt="hi", max_new_tokens=4, cache_salt="s" * 257), INVALID, "cache_salt"),
+    ("a 4 MB prompt", dict(prompt="four megabytes " * 266_000, max_new_tokens=4), INVALID, "characters"),
+    ("infinite temperature", dict(prompt="hi", max_new_tokens=4, sampling=pb.SamplingParams(temperature=math.inf)),
+     INVALID, "temperature"),
 ]
 
 
@@ -145,3 +153,21 @@ def test_seeded_sampling_is_reproducible(smollm2_server):
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda s: run(s), [7, 8, 9, 7]))
     assert results[0] == results[3] == first
+
+
+def test_a_chat_template_that_refuses_the_messages_is_invalid_argument(tiny_models, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_models["llama"], folder)
+    (folder / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('conversations must start with the user') }}"
+        "{% endif %}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    server = Server("--model", str(folder), "--page-size", "16")
+    try:
+        chat = lambda role: pb.ChatMessages(messages=[pb.ChatMessage(role=role, content="hello")])
+        with pytest.raises(grpc.RpcError) as err:
+            server.generate(messages=chat("assistant"), max_new_tokens=2)
+        assert err.value.code() == INVALID and "conversations must start with the user" in err.value.details()
+        tokens, _, last = server.generate(messages=chat("user"), max_new_tokens=2, ignore_eos=True)
+        assert len(tokens) == 2 and last.usage.prompt_tokens > 2
+    finally:
+        assert server.stop() == 0

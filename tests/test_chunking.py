@@ -135,7 +135,7 @@ def test_intermediate_chunks_compute_no_logits_and_write_the_same_kv(tiny_models
     import torch
     from protos import shard_pb2
     from shard.runner import ModelRunner
-    from shard.source import resolve_model
+    from common.model_source import resolve_model
     from shard.weights import build_model
 
     model = build_model(resolve_model(str(tiny_models["qwen3"])), torch.float32, torch.device("cpu"))
@@ -148,7 +148,7 @@ def test_intermediate_chunks_compute_no_logits_and_write_the_same_kv(tiny_models
         for n in chunks:
             emit = pos + n == len(prompt)
             tokens += runner.step([shard_pb2.SequenceStep(seq_id=1, token_ids=prompt[pos:pos + n], start_pos=pos,
-                                                          block_table=table, emit=emit)])
+                                                          block_table=table, emit=emit)]).tokens
             pos += n
         kv = torch.stack([k[:6] for k, _ in runner.kv.layers])
         return tokens, runner.lm_head_calls, kv

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
-from router.launcher import die_with_parent
+from common.process import spawn_service
 from tests.support import ROOT, free_port
 
 ADDRESS = re.compile(r"([A-Za-z0-9][\w.-]*):(\d+)")
@@ -44,8 +44,9 @@ class Loopback:
         return ADDRESS.sub(swap, value)
 
     def command(self, service: str, argv: list[str]) -> list[str]:
+        """`shardline` arguments, for `python -m common.cli`."""
         assert argv[0] == "shardline"
-        return [sys.executable, "-m", "router.cli", *[self.rewrite(service, "", a) for a in argv[1:]]]
+        return [self.rewrite(service, "", a) for a in argv[1:]]
 
 
 def _wait_healthy(loop: Loopback, name: str, service: dict, proc, timeout=180):
@@ -53,7 +54,7 @@ def _wait_healthy(loop: Loopback, name: str, service: dict, proc, timeout=180):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"{name} exited with {proc.returncode}"
-        if subprocess.run(check, cwd=ROOT, capture_output=True).returncode == 0:
+        if subprocess.run([sys.executable, "-m", "common.cli", *check], cwd=ROOT, capture_output=True).returncode == 0:
             return
         time.sleep(0.5)
     raise AssertionError(f"{name} never became healthy")
@@ -68,6 +69,8 @@ def test_compose_file_shape():
     assert all("ports" not in services[n] for n in shards), "shards must not be exposed outside"
     assert services[routers[0]]["ports"]
     assert all(s["healthcheck"]["test"][1:3] == ["shardline", "health"] for s in services.values())
+    # A broken shard group exits as a whole and must come back on its own; drains need time.
+    assert all(s["restart"] == "unless-stopped" and s["stop_grace_period"] for s in services.values())
     cuda = [n for n, s in compose["services"].items() if "cuda" in s.get("profiles", [])]
     assert cuda and (ROOT / "Dockerfile").is_file()
 
@@ -85,9 +88,8 @@ def test_compose_services_serve_a_request_on_loopback():
             for dep in service.get("depends_on", {}):
                 _wait_healthy(loop, dep, services[dep], procs[dep])
             env = {k: loop.rewrite(name, k, str(v)) for k, v in service["environment"].items()}
-            procs[name] = subprocess.Popen(loop.command(name, service["command"]), cwd=ROOT,
-                                           env={**os.environ, **env}, stdout=subprocess.DEVNULL,
-                                           stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
+            procs[name] = spawn_service(loop.command(name, service["command"]), cwd=ROOT, env={**os.environ, **env},
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         router = next(n for n in order if services[n]["command"][1] == "router")
         _wait_healthy(loop, router, services[router], procs[router])
         port = loop.port(router, str(services[router]["environment"]["SHARDLINE_PORT"]))

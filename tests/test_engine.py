@@ -1,46 +1,64 @@
-"""The step loop with stand-in shards (a unit test of one class): deferred release on cancel, and
-a shard failure or an internal error that fails every request and returns every page."""
+"""The step loop with stand-in shards (a unit test of one class): deferred release on cancel,
+failures that belong to one request, and failures of the shard group."""
 import asyncio
+
+import pytest
 
 from protos import shard_pb2
 from router.engine import Engine
 from router.page_manager import PageManager
 from router.scheduler import Scheduler
-from router.sequence import Sampling, Sequence
+from router.sequence import Failure, Sampling, Sequence
 from router.shard_client import ShardError
-from tests.support import smollm2_tokenizer
+from tests.support import smollm2_codec
 
-TOK = smollm2_tokenizer()
+CODEC = smollm2_codec()
 
 
 class GatedShards:
-    """Answers each step only when the test opens the gate."""
+    """Answers each step only when the test opens the gate; `fail_seqs` are reported failed,
+    `extra_tokens` makes the answer carry the wrong number of tokens."""
 
     def __init__(self):
         self.gate = asyncio.Event()
         self.started = asyncio.Event()
         self.fail = False
+        self.fail_seqs: set[int] = set()
+        self.extra_tokens = 0
+        self.plans = []
 
     async def step(self, plan):
+        self.plans.append(plan)
         self.started.set()
         await self.gate.wait()
         self.gate.clear()
         if self.fail:
             raise ShardError("shard 0 died")
-        return shard_pb2.StepResult(step_id=plan.step_id, tokens=[42] * len(plan.seqs))
+        ok = [s for s in plan.seqs if s.seq_id not in self.fail_seqs]
+        return shard_pb2.StepResult(
+            step_id=plan.step_id, tokens=[42] * (sum(s.emit for s in ok) + self.extra_tokens),
+            failures=[shard_pb2.SequenceFailure(seq_id=i, message="page id 999 outside the pool")
+                      for i in sorted(self.fail_seqs & {s.seq_id for s in plan.seqs})])
 
 
-def _setup():
+def _setup(num_seqs=1):
     pool = PageManager(16, 4)
     shards = GatedShards()
-    engine = Engine(Scheduler(pool, 8, 1000), shards, TOK, max_position=1000)
-    seq = Sequence(1, "r1", list(range(10)), 20, Sampling())
-    return pool, shards, engine, seq
+    engine = Engine(Scheduler(pool, 8, 1000), shards, CODEC, max_position=1000)
+    seqs = [Sequence(i, f"r{i}", list(range(10 * i, 10 * i + 10)), 20, Sampling()) for i in range(1, num_seqs + 1)]
+    return pool, shards, engine, seqs
+
+
+async def _drain(seq):
+    out = [await asyncio.wait_for(seq.outputs.get(), 5)]
+    while not (out[-1].finish_reason or out[-1].failure):
+        out.append(await asyncio.wait_for(seq.outputs.get(), 5))
+    return out
 
 
 def test_cancel_during_a_step_releases_pages_only_after_the_step():
     async def scenario():
-        pool, shards, engine, seq = _setup()
+        pool, shards, engine, (seq,) = _setup()
         engine.submit(seq, [])
         loop = asyncio.create_task(engine.run())
         await shards.started.wait()
@@ -49,10 +67,7 @@ def test_cancel_during_a_step_releases_pages_only_after_the_step():
         await asyncio.sleep(0.05)
         assert pool.referenced == 3, "pages released while the shard may still write them"
         shards.gate.set()
-        out = [await seq.outputs.get()]
-        while not out[-1].finish_reason:
-            out.append(await seq.outputs.get())
-        assert out[-1].finish_reason == "cancelled"
+        assert (await _drain(seq))[-1].finish_reason == "cancelled"
         assert pool.available == 16 and pool.referenced == 0 and pool.reserved == 0
         pool.check()
         assert not engine.scheduler.has_work()
@@ -61,36 +76,76 @@ def test_cancel_during_a_step_releases_pages_only_after_the_step():
     asyncio.run(scenario())
 
 
-def test_shard_failure_fails_requests_and_returns_pages():
+def test_a_sequence_the_shard_could_not_serve_fails_alone_and_publishes_nothing():
     async def scenario():
-        pool, shards, engine, seq = _setup()
-        engine.submit(seq, [])
+        pool, shards, engine, (a, b) = _setup(2)
+        engine.submit(a, [])
+        engine.submit(b, [])
+        shards.fail_seqs = {a.seq_id}
         loop = asyncio.create_task(engine.run())
-        await shards.started.wait()
-        shards.fail = True
-        shards.gate.set()
-        await loop
-        assert (await seq.outputs.get()).finish_reason == "error"
-        assert engine.error and pool.available == 16 and pool.referenced == 0
+        shards.gate.set()                    # the admit step: a fails, b gets its first token
+        out_a = await _drain(a)
+        assert out_a[-1].failure == Failure("INTERNAL", "the shard could not serve this request: "
+                                                        "page id 999 outside the pool")
+        # Only b's two full prompt pages were published; a's KV was never written.
+        assert sorted(pool.index.values()) == sorted(b.block_table[:2]), "a failed sequence's pages were published"
+        for _ in range(19):                  # b runs to its end, alone
+            await shards.started.wait()
+            shards.started.clear()
+            shards.gate.set()
+        out_b = await _drain(b)
+        assert [o.token_ids for o in out_b] == [[42]] * 20 and out_b[-1].finish_reason == "length"
+        assert all([s.seq_id for s in p.seqs] == [b.seq_id] for p in shards.plans[1:])
+        assert pool.referenced == 0 and pool.reserved == 0 and engine.requests_failed == 1
         pool.check()
+        loop.cancel()
 
     asyncio.run(scenario())
 
 
-def test_an_internal_error_fails_requests_instead_of_leaving_them_hanging():
-    class BrokenTokenizer:
-        def decode(self, *args, **kwargs):
-            raise RuntimeError("detokenizer bug")
+def test_an_exception_turning_one_requests_tokens_into_text_fails_that_request_alone():
+    class Broken:
+        def push(self, token):
+            raise ValueError("detokenizer edge case")
 
     async def scenario():
-        pool, shards, _, seq = _setup()
-        engine = Engine(Scheduler(pool, 8, 1000), shards, BrokenTokenizer(), max_position=1000)
-        engine.submit(seq, [])
+        pool, shards, engine, (a, b) = _setup(2)
+        engine.submit(a, [])
+        engine.submit(b, [])
+        engine._text[a.seq_id] = (Broken(), engine._text[a.seq_id][1])
         loop = asyncio.create_task(engine.run())
         shards.gate.set()
-        await asyncio.wait_for(loop, 5)
-        assert (await asyncio.wait_for(seq.outputs.get(), 5)).finish_reason == "error"
-        assert "detokenizer bug" in engine.error
+        failure = (await _drain(a))[-1].failure
+        assert failure.code == "INTERNAL" and "detokenizer edge case" in failure.message
+        for _ in range(19):
+            await shards.started.wait()
+            shards.started.clear()
+            shards.gate.set()
+        assert (await _drain(b))[-1].finish_reason == "length"
         assert pool.referenced == 0 and pool.reserved == 0
+        loop.cancel()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("fault", ["shard died", "wrong token count"])
+def test_a_shard_group_failure_leaves_run_and_fail_all_returns_every_page(fault):
+    async def scenario():
+        pool, shards, engine, (seq,) = _setup()
+        engine.submit(seq, [])
+        loop = asyncio.create_task(engine.run())
+        await shards.started.wait()
+        if fault == "shard died":
+            shards.fail = True
+        else:  # the engine checks that a step returns one token per emitting sequence
+            shards.extra_tokens = 1
+        shards.gate.set()
+        with pytest.raises(ShardError, match="died" if fault == "shard died" else "2 tokens for 1"):
+            await asyncio.wait_for(loop, 5)
+        assert pool.referenced == 3  # nothing released yet: the replica decides
+        engine.fail_all(Failure("UNAVAILABLE", "the replica failed"))
+        assert (await _drain(seq))[-1].failure.code == "UNAVAILABLE"
+        assert pool.available == 16 and pool.referenced == 0
+        pool.check()
 
     asyncio.run(scenario())

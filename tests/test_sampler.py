@@ -32,3 +32,30 @@ def test_seeded_draw_depends_on_seed_and_position_only():
     assert batched[1] == alone[0]
     draws = {tuple(sample(logits, [SamplingParams(temperature=2.0, seed=s)] * 3, [0, 1, 2])) for s in range(20)}
     assert len(draws) > 1
+
+
+def test_every_value_validation_accepts_samples_safely():
+    torch.manual_seed(2)
+    logits = torch.randn(4, 1000) * 5
+    best = logits.argmax(-1).tolist()
+    tiny = [1e-39, 1.4e-45, 1e-30, 1e-6]  # float32 denormals included: greedy, exactly
+    assert sample(logits, [SamplingParams(temperature=t, seed=2**64 - 1) for t in tiny], [0, 1, 2, 3]) == best
+    tiny_p = [SamplingParams(temperature=1.0, top_p=p, top_k=2**32 - 1, seed=s)
+              for s, p in enumerate([1.4e-45, 1e-30, 1e-6, 1e-3])]
+    assert sample(logits, tiny_p, [0, 1, 2, 3]) == best
+    huge = {sample(logits[:1], [SamplingParams(temperature=3.4e38, seed=s)], [0])[0] for s in range(50)}
+    assert len(huge) > 40  # a huge temperature is uniform over the vocabulary
+
+
+def test_ties_at_a_tiny_temperature_are_broken_by_the_seed():
+    logits = torch.tensor([[1.0, 3.0, 3.0, -2.0]])
+    seen = {sample(logits, [SamplingParams(temperature=1e-39, seed=s)], [0])[0] for s in range(40)}
+    assert seen == {1, 2}
+
+
+def test_a_row_with_non_finite_logits_fails_alone():
+    logits = torch.randn(3, 50)
+    logits[1, 7] = float("nan")
+    out = sample(logits, [SamplingParams(), SamplingParams(temperature=1.0, seed=1), SamplingParams()], [0, 0, 0])
+    assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+    assert isinstance(out[1], str) and "non-finite" in out[1]

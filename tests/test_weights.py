@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from shard.source import resolve_model
+from common.model_source import resolve_model
 from shard.weights import load_state_dict, unpermute_rope
 
 

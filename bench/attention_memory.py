@@ -1,0 +1,161 @@
+"""Decode attention's temporary memory: shard peak RSS at batch 32 with one sequence at the full
+context and 31 short ones, and short-context decode speed, for this checkout and a baseline
+revision side by side (the baseline runs from a git worktree of that revision).
+
+Per version, against a fresh `shardline serve --max-batch 32` on SmolLM2:
+1. short context: one stream (ITL p50 over 128 tokens), then 32 streams at once (tokens/s);
+2. long context: a prompt of `--long-tokens` random tokens; once its first token is out,
+   31 short streams join it; the shard's RSS is sampled throughout and its peak (VmHWM) read
+   at the end. The budget is weights + the whole KV pool + 400 MB.
+
+    .venv/bin/python -m bench.attention_memory [--baseline-rev REV]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from bench.common import machine, save
+from bench.serve import ROOT, Serve, _status_mb
+from protos import generation_pb2 as pb
+
+BUDGET_EXTRA_MB = 400
+
+
+def _stream(server: Serve, ids: list[int], new: int, stamps: list[float]) -> None:
+    req = pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=new, ignore_eos=True)
+    for msg in server.stub.Generate(req, timeout=1800):
+        stamps.extend([time.perf_counter()] * len(msg.token_ids))
+
+
+def _concurrently(server: Serve, prompts: list[list[int]], new: int) -> list[list[float]]:
+    stamps = [[] for _ in prompts]
+    threads = [threading.Thread(target=_stream, args=(server, p, new, s)) for p, s in zip(prompts, stamps)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return stamps
+
+
+def measure(cwd: Path, args, rng: random.Random) -> dict:
+    server = Serve("--max-batch", "32", "--prefix-cache", "off", cwd=cwd)
+    try:
+        shard = server.roles()["shard"]
+        prompt = lambda n: [rng.randrange(1000, 40000) for _ in range(n)]
+        _concurrently(server, [prompt(32)], 8)  # warm-up
+        one = _concurrently(server, [prompt(32)], 128)[0]
+        itl = [b - a for a, b in zip(one, one[1:])]
+        t0 = time.perf_counter()
+        many = _concurrently(server, [prompt(32) for _ in range(32)], 64)
+        short = {"itl_p50_ms_1_stream": statistics.median(itl) * 1e3,
+                 "tok_s_32_streams": sum(map(len, many)) / (max(map(max, many)) - t0)}
+        rss, stop = [], threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                rss.append((time.perf_counter(), _status_mb(shard, "VmRSS")))
+                time.sleep(0.2)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        t0 = time.perf_counter()
+        long_stamps: list[float] = []
+        long_thread = threading.Thread(target=_stream, args=(server, prompt(args.long_tokens),
+                                                             args.long_new_tokens, long_stamps))
+        long_thread.start()
+        while not long_stamps and long_thread.is_alive():
+            time.sleep(0.05)
+        joined = time.perf_counter()
+        short_stamps = _concurrently(server, [prompt(32) for _ in range(31)], args.short_new_tokens)
+        long_thread.join()
+        stop.set()
+        sampler.join()
+        info = server.stub.Info(pb.InfoRequest()) if hasattr(pb.InfoResponse(), "shard_weight_bytes") else None
+        return {"short_context": short,
+                "long": {"prefill_s": joined - t0, "peak_rss_mb": _status_mb(shard, "VmHWM"),
+                         "rss_mb": [(round(t - t0, 2), round(m, 1)) for t, m in rss],
+                         "batch_32_from_s": joined - t0,
+                         "short_tokens": sum(map(len, short_stamps)), "long_tokens": len(long_stamps)},
+                "info": None if info is None else {"weight_mb": info.shard_weight_bytes / 2**20,
+                                                   "kv_pool_mb": info.shard_kv_pool_bytes / 2**20,
+                                                   "num_pages": info.num_pages}}
+    finally:
+        server.stop()
+
+
+def _worktree(rev: str) -> Path:
+    """A checkout of `rev` with its gRPC code generated, in a temporary folder."""
+    path = Path(tempfile.mkdtemp(prefix="shardline-baseline-")) / "tree"
+    subprocess.run(["git", "worktree", "add", "--detach", str(path), rev], cwd=ROOT, check=True,
+                   capture_output=True)
+    from grpc_tools import protoc
+    import grpc_tools
+    include = Path(grpc_tools.__file__).parent / "_proto"
+    for proto in sorted((path / "protos").glob("*.proto")):
+        protoc.main(["protoc", f"-I{path}", f"-I{include}", f"--python_out={path}",
+                     f"--grpc_python_out={path}", str(proto.relative_to(path))])
+    return path
+
+
+def plot(result: dict, png: Path) -> None:
+    import matplotlib.pyplot as plt
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for name, r in result["versions"].items():
+        t, m = zip(*r["long"]["rss_mb"]) if r["long"]["rss_mb"] else ((), ())
+        a1.plot(t, m, label=f"{name} (peak {r['long']['peak_rss_mb']:.0f} MB)")
+        a1.axvline(r["long"]["batch_32_from_s"], ls=":", color=a1.lines[-1].get_color())
+    a1.axhline(result["budget_mb"], ls="--", color="red", label=f"budget {result['budget_mb']:.0f} MB")
+    a1.set(title=f"shard RSS: {result['long_tokens']}-token sequence, then +31 short (dotted)",
+           xlabel="s", ylabel="MB")
+    a1.legend(fontsize=8)
+    names = list(result["versions"])
+    for j, key in enumerate(["itl_p50_ms_1_stream", "tok_s_32_streams"]):
+        bars = a2.bar([i + 0.4 * j for i in range(len(names))],
+                      [result["versions"][n]["short_context"][key] for n in names], 0.4, label=key)
+        a2.bar_label(bars, fmt="%.1f")
+    a2.set_xticks([i + 0.2 for i in range(len(names))], names)
+    a2.set(title="short-context decode")
+    a2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline-rev", default="", help="git revision to compare with (e.g. the parent commit)")
+    ap.add_argument("--long-tokens", type=int, default=8000)
+    ap.add_argument("--long-new-tokens", type=int, default=190)
+    ap.add_argument("--short-new-tokens", type=int, default=64)
+    args = ap.parse_args()
+    trees = {"this checkout": ROOT}
+    if args.baseline_rev:
+        trees = {f"baseline {args.baseline_rev}": _worktree(args.baseline_rev), **trees}
+    result = {"benchmark": "attention_memory", **machine(), "long_tokens": args.long_tokens, "versions": {}}
+    try:
+        for name, cwd in trees.items():
+            result["versions"][name] = measure(cwd, args, random.Random(0))
+            print(name, {k: v for k, v in result["versions"][name].items() if k != "long"},
+                  "peak RSS MB", result["versions"][name]["long"]["peak_rss_mb"], flush=True)
+    finally:
+        for cwd in trees.values():
+            if cwd != ROOT:
+                subprocess.run(["git", "worktree", "remove", "--force", str(cwd)], cwd=ROOT, capture_output=True)
+    info = result["versions"]["this checkout"]["info"]
+    result["budget_mb"] = info["weight_mb"] + info["kv_pool_mb"] + BUDGET_EXTRA_MB
+    for r in result["versions"].values():
+        r["within_budget"] = r["long"]["peak_rss_mb"] <= result["budget_mb"]
+    save("attention_memory", result, plot)
+    print(f"budget {result['budget_mb']:.0f} MB:",
+          {n: round(r["long"]["peak_rss_mb"]) for n, r in result["versions"].items()})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

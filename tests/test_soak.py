@@ -1,0 +1,30 @@
+"""A short soak (bench/soak.py's workload, about a minute on a tiny model): many streams with
+random cancels, deadlines and dropped connections lose nothing and leave nothing behind."""
+import asyncio
+
+from bench.soak import parser, run_soak
+from tests.support import Server
+
+
+def test_a_short_soak_loses_nothing(tiny_models):
+    server = Server("--model", str(tiny_models["llama"]), "--page-size", "16", "--num-pages", "512",
+                    "--max-batch", "16", "--max-waiting", "128")
+    try:
+        args = parser().parse_args(["--streams", "40", "--duration-s", "50", "--silent-s", "20",
+                                    "--kill-every-s", "12"])
+        result = asyncio.run(run_soak(server.target, args))
+        pool, statuses = result["end_pool"], result["statuses"]
+        assert pool["pages_referenced"] == 0 and pool["pages_reserved"] == 0
+        assert pool["pages_free"] + pool["pages_evictable"] == pool["pages_total"]
+        assert pool["requests_running"] == pool["requests_waiting"] == 0
+        assert result["silent_streams"] == 0
+        assert "UNKNOWN" not in statuses and "INTERNAL" not in statuses, result["unknown_or_internal"]
+        assert pool["replica_failures"] == 0 and pool["requests_failed"] == 0
+        # Every way of ending a stream happened, and the server saw them all through.
+        by = result["by_behaviour"]
+        assert by["complete"].get("OK", 0) > 50, by
+        assert by["cancel"].get("CANCEL", 0) > 0 and by["drop"].get("DROP", 0) > 0, by
+        assert by["deadline"].get("DEADLINE_EXCEEDED", 0) > 0, by
+        assert set(statuses) <= {"OK", "CANCEL", "DROP", "DEADLINE_EXCEEDED", "CANCELLED"}, statuses
+    finally:
+        assert server.stop() == 0
