@@ -30,10 +30,9 @@ from collections import Counter
 import grpc
 
 from bench.common import machine, save
-from bench.serve import Serve, _status_mb
+from bench.serve import ROOT, Serve, _status_mb
 from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 
-WINDOW_S = 30.0
 
 
 class Soak:
@@ -124,7 +123,8 @@ def _killed_client(target: str, streams: int, seconds: float) -> None:
             f"max_new_tokens=500, ignore_eos=True)\n"
             f"ts = [threading.Thread(target=lambda: [m for m in s.Generate(r, timeout=600)]) for _ in range({streams})]\n"
             f"[t.start() for t in ts]; [t.join() for t in ts]\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     time.sleep(seconds)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -173,9 +173,10 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def report(soak: Soak, memory, st, t0: float, finished: float, args) -> dict:
-    windows = []
-    for start in range(0, int(args.duration_s), int(WINDOW_S)):
-        recs = [r for r in soak.records if start <= r["start"] - t0 < start + WINDOW_S and r["stamps"]]
+    windows, width = [], max(5.0, args.duration_s / 20)
+    for i in range(int(args.duration_s // width)):
+        start = i * width
+        recs = [r for r in soak.records if start <= r["start"] - t0 < start + width and r["stamps"]]
         ttft = [(r["stamps"][0] - r["start"]) * 1e3 for r in recs]
         itl = [(b - a) * 1e3 for r in recs for a, b in zip(r["stamps"], r["stamps"][1:])]
         windows.append({"t": start, "requests": len(recs), "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99),
@@ -194,7 +195,7 @@ def report(soak: Soak, memory, st, t0: float, finished: float, args) -> dict:
                      "pages_referenced": st.pages_referenced, "pages_reserved": st.pages_reserved,
                      "requests_running": st.requests_running, "requests_waiting": st.requests_waiting,
                      "replica_failures": st.replica_failures, "requests_failed": st.requests_failed},
-        "windows": windows, "memory_mb": [(round(t, 1), m) for t, m in memory],
+        "window_s": width, "windows": windows, "memory_mb": [(round(t, 1), m) for t, m in memory],
         "drain_s": time.monotonic() - finished,
     }
 
@@ -210,8 +211,9 @@ def plot(result: dict, png) -> None:
     w = result["windows"]
     t = [x["t"] for x in w]
     for key, style in (("ttft_p50_ms", "-"), ("ttft_p99_ms", "--"), ("itl_p50_ms", "-"), ("itl_p99_ms", "--")):
-        a2.plot(t, [x[key] or 0 for x in w], style, label=key)
-    a2.set(title=f"latency per {WINDOW_S:.0f} s window", xlabel="s", ylabel="ms", yscale="log")
+        a2.plot(t, [x[key] or 0 for x in w], style, marker="o", label=key)
+    a2.set(title=f"latency by request start, {result['window_s']:.0f} s windows", xlabel="s", ylabel="ms",
+           yscale="log")
     a2.legend(fontsize=8)
     for role in ("router", "shard"):
         a3.plot([m[0] for m in result["memory_mb"]], [m[1].get(role, 0) for m in result["memory_mb"]], label=role)

@@ -80,6 +80,10 @@ class ShardGroup:
         self.answered = [False] * len(self.procs)
         self.silent_since = [None] * len(self.procs)
 
+    def serving(self) -> None:
+        """The router serves from this group: every shard has answered it (and is past loading)."""
+        self.answered = [True] * len(self.procs)
+
     def failure(self) -> str | None:
         """Why the group must be restarted, or None while it is fine (or still loading)."""
         now = time.monotonic()
@@ -146,9 +150,11 @@ def serve(args) -> int:
                 continue
             if restarts and time.monotonic() - group.started > STABLE_S:
                 restarts = 0
-            if not ready and target.serving():
-                ready = True
-                print(f"ready {args.host}:{args.port}", flush=True)
+            if target.serving():
+                group.serving()
+                if not ready:
+                    ready = True
+                    print(f"ready {args.host}:{args.port}", flush=True)
             time.sleep(0.5)
         # Drain: the router finishes what is in flight, then exits; the shards go after it.
         router.terminate()

@@ -64,24 +64,45 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: 
 
 # Decode attends in blocks of this many context tokens: a batch's temporary K/V copies are at
 # most batch x DECODE_BLOCK_TOKENS tokens, however long its longest sequence is.
-DECODE_BLOCK_TOKENS = 1024
+DECODE_BLOCK_TOKENS = 256
 
 
-def attend_plain(q, k, v, bias, scale):
-    """q [B, h, n, d], k/v [B, h, S, d], additive bias broadcast to [B, h, n, S] ->
-    (out [B, h, n, d], log-sum-exp [B, h, n]), in plain torch for any device."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale + bias
+def attend_plain(q, k, v, scale, bias=None, causal=False):
+    """q [B, h, n, d], k/v [B, h, S, d], an additive bias broadcast to [B, h, n, S] or a causal
+    mask (query i sees keys 0..i) -> (out [B, h, n, d], log-sum-exp [B, h, n]), in plain torch."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if bias is not None:
+        scores = scores + bias
+    if causal:
+        n, s = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(n, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v), lse
 
 
-def attend_fused_cpu(q, k, v, bias, scale):
+def attend_fused_cpu(q, k, v, scale, bias=None, causal=False):
     """As attend_plain, in torch's fused CPU kernel, which returns the log-sum-exp it computed."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal, attn_mask=bias,
+                                                                      scale=scale)
 
 
-def _attend(q, k, v, bias, scale):
-    return (attend_fused_cpu if q.device.type == "cpu" else attend_plain)(q, k, v, bias, scale)
+def _attend(q, k, v, scale, bias=None, causal=False):
+    return (attend_fused_cpu if q.device.type == "cpu" else attend_plain)(q, k, v, scale, bias, causal)
+
+
+def _merge(out, lse, o, l):
+    """Merges two attention results over disjoint key sets by their log-sum-exp."""
+    m = torch.maximum(lse, l)
+    w_old, w_new = torch.exp(lse - m), torch.exp(l - m)
+    total = w_old + w_new
+    return (out * w_old[..., None] + o.float() * w_new[..., None]) / total[..., None], m + torch.log(total)
+
+
+def _gathered(pages, table, tokens: int):
+    """[1, kv_heads, tokens, head_dim]: the first `tokens` cached positions of one sequence."""
+    page_size, kv_heads, head_dim = pages.shape[1:]
+    used = table[: (tokens + page_size - 1) // page_size]
+    return pages[used].view(-1, kv_heads, head_dim)[:tokens].transpose(0, 1)[None]
 
 
 def _decode_torch(q, k_pages, v_pages, batch: AttentionBatch, scale):
@@ -109,38 +130,37 @@ def _decode_torch(q, k_pages, v_pages, batch: AttentionBatch, scale):
         positions = torch.arange(start, start + width * page_size, device=q.device)
         bias = torch.zeros(n, 1, 1, width * page_size, dtype=q.dtype, device=q.device)
         bias.masked_fill_((positions[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
-        o, l = _attend(q_rows, k, v, bias, scale)
+        o, l = _attend(q_rows, k, v, scale, bias)
         if out is None:
             out, lse = o.float(), l.float()
-            continue
-        # Merge this block into the running result of its rows.
-        m = torch.maximum(lse[rows], l)
-        w_old, w_new = torch.exp(lse[rows] - m), torch.exp(l - m)
-        total = w_old + w_new
-        out[rows] = (out[rows] * w_old[..., None] + o.float() * w_new[..., None]) / total[..., None]
-        lse[rows] = m + torch.log(total)
+        else:
+            out[rows], lse[rows] = _merge(out[rows], lse[rows], o, l)
     return out.to(q.dtype).reshape(bsz, heads, head_dim)
 
 
 def _prefill_torch(q, k_new, v_new, k_pages, v_pages, batch: AttentionBatch, scale):
-    # 4-D inputs: torch's fused CPU attention kernel; 3-D ones would take its slow math path.
-    page_size, kv_heads, head_dim = k_pages.shape[1:]
+    """Per sequence: causal attention over its new tokens and, for a chunk after the first, plain
+    attention over its cached context, merged by log-sum-exp. Neither needs a mask, so both run
+    in torch's fused kernel (on 4-D inputs; 3-D ones take a slow path) in O(tokens) memory."""
+    kv_heads, head_dim = k_pages.shape[2:]
     outs, offset = [], 0
     for n, start, table in zip(batch.query_lens, batch.start_positions, batch.block_tables_list):
-        qs = q[offset:offset + n].transpose(0, 1)[None]
-        if start == 0:  # nothing cached before this chunk: attend over the new tokens directly
-            ks = k_new[offset:offset + n].transpose(0, 1)[None]
-            vs = v_new[offset:offset + n].transpose(0, 1)[None]
-            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-        else:  # a later chunk: the cached context, then the chunk itself causally
-            ctx = start + n
-            pages = table[: (ctx + page_size - 1) // page_size]
-            ks = k_pages[pages].view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)[None]
-            vs = v_pages[pages].view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)[None]
-            q_pos = torch.arange(start, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
-            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
-        outs.append(out[0].transpose(0, 1))
+        qs, ks, vs = (t[offset:offset + n].transpose(0, 1)[None] for t in (q, k_new, v_new))
+        if start == 0:
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)[0]
+        else:
+            heads = qs.shape[1]
+            group = heads // kv_heads
+            # The new tokens among themselves, causally (K/V repeated per q head: n tokens only).
+            out, lse = _attend(qs, ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1), scale,
+                               causal=True)
+            # The cached context, which every new token sees whole: each KV head's q heads
+            # stacked as its queries, so the context is neither masked nor repeated.
+            q_kv = qs[0].reshape(kv_heads, group * n, head_dim)[None]
+            o, l = _attend(q_kv, _gathered(k_pages, table, start), _gathered(v_pages, table, start), scale)
+            out, _ = _merge(out[0].float(), lse[0].float(), o.reshape(heads, n, head_dim), l.reshape(heads, n))
+            out = out.to(q.dtype)
+        outs.append(out.transpose(0, 1))
         offset += n
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 

@@ -13,6 +13,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.process import FAST_RECONNECT
 from protos import shard_pb2, shard_pb2_grpc
 
 PROBE_TIMEOUT_S = 5.0
@@ -26,7 +27,8 @@ class ShardClient:
     def __init__(self, address: str):
         self.address = address
         self.channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
+            ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
+            *FAST_RECONNECT])
         self.stub = shard_pb2_grpc.ShardStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self._stream = None

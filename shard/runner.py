@@ -4,6 +4,10 @@ layers, samples.
 Slots are derived here from each sequence's block table and positions; a decode step is
 vectorized over the batch (no per-token Python work beyond building the step's index tensors).
 
+A long prefill step runs in pieces of at most PREFILL_PIECE_TOKENS tokens, one after the other
+(a long prompt is cut as chunked prefill cuts it), so that its activations stay within tens of
+megabytes whatever the prompt's length. The router still sees one step.
+
 A plan entry that cannot be served (a page id outside the pool, positions its block table does
 not cover, a token outside the vocabulary) fails its sequence alone: it is left out of the step
 and reported. Every shard of a replica receives the same plan and judges it the same way, so
@@ -22,6 +26,35 @@ from shard.kv_cache import KVPages
 from shard.model import Transformer
 from shard.parallel import Layout
 from shard.sampler import SamplingParams, sample
+
+
+PREFILL_PIECE_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class Span:
+    """Some consecutive tokens of one sequence's step: what one forward pass computes for it."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+
+
+def pieces(seqs, limit: int) -> list[list[tuple[int, Span]]]:
+    """Cuts a prefill step into pieces of at most `limit` tokens: [(index in seqs, span)] each."""
+    out, piece, room = [], [], limit
+    for i, s in enumerate(seqs):
+        done = 0
+        while done < len(s.token_ids):
+            n = min(room, len(s.token_ids) - done)
+            piece.append((i, Span(s.token_ids[done:done + n], s.start_pos + done, s.block_table)))
+            done, room = done + n, room - n
+            if room == 0:
+                out.append(piece)
+                piece, room = [], limit
+    if piece:
+        out.append(piece)
+    return out
 
 
 @dataclass
@@ -90,6 +123,19 @@ class ModelRunner:
                                start_positions=[s.start_pos for s in seqs], block_tables_list=tables)
         return tokens, positions, batch
 
+    def _forward(self, tokens, positions, batch) -> torch.Tensor | None:
+        """Runs this shard's layers; the hidden states [T, hidden] on the last stage, else None
+        (they went to the next stage)."""
+        layout, hidden_in = self.layout, None
+        if not layout.is_first_stage:
+            hidden_in = torch.empty(len(tokens), self.model.cfg.hidden_size, dtype=self.dtype, device=self.device)
+            dist.recv(hidden_in, src=layout.peer(layout.pp_stage - 1))
+        hidden = self.model(tokens, positions, self.kv.layers, batch, hidden_in)
+        if not layout.is_last_stage:
+            dist.send(hidden, dst=layout.peer(layout.pp_stage + 1))
+            return None
+        return hidden
+
     @torch.inference_mode()
     def step(self, plan_seqs) -> StepOutput:
         """plan_seqs: SequenceStep messages. Samples one token per valid sequence with emit set
@@ -104,21 +150,21 @@ class ModelRunner:
                 out.failures[s.seq_id] = why
         if not seqs:
             return out
-        is_decode = all(len(s.token_ids) == 1 for s in seqs)
-        tokens, positions, batch = (self._decode_batch if is_decode else self._prefill_batch)(seqs)
-        layout, hidden_in = self.layout, None
-        if not layout.is_first_stage:
-            hidden_in = torch.empty(len(tokens), self.model.cfg.hidden_size, dtype=self.dtype, device=self.device)
-            dist.recv(hidden_in, src=layout.peer(layout.pp_stage - 1))
-        hidden = self.model(tokens, positions, self.kv.layers, batch, hidden_in)
-        if not layout.is_last_stage:
-            dist.send(hidden, dst=layout.peer(layout.pp_stage + 1))
-        ends = torch.tensor([len(s.token_ids) for s in seqs]).cumsum(0) - 1
+        if all(len(s.token_ids) == 1 for s in seqs):
+            last = self._forward(*self._decode_batch(seqs))  # one row per sequence
+        else:
+            rows = [None] * len(seqs)  # the hidden state of each sequence's last token
+            for piece in pieces(seqs, PREFILL_PIECE_TOKENS):
+                hidden = self._forward(*self._prefill_batch([span for _, span in piece]))
+                ends = torch.tensor([len(span.token_ids) for _, span in piece]).cumsum(0) - 1
+                for (i, _), end in zip(piece, ends.tolist()):
+                    rows[i] = None if hidden is None else hidden[end].clone()  # not a view: frees the piece
+            last = None if rows[0] is None else torch.stack(rows)
         emitting = [i for i, s in enumerate(seqs) if s.emit]
-        if not emitting or not layout.samples:
+        if not emitting or not self.layout.samples:
             return out
         self.lm_head_calls += 1
-        logits = self.model.logits(hidden[ends[emitting].to(self.device)])
+        logits = self.model.logits(last[torch.tensor(emitting, device=self.device)])
         params = [SamplingParams(s.sampling.temperature, s.sampling.top_p or 1.0, s.sampling.top_k,
                                  s.sampling.seed) for s in (seqs[i] for i in emitting)]
         sampled_at = [seqs[i].start_pos + len(seqs[i].token_ids) for i in emitting]

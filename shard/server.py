@@ -11,6 +11,7 @@ router closes it, for up to `--drain-timeout-s`.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -57,6 +58,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         self.runner.step([step])
         self.runner.step([shard_pb2.SequenceStep(seq_id=0, token_ids=[1], start_pos=2, block_table=[0],
                                                  emit=True, sampling=sampling)])
+        _trim_heap()
         return shard_pb2.WarmupResponse()
 
     def Steps(self, request_iterator, context):
@@ -89,7 +91,30 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             exit_soon(0.5)  # time for the abort to reach the router
 
 
+_M_ARENA_MAX = -8
+
+
+def _one_heap() -> None:
+    """One malloc arena for every thread. The gRPC worker threads take turns running steps; each
+    would otherwise grow an arena of its own, whose freed activations stay resident, and a
+    long-running shard's RSS would creep up by the largest step's temporaries per thread."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, 1)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _trim_heap() -> None:
+    """Hands the heap's free memory back to the system: what loading the weights (and a previous
+    pool) left behind would otherwise stay resident beside the new pool."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def serve_shard(args) -> int:
+    _one_heap()
     if args.threads:
         torch.set_num_threads(args.threads)
     layout = Layout(tp=args.tp, pp=args.pp, tp_rank=args.tp_rank, pp_stage=args.pp_stage)

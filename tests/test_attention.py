@@ -1,4 +1,5 @@
 """Paged attention against a dense causal reference, and KV writes that touch only their slots."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -20,7 +21,11 @@ def _slots(table, positions):
     return table[positions // PAGE] * PAGE + positions % PAGE
 
 
-def test_prefill_chunks_and_decode_match_dense():
+@pytest.mark.parametrize("kernel", ["fused", "plain"])
+def test_prefill_chunks_and_decode_match_dense(monkeypatch, kernel):
+    import kernels.attention as attention
+    if kernel == "plain":  # the path other devices take, checked here on the CPU
+        monkeypatch.setattr(attention, "_attend", attention.attend_plain)
     torch.manual_seed(0)
     kp, vp = torch.randn(PAGES + 1, PAGE, KVH, HD), torch.randn(PAGES + 1, PAGE, KVH, HD)
     total = 23
@@ -129,5 +134,8 @@ def test_plain_and_fused_cpu_attention_agree_on_output_and_log_sum_exp():
     q, k, v = torch.randn(3, 2, 4, HD), torch.randn(3, 2, 20, HD), torch.randn(3, 2, 20, HD)
     bias = torch.zeros(3, 1, 1, 20)
     bias[1, ..., 7:] = float("-inf")
-    for a, b in zip(attend_plain(q, k, v, bias, 0.3), attend_fused_cpu(q, k, v, bias, 0.3)):
+    for a, b in zip(attend_plain(q, k, v, 0.3, bias), attend_fused_cpu(q, k, v, 0.3, bias)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    qs = torch.randn(3, 2, 20, HD)  # causal: as many queries as keys
+    for a, b in zip(attend_plain(qs, k, v, 0.3, causal=True), attend_fused_cpu(qs, k, v, 0.3, causal=True)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

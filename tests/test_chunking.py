@@ -158,3 +158,33 @@ def test_intermediate_chunks_compute_no_logits_and_write_the_same_kv(tiny_models
     assert whole_calls == chunk_calls == 1
     assert chunk_tokens == whole_tokens
     torch.testing.assert_close(chunk_kv, whole_kv, rtol=1e-5, atol=1e-5)
+
+
+def test_a_long_prefill_step_runs_in_pieces_with_the_same_tokens_and_kv(tiny_models, monkeypatch):
+    import torch
+    import shard.runner as runner_module
+    from common.model_source import resolve_model
+    from protos import shard_pb2
+    from shard.runner import ModelRunner, pieces
+    from shard.weights import build_model
+
+    model = build_model(resolve_model(str(tiny_models["qwen3"])), torch.float32, torch.device("cpu"))
+    steps = [shard_pb2.SequenceStep(seq_id=1, token_ids=list(range(300, 341)), start_pos=0, block_table=list(range(6)),
+                                    emit=True),
+             shard_pb2.SequenceStep(seq_id=2, token_ids=list(range(500, 503)), start_pos=0, block_table=[6], emit=True),
+             shard_pb2.SequenceStep(seq_id=3, token_ids=list(range(700, 720)), start_pos=0, block_table=[7, 8, 9],
+                                    emit=False)]
+
+    def run(limit):
+        monkeypatch.setattr(runner_module, "PREFILL_PIECE_TOKENS", limit)
+        runner = ModelRunner(model, 8, torch.float32, torch.device("cpu"))
+        runner.allocate(16)
+        out = runner.step(steps)
+        return out.tokens, torch.stack([k[:10] for k, _ in runner.kv.layers])
+
+    assert [[(i, len(s.token_ids), s.start_pos) for i, s in p] for p in pieces(steps, 16)] == [
+        [(0, 16, 0)], [(0, 16, 16)], [(0, 9, 32), (1, 3, 0), (2, 4, 0)], [(2, 16, 4)]]
+    whole_tokens, whole_kv = run(4096)
+    piece_tokens, piece_kv = run(16)
+    assert piece_tokens == whole_tokens and len(whole_tokens) == 2
+    torch.testing.assert_close(piece_kv, whole_kv, rtol=1e-5, atol=1e-5)

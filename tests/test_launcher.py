@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import Server, alive, children, cmdline
+from tests.support import Server, alive, children, cmdline, router_pid, shard_pids
 
 
 @pytest.fixture
@@ -19,6 +19,9 @@ def test_sigterm_stops_router_and_shard(server):
     kids = children(server.proc.pid)
     assert sorted(" shard " in cmdline(k) for k in kids) == [False, True]
     assert server.generate(prompt="hi", max_new_tokens=2)[2].finish_reason in ("length", "eos")
+    maps = Path(f"/proc/{router_pid(server)}/maps").read_text()
+    assert "libtorch" not in maps and "libc10" not in maps, "the router process must not load torch"
+    assert "libtorch" in Path(f"/proc/{shard_pids(server)[0]}/maps").read_text()  # the check can see it
     assert server.stop() == 0
     deadline = time.monotonic() + 10
     while any(alive(k) for k in kids) and time.monotonic() < deadline:

@@ -38,7 +38,11 @@ def _fails_unavailable_soon(stream, since: float) -> grpc.RpcError:
 
 
 def _answers_correctly_again(server: Server, reference) -> None:
-    wait_for(lambda: health_status(server.channel) == SERVING, 90, "the replica to serve again")
+    try:
+        wait_for(lambda: health_status(server.channel) == SERVING, 90, "the replica to serve again")
+    except AssertionError:
+        print(server.output(200))
+        raise
     prompt, (want, margins) = reference
     tokens, _, _ = server.generate(prompt_token_ids=pb.PromptTokens(ids=prompt), max_new_tokens=10, ignore_eos=True)
     assert_greedy_match(tokens, want, margins)
