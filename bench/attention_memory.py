@@ -3,10 +3,12 @@ context and 31 short ones, and short-context decode speed, for this checkout and
 revision side by side (the baseline runs from a git worktree of that revision).
 
 Per version, against a fresh `shardline serve --max-batch 32` on SmolLM2:
-1. short context: one stream (ITL p50 over 128 tokens), then 32 streams at once (tokens/s);
-2. long context: a prompt of `--long-tokens` random tokens; once its first token is out,
-   31 short streams join it; the shard's RSS is sampled throughout and its peak (VmHWM) read
-   at the end. The budget is weights + the whole KV pool + 400 MB.
+1. short context: one stream (ITL p50 over 128 tokens), then 32 streams at once (tokens/s),
+   `--short-repeats` times, the versions interleaved so that both meet the same noise (medians);
+2. long context: 32 short streams first (the pool and heap in use), then a prompt of
+   `--long-tokens` random tokens; once its first token is out, 31 short streams join it; the
+   shard's RSS is sampled throughout and its peak (VmHWM) read at the end. The budget is weights
+   + the whole KV pool + 400 MB.
 
     .venv/bin/python -m bench.attention_memory [--baseline-rev REV]
 """
@@ -45,18 +47,29 @@ def _concurrently(server: Serve, prompts: list[list[int]], new: int) -> list[lis
     return stamps
 
 
-def measure(cwd: Path, args, rng: random.Random) -> dict:
+def measure_short(cwd: Path, rng: random.Random) -> dict:
+    """Short-context decode on a fresh server: one stream, then 32 at once."""
     server = Serve("--max-batch", "32", "--prefix-cache", "off", cwd=cwd)
     try:
-        shard = server.roles()["shard"]
         prompt = lambda n: [rng.randrange(1000, 40000) for _ in range(n)]
         _concurrently(server, [prompt(32)], 8)  # warm-up
         one = _concurrently(server, [prompt(32)], 128)[0]
         itl = [b - a for a, b in zip(one, one[1:])]
         t0 = time.perf_counter()
         many = _concurrently(server, [prompt(32) for _ in range(32)], 64)
-        short = {"itl_p50_ms_1_stream": statistics.median(itl) * 1e3,
-                 "tok_s_32_streams": sum(map(len, many)) / (max(map(max, many)) - t0)}
+        return {"itl_p50_ms_1_stream": statistics.median(itl) * 1e3,
+                "tok_s_32_streams": sum(map(len, many)) / (max(map(max, many)) - t0)}
+    finally:
+        server.stop()
+
+
+def measure_long(cwd: Path, args, rng: random.Random) -> dict:
+    """A long sequence, joined by 31 short ones once its first token is out; the shard's RSS."""
+    server = Serve("--max-batch", "32", "--prefix-cache", "off", cwd=cwd)
+    try:
+        shard = server.roles()["shard"]
+        prompt = lambda n: [rng.randrange(1000, 40000) for _ in range(n)]
+        _concurrently(server, [prompt(32) for _ in range(32)], 16)  # the pool and heap in use first
         rss, stop = [], threading.Event()
 
         def sample():
@@ -79,11 +92,9 @@ def measure(cwd: Path, args, rng: random.Random) -> dict:
         stop.set()
         sampler.join()
         info = server.stub.Info(pb.InfoRequest())  # an older checkout leaves the memory fields 0
-        return {"short_context": short,
-                "long": {"prefill_s": joined - t0, "peak_rss_mb": _status_mb(shard, "VmHWM"),
-                         "rss_mb": [(round(t - t0, 2), round(m, 1)) for t, m in rss],
-                         "batch_32_from_s": joined - t0,
-                         "short_tokens": sum(map(len, short_stamps)), "long_tokens": len(long_stamps)},
+        return {"prefill_s": joined - t0, "peak_rss_mb": _status_mb(shard, "VmHWM"),
+                "rss_mb": [(round(t - t0, 2), round(m, 1)) for t, m in rss], "batch_32_from_s": joined - t0,
+                "short_tokens": sum(map(len, short_stamps)), "long_tokens": len(long_stamps),
                 "info": {"weight_mb": info.shard_weight_bytes / 2**20, "kv_pool_mb": info.shard_kv_pool_bytes / 2**20,
                          "num_pages": info.num_pages}}
     finally:
@@ -133,24 +144,31 @@ def main() -> None:
     ap.add_argument("--long-tokens", type=int, default=8000)
     ap.add_argument("--long-new-tokens", type=int, default=190)
     ap.add_argument("--short-new-tokens", type=int, default=64)
+    ap.add_argument("--short-repeats", type=int, default=3)
     args = ap.parse_args()
     trees = {"this checkout": ROOT}
     if args.baseline_rev:
         trees = {f"baseline {args.baseline_rev}": _worktree(args.baseline_rev), **trees}
-    result = {"benchmark": "attention_memory", **machine(), "long_tokens": args.long_tokens, "versions": {}}
+    result = {"benchmark": "attention_memory", **machine(), "long_tokens": args.long_tokens,
+              "short_repeats": args.short_repeats, "versions": {n: {"short_runs": []} for n in trees}}
+    rng = random.Random(0)
     try:
+        for _ in range(args.short_repeats):  # interleaved, so that both see the same noise
+            for name, cwd in trees.items():
+                result["versions"][name]["short_runs"].append(measure_short(cwd, rng))
         for name, cwd in trees.items():
-            result["versions"][name] = measure(cwd, args, random.Random(0))
-            print(name, {k: v for k, v in result["versions"][name].items() if k != "long"},
-                  "peak RSS MB", result["versions"][name]["long"]["peak_rss_mb"], flush=True)
+            result["versions"][name]["long"] = measure_long(cwd, args, random.Random(1))
     finally:
         for cwd in trees.values():
             if cwd != ROOT:
                 subprocess.run(["git", "worktree", "remove", "--force", str(cwd)], cwd=ROOT, capture_output=True)
-    info = result["versions"]["this checkout"]["info"]
-    result["budget_mb"] = info["weight_mb"] + info["kv_pool_mb"] + BUDGET_EXTRA_MB
     for r in result["versions"].values():
+        r["short_context"] = {k: statistics.median(run[k] for run in r["short_runs"]) for k in r["short_runs"][0]}
+    info = result["versions"]["this checkout"]["long"]["info"]
+    result["budget_mb"] = info["weight_mb"] + info["kv_pool_mb"] + BUDGET_EXTRA_MB
+    for name, r in result["versions"].items():
         r["within_budget"] = r["long"]["peak_rss_mb"] <= result["budget_mb"]
+        print(name, "short context (median of repeats):", r["short_context"], "peak RSS MB", r["long"]["peak_rss_mb"])
     save("attention_memory", result, plot)
     print(f"budget {result['budget_mb']:.0f} MB:",
           {n: round(r["long"]["peak_rss_mb"]) for n, r in result["versions"].items()})

@@ -39,8 +39,9 @@ class Soak:
     def __init__(self, target: str, args, rng: random.Random, vocab: int):
         self.target, self.args, self.rng, self.vocab = target, args, rng, vocab
         self.records: list[dict] = []
-        self.open: dict[int, list] = {}   # request number -> [last message time, silent already counted]
-        self.silent = 0
+        # request number -> [last message time, silent already counted, any message yet]
+        self.open: dict[int, list] = {}
+        self.silent = {"queued": 0, "mid_stream": 0}
         self.prefixes = [[rng.randrange(100, vocab) for _ in range(n)] for n in (64, 200, 450, 900)]
         self.next_id = 0
 
@@ -66,14 +67,14 @@ class Soak:
     async def one(self, stub, req: pb.GenerateRequest, behaviour: str, channel=None) -> None:
         n, self.next_id = self.next_id, self.next_id + 1
         rec = {"start": time.monotonic(), "behaviour": behaviour, "stamps": [], "status": "OK"}
-        self.open[n] = [rec["start"], False]
+        self.open[n] = [rec["start"], False, False]
         timeout = self.rng.uniform(0.5, 5.0) if behaviour == "deadline" else 3600
         stop_after = self.rng.randint(1, 6)
         call = stub.Generate(req, timeout=timeout)
         try:
             async for msg in call:
                 now = time.monotonic()
-                self.open[n][0] = now
+                self.open[n][0], self.open[n][2] = now, True
                 rec["stamps"] += [now] * max(1, len(msg.token_ids))
                 if behaviour in ("cancel", "drop") and len(rec["stamps"]) >= stop_after:
                     if behaviour == "cancel":
@@ -111,7 +112,7 @@ class Soak:
             for entry in self.open.values():
                 if not entry[1] and now - entry[0] > self.args.silent_s:
                     entry[1] = True
-                    self.silent += 1
+                    self.silent["mid_stream" if entry[2] else "queued"] += 1
             await asyncio.sleep(1)
 
 
@@ -190,6 +191,8 @@ def report(soak: Soak, memory, st, t0: float, finished: float, args) -> dict:
                                                                   if r["behaviour"] == b))
                                                      for b in ("complete", "cancel", "deadline", "drop")},
         "unknown_or_internal": [r.get("details", "") for r in soak.records if r["status"] in ("UNKNOWN", "INTERNAL")],
+        # Silent for over silent_s: before the first token (still queued: the server is over its
+        # capacity), or mid-stream (a stall: what a hang would look like).
         "silent_streams": soak.silent, "silent_threshold_s": args.silent_s,
         "end_pool": {"pages_total": st.pages_total, "pages_free": st.pages_free, "pages_evictable": st.pages_evictable,
                      "pages_referenced": st.pages_referenced, "pages_reserved": st.pages_reserved,
@@ -218,7 +221,9 @@ def plot(result: dict, png) -> None:
     for role in ("router", "shard"):
         a3.plot([m[0] for m in result["memory_mb"]], [m[1].get(role, 0) for m in result["memory_mb"]], label=role)
     pool = result["end_pool"]
-    a3.set(title=f"RSS (end: {pool['pages_referenced']} pages referenced, {result['silent_streams']} silent streams)",
+    silent = result["silent_streams"]
+    a3.set(title=f"RSS (end: {pool['pages_referenced']} pages referenced; silent > {result['silent_threshold_s']:.0f} s: "
+                 f"{silent['queued']} queued, {silent['mid_stream']} mid-stream)",
            xlabel="s", ylabel="MB")
     a3.legend()
     fig.suptitle(f"soak: {result['streams']} streams, {result['duration_s']:.0f} s, "
@@ -232,7 +237,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--streams", type=int, default=200)
     ap.add_argument("--duration-s", type=float, default=600)
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--serve-args", default="--max-batch 64 --max-waiting 512",
+    ap.add_argument("--serve-args", default="--max-batch 64 --max-waiting 512 --chunk-size 256",
                     help="extra flags for shardline serve")
     ap.add_argument("--silent-s", type=float, default=60)
     ap.add_argument("--kill-every-s", type=float, default=20)

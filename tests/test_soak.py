@@ -17,7 +17,7 @@ def test_a_short_soak_loses_nothing(tiny_models):
         assert pool["pages_referenced"] == 0 and pool["pages_reserved"] == 0
         assert pool["pages_free"] + pool["pages_evictable"] == pool["pages_total"]
         assert pool["requests_running"] == pool["requests_waiting"] == 0
-        assert result["silent_streams"] == 0
+        assert result["silent_streams"] == {"queued": 0, "mid_stream": 0}
         assert "UNKNOWN" not in statuses and "INTERNAL" not in statuses, result["unknown_or_internal"]
         assert pool["replica_failures"] == 0 and pool["requests_failed"] == 0
         # Every way of ending a stream happened, and the server saw them all through.
