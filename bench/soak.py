@@ -68,7 +68,7 @@ class Soak:
         n, self.next_id = self.next_id, self.next_id + 1
         rec = {"start": time.monotonic(), "behaviour": behaviour, "stamps": [], "status": "OK"}
         self.open[n] = [rec["start"], False, False]
-        timeout = self.rng.uniform(0.5, 5.0) if behaviour == "deadline" else 3600
+        timeout = self.rng.uniform(0.5, 5.0) if behaviour == "deadline" else self.args.request_timeout_s
         stop_after = self.rng.randint(1, 6)
         call = stub.Generate(req, timeout=timeout)
         try:
@@ -240,6 +240,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--serve-args", default="--max-batch 64 --max-waiting 512 --chunk-size 256",
                     help="extra flags for shardline serve")
     ap.add_argument("--silent-s", type=float, default=60)
+    ap.add_argument("--request-timeout-s", type=float, default=900,
+                    help="deadline of requests that are not meant to hit theirs: a stuck request ends the run")
     ap.add_argument("--kill-every-s", type=float, default=20)
     ap.add_argument("--seed", type=int, default=0)
     return ap
