@@ -79,6 +79,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 yield shard_pb2.StepResult(
                     step_id=plan.step_id, tokens=out.tokens, compute_ms=(time.perf_counter() - t0) * 1e3,
                     failures=[shard_pb2.SequenceFailure(seq_id=k, message=v) for k, v in out.failures.items()])
+            if _was_cancelled(context):
+                self._leave_group_soon("the router abandoned the step stream")
         except grpc.RpcError:  # cancelled by the router, or the router went away
             self._leave_group_soon("the router abandoned the step stream")
         finally:
@@ -89,6 +91,19 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         if self.grouped:
             log.error("%s; exiting so that the shard group restarts as a whole", why)
             exit_soon(0.5)  # time for the abort to reach the router
+
+
+def _was_cancelled(context, within_s: float = 0.5) -> bool:
+    """Whether a step stream whose requests ended was cancelled rather than closed. gRPC can end
+    the request iterator of a cancelled stream as if the client had closed it (the empty read of
+    the reset stream may be seen before the cancellation), so the cancellation is waited for a
+    moment; a clean close (a drain) pays that moment once."""
+    deadline = time.monotonic() + within_s
+    while context.is_active():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 _M_ARENA_MAX = -8
