@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common.process import HealthProbe, free_ports, spawn_service
+from common.process import HealthProbe, free_ports, hang_detection_s, spawn_service
 
 log = logging.getLogger("shardline.launcher")
 BACKOFF_S = (1, 2, 4, 8, 16, 30)
@@ -95,7 +95,7 @@ class ShardGroup:
                 self.answered[n], self.silent_since[n] = True, None
             elif self.answered[n]:  # loading weights is not a hang; silence after serving is
                 self.silent_since[n] = self.silent_since[n] or now
-                if now - self.silent_since[n] > self.args.step_timeout_s:
+                if now - self.silent_since[n] > hang_detection_s(self.args.step_timeout_s)[1]:
                     return (f"shard {n} (pid {self.procs[n].pid}) has not answered its health check "
                             f"for {now - self.silent_since[n]:.0f} s")
         return None

@@ -13,11 +13,8 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.process import FAST_RECONNECT
+from common.process import FAST_RECONNECT, hang_detection_s
 from protos import shard_pb2, shard_pb2_grpc
-
-PROBE_TIMEOUT_S = 5.0
-
 
 class ShardError(RuntimeError):
     """A shard failed or went away; the replica cannot serve until its group is back."""
@@ -99,7 +96,7 @@ class ShardGroup:
         self.shards = [ShardClient(a) for a in addresses]
         self.sampler = len(self.shards) - 1
         self.step_timeout_s = step_timeout_s
-        self.probe_timeout_s = min(PROBE_TIMEOUT_S, step_timeout_s)
+        self.probe_timeout_s, _ = hang_detection_s(step_timeout_s)
 
     async def info(self, timeout: float) -> list[shard_pb2.ShardInfo]:
         """Every shard's Info, checked to form one replica of one model."""
