@@ -4,6 +4,11 @@ sampled tokens, and streams outputs to the waiting request handlers.
 Everything that changes pages happens here between steps, so a page a shard may still write is
 never released while its step is in flight (cancellations wait for the step boundary).
 
+The shards hold each running sequence's block table and sampling parameters from its first step
+until a plan releases it, so a plan carries only what changed: new sequences whole, appended
+pages, released sequences, and the step's tokens. `_announced` is what the shards were told:
+page count per sequence.
+
 Blast radius: a failure that belongs to one request (the shard could not serve its plan entry or
 sample its token; its detokenizer or stop strings raised) ends that request alone with a status,
 and releases its pages. A failure of the shard group (`ShardError`) or of the loop itself leaves
@@ -33,6 +38,8 @@ class Engine:
         self._wake = asyncio.Event()
         self._text: dict[int, tuple[Detokenizer, StopMatcher]] = {}
         self._cancelled: set[Sequence] = set()
+        self._announced: dict[int, int] = {}   # seq_id -> pages the shards hold for it
+        self._released: list[int] = []         # seq_ids the next plan releases
         self.step_id = 0
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0
@@ -68,14 +75,19 @@ class Engine:
 
     async def _execute(self, step: Step) -> shard_pb2.StepResult:
         self.step_id += 1
-        plan = shard_pb2.StepPlan(step_id=self.step_id)
+        plan = shard_pb2.StepPlan(step_id=self.step_id, released=self._released)
+        self._released = []
         for seq, inputs, emit in zip(step.seqs, step.inputs, step.emits):
-            s = seq.sampling
-            plan.seqs.append(shard_pb2.SequenceStep(
-                seq_id=seq.seq_id, token_ids=inputs, start_pos=seq.num_computed,
-                block_table=seq.block_table, emit=emit,
-                sampling=shard_pb2.Sampling(temperature=s.temperature, top_p=s.top_p,
-                                            top_k=s.top_k, seed=s.seed)))
+            entry = plan.seqs.add(seq_id=seq.seq_id, token_ids=inputs, start_pos=seq.num_computed, emit=emit)
+            held = self._announced.get(seq.seq_id)
+            if held is None:
+                s = seq.sampling
+                entry.first = True
+                entry.sampling.CopyFrom(shard_pb2.Sampling(temperature=s.temperature, top_p=s.top_p,
+                                                           top_k=s.top_k, seed=s.seed))
+                held = 0
+            entry.new_pages.extend(seq.block_table[held:])
+            self._announced[seq.seq_id] = len(seq.block_table)
         t0 = time.perf_counter()
         result = await self.shards.step(plan)
         wall_ms = (time.perf_counter() - t0) * 1e3
@@ -125,6 +137,8 @@ class Engine:
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self._text.pop(seq.seq_id, None)
+        if self._announced.pop(seq.seq_id, None) is not None:
+            self._released.append(seq.seq_id)
 
     def fail(self, seq: Sequence, failure: Failure) -> None:
         """Ends one request with a status; its pages go back at once (call between steps only)."""
@@ -141,6 +155,8 @@ class Engine:
             self.fail(seq, failure)
         self._cancelled.clear()
         self._text.clear()
+        self._announced.clear()  # the shards start from nothing after a reconnect
+        self._released.clear()
 
     def _drop_cancelled(self) -> None:
         for seq in self._cancelled:

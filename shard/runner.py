@@ -1,17 +1,20 @@
-"""Runs step plans on the model: checks each sequence's entry, builds the step's tensors, runs the
-layers, samples.
+"""Runs step plans on the model: checks each sequence's entry against what the shard holds for
+it, builds the step's tensors, runs the layers, samples.
 
-Slots are derived here from each sequence's block table and positions; a decode step is
-vectorized over the batch (no per-token Python work beyond building the step's index tensors).
+The shard holds each running sequence's block table and sampling parameters (shard/sequences.py),
+so a plan names only what changed. Slots are derived here from the block tables and positions; a
+decode step indexes the static block-table rows of its sequences, with no per-token Python work
+beyond the step's small index tensors.
 
 A long prefill step runs in pieces of at most PREFILL_PIECE_TOKENS tokens, one after the other
 (a long prompt is cut as chunked prefill cuts it), so that its activations stay within tens of
 megabytes whatever the prompt's length. The router still sees one step.
 
 A plan entry that cannot be served (a page id outside the pool, positions its block table does
-not cover, a token outside the vocabulary) fails its sequence alone: it is left out of the step
-and reported. Every shard of a replica receives the same plan and judges it the same way, so
-every rank leaves out the same sequences and the collectives stay matched.
+not cover, a token outside the vocabulary, a position or announcement that disagrees with what
+the shard holds) fails its sequence alone: it is left out of the step, forgotten and reported.
+Every shard of a replica receives the same plan and judges it the same way, so every rank leaves
+out the same sequences and the collectives stay matched.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from shard.kv_cache import KVPages
 from shard.model import Transformer
 from shard.parallel import Layout
 from shard.sampler import SamplingParams, sample
+from shard.sequences import SequenceState, SequenceTable
 
 
 PREFILL_PIECE_TOKENS = 512
@@ -37,10 +41,10 @@ class Span:
 
     token_ids: list[int]
     start_pos: int
-    block_table: list[int]
+    block_table: torch.Tensor   # the sequence's pages
 
 
-def pieces(seqs, limit: int) -> list[list[tuple[int, Span]]]:
+def pieces(seqs: list[Span], limit: int) -> list[list[tuple[int, Span]]]:
     """Cuts a prefill step into pieces of at most `limit` tokens: [(index in seqs, span)] each."""
     out, piece, room = [], [], limit
     for i, s in enumerate(seqs):
@@ -71,56 +75,80 @@ class ModelRunner:
         self.vocab_size = vocab_size or model.cfg.vocab_size
         self.max_position = max_position or model.cfg.max_position
         self.kv: KVPages | None = None
+        self.table: SequenceTable | None = None
         self.lm_head_calls = 0
 
-    def allocate(self, num_pages: int) -> None:
-        self.kv = None  # let the old pool go before the new one is allocated
+    def allocate(self, num_pages: int, max_seqs: int) -> None:
+        """A fresh KV pool and sequence table: whatever the shard held before is gone."""
+        self.kv = self.table = None  # let the old pool go before the new one is allocated
         self.kv = KVPages(self.model.cfg, num_pages, self.page_size, self.dtype, self.device)
+        max_pages = -(-self.max_position // self.page_size)
+        self.table = SequenceTable(max_seqs, max_pages, self.kv.padding_page, self.device)
 
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
     def check(self, s) -> str | None:
         """Why this plan entry cannot be served, or None."""
+        state = self.table.get(s.seq_id)
+        if s.first and state is not None:
+            return f"the plan announces sequence {s.seq_id} as new, but this shard already holds it"
+        if not s.first and state is None:
+            return f"the plan continues sequence {s.seq_id}, which this shard does not hold"
+        if state is not None and s.start_pos != state.next_pos:
+            return (f"the plan computes from position {s.start_pos}, but this shard holds "
+                    f"{state.next_pos} positions of the sequence")
         n, end = len(s.token_ids), s.start_pos + len(s.token_ids)
         if n == 0:
             return "no input tokens"
         if end > self.max_position:
             return f"positions up to {end} exceed the model's context of {self.max_position}"
-        if len(s.block_table) * self.page_size < end:
-            return f"block table of {len(s.block_table)} pages does not cover {end} positions"
-        if max(s.block_table) >= self.kv.padding_page:
-            return f"page id {max(s.block_table)} outside the pool of {self.kv.padding_page} pages"
+        pages = (len(state.pages) if state else 0) + len(s.new_pages)
+        if pages * self.page_size < end:
+            return f"block table of {pages} pages does not cover {end} positions"
+        if pages > self.table.max_pages:
+            return f"block table of {pages} pages is longer than the context needs"
+        if s.new_pages and max(s.new_pages) >= self.kv.padding_page:
+            return f"page id {max(s.new_pages)} outside the pool of {self.kv.padding_page} pages"
         if max(s.token_ids) >= self.vocab_size:
             return f"token id {max(s.token_ids)} outside the vocabulary of {self.vocab_size}"
-        sp = s.sampling
-        if not (math.isfinite(sp.temperature) and sp.temperature >= 0 and 0 <= sp.top_p <= 1):
-            return f"invalid sampling parameters {sp}"
+        if s.first:
+            sp = s.sampling
+            if not (math.isfinite(sp.temperature) and sp.temperature >= 0 and 0 <= sp.top_p <= 1):
+                return f"invalid sampling parameters {sp}"
+            if not self.table.has_room():
+                return f"this shard already holds {len(self.table.held)} sequences, its maximum"
         return None
 
-    def _decode_batch(self, seqs) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
-        ps = self.page_size
-        tokens = self._tensor([s.token_ids[0] for s in seqs])
-        positions = self._tensor([s.start_pos for s in seqs])
-        width = max(len(s.block_table) for s in seqs)
-        pad = self.kv.padding_page
-        tables = self._tensor([list(s.block_table) + [pad] * (width - len(s.block_table)) for s in seqs])
-        rows = torch.arange(len(seqs), device=self.device)
-        slots = tables[rows, positions // ps] * ps + positions % ps
-        batch = AttentionBatch(slots=slots, is_decode=True, block_tables=tables,
-                               context_lens=positions + 1)
-        return tokens, positions, batch
+    def _accept(self, s) -> SequenceState:
+        state = self.table.get(s.seq_id)
+        if state is None:
+            sp = s.sampling
+            state = self.table.admit(s.seq_id, s.start_pos,
+                                     SamplingParams(sp.temperature, sp.top_p or 1.0, sp.top_k, sp.seed))
+        self.table.append_pages(state, list(s.new_pages))
+        return state
 
-    def _prefill_batch(self, seqs) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+    def _decode_batch(self, tokens: list[int], states: list[SequenceState]):
         ps = self.page_size
-        tokens = self._tensor([t for s in seqs for t in s.token_ids])
+        positions = self._tensor([st.next_pos for st in states])
+        width = max(len(st.pages) for st in states)
+        tables = self.table.tables[self._tensor([st.row for st in states]), :width]
+        rows = torch.arange(len(states), device=self.device)
+        slots = tables[rows, positions // ps] * ps + positions % ps
+        batch = AttentionBatch(slots=slots, is_decode=True, block_tables=tables, context_lens=positions + 1)
+        return self._tensor(tokens), positions, batch
+
+    def _prefill_batch(self, spans: list[Span]):
+        ps = self.page_size
+        tokens = self._tensor([t for s in spans for t in s.token_ids])
         positions = torch.cat([torch.arange(s.start_pos, s.start_pos + len(s.token_ids),
-                                            device=self.device) for s in seqs])
-        tables = [self._tensor(list(s.block_table)) for s in seqs]
-        slots = torch.cat([table[pos // ps] * ps + pos % ps for table, pos in
-                           zip(tables, positions.split([len(s.token_ids) for s in seqs]))])
-        batch = AttentionBatch(slots=slots, is_decode=False, query_lens=[len(s.token_ids) for s in seqs],
-                               start_positions=[s.start_pos for s in seqs], block_tables_list=tables)
+                                            device=self.device) for s in spans])
+        slots = torch.cat([s.block_table[pos // ps] * ps + pos % ps for s, pos in
+                           zip(spans, positions.split([len(s.token_ids) for s in spans]))])
+        batch = AttentionBatch(slots=slots, is_decode=False, query_lens=[len(s.token_ids) for s in spans],
+                               start_positions=[s.start_pos for s in spans],
+                               block_tables_list=[s.block_table for s in spans])
         return tokens, positions, batch
 
     def _forward(self, tokens, positions, batch) -> torch.Tensor | None:
@@ -137,40 +165,47 @@ class ModelRunner:
         return hidden
 
     @torch.inference_mode()
-    def step(self, plan_seqs) -> StepOutput:
-        """plan_seqs: SequenceStep messages. Samples one token per valid sequence with emit set
-        (on the sampling shard). An exception here leaves the shard's state unknown."""
+    def step(self, plan) -> StepOutput:
+        """plan: a StepPlan. Samples one token per valid sequence with emit set (on the sampling
+        shard). An exception here leaves the shard's state unknown."""
         out = StepOutput()
-        seqs = []
-        for s in plan_seqs:
+        for seq_id in plan.released:
+            self.table.release(seq_id)
+        entries, states = [], []
+        for s in plan.seqs:
             why = self.check(s)
             if why is None:
-                seqs.append(s)
+                entries.append(s)
+                states.append(self._accept(s))
             else:
                 out.failures[s.seq_id] = why
-        if not seqs:
+                self.table.release(s.seq_id)
+        if not entries:
             return out
-        if all(len(s.token_ids) == 1 for s in seqs):
-            last = self._forward(*self._decode_batch(seqs))  # one row per sequence
+        if all(len(s.token_ids) == 1 for s in entries):
+            last = self._forward(*self._decode_batch([s.token_ids[0] for s in entries], states))
         else:
-            rows = [None] * len(seqs)  # the hidden state of each sequence's last token
-            for piece in pieces(seqs, PREFILL_PIECE_TOKENS):
+            spans = [Span(list(s.token_ids), s.start_pos, self.table.tables[st.row, :len(st.pages)])
+                     for s, st in zip(entries, states)]
+            rows = [None] * len(spans)  # the hidden state of each sequence's last token
+            for piece in pieces(spans, PREFILL_PIECE_TOKENS):
                 hidden = self._forward(*self._prefill_batch([span for _, span in piece]))
                 ends = torch.tensor([len(span.token_ids) for _, span in piece]).cumsum(0) - 1
                 for (i, _), end in zip(piece, ends.tolist()):
                     rows[i] = None if hidden is None else hidden[end].clone()  # not a view: frees the piece
             last = None if rows[0] is None else torch.stack(rows)
-        emitting = [i for i, s in enumerate(seqs) if s.emit]
+        for s, st in zip(entries, states):
+            st.next_pos += len(s.token_ids)
+        emitting = [i for i, s in enumerate(entries) if s.emit]
         if not emitting or not self.layout.samples:
             return out
         self.lm_head_calls += 1
         logits = self.model.logits(last[torch.tensor(emitting, device=self.device)])
-        params = [SamplingParams(s.sampling.temperature, s.sampling.top_p or 1.0, s.sampling.top_k,
-                                 s.sampling.seed) for s in (seqs[i] for i in emitting)]
-        sampled_at = [seqs[i].start_pos + len(seqs[i].token_ids) for i in emitting]
-        for i, token in zip(emitting, sample(logits, params, sampled_at)):
+        sampled_at = [states[i].next_pos for i in emitting]
+        for i, token in zip(emitting, sample(logits, [states[i].sampling for i in emitting], sampled_at)):
             if isinstance(token, str):
-                out.failures[seqs[i].seq_id] = token
+                out.failures[entries[i].seq_id] = token
+                self.table.release(entries[i].seq_id)
             else:
                 out.tokens.append(token)
         return out

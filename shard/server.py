@@ -32,6 +32,7 @@ from shard.runner import ModelRunner
 from shard.weights import build_model
 
 log = logging.getLogger("shardline.shard")
+MAX_SEQUENCES = 4096  # sequences a shard holds at once: the top of the router's --max-batch range
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -50,14 +51,16 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                           f"num_pages {request.num_pages} outside [1, {self.info.max_pages}]")
         if self.streaming.is_set():
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a step stream is still open")
-        self.runner.allocate(request.num_pages)
+        if not 1 <= request.max_batch <= MAX_SEQUENCES:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"max_batch {request.max_batch} outside [1, {MAX_SEQUENCES}]")
+        self.runner.allocate(request.num_pages, request.max_batch)
         # One prefill and one decode, so first-request latency does not pay for lazy init.
-        sampling = shard_pb2.Sampling(top_p=1.0)
-        step = shard_pb2.SequenceStep(seq_id=0, token_ids=[0, 1], start_pos=0, block_table=[0], emit=True,
-                                      sampling=sampling)
-        self.runner.step([step])
-        self.runner.step([shard_pb2.SequenceStep(seq_id=0, token_ids=[1], start_pos=2, block_table=[0],
-                                                 emit=True, sampling=sampling)])
+        seq = dict(seq_id=0, emit=True)
+        self.runner.step(shard_pb2.StepPlan(seqs=[shard_pb2.SequenceStep(
+            **seq, first=True, token_ids=[0, 1], start_pos=0, new_pages=[0], sampling=shard_pb2.Sampling(top_p=1.0))]))
+        self.runner.step(shard_pb2.StepPlan(seqs=[shard_pb2.SequenceStep(**seq, token_ids=[1], start_pos=2)]))
+        self.runner.table.release_all()
         _trim_heap()
         return shard_pb2.WarmupResponse()
 
@@ -71,7 +74,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             for plan in request_iterator:
                 t0 = time.perf_counter()
                 try:
-                    out = self.runner.step(plan.seqs)
+                    out = self.runner.step(plan)
                 except Exception as e:  # the step's effects are unknown
                     log.exception("step %d failed", plan.step_id)
                     self._leave_group_soon(f"step {plan.step_id} failed")

@@ -26,12 +26,14 @@ class GatedShards:
         self.fail_seqs: set[int] = set()
         self.extra_tokens = 0
         self.plans = []
+        self.open = False  # answer every step at once
 
     async def step(self, plan):
         self.plans.append(plan)
         self.started.set()
-        await self.gate.wait()
-        self.gate.clear()
+        if not self.open:
+            await self.gate.wait()
+            self.gate.clear()
         if self.fail:
             raise ShardError("shard 0 died")
         ok = [s for s in plan.seqs if s.seq_id not in self.fail_seqs]
@@ -147,5 +149,32 @@ def test_a_shard_group_failure_leaves_run_and_fail_all_returns_every_page(fault)
         assert (await _drain(seq))[-1].failure.code == "UNAVAILABLE"
         assert pool.available == 16 and pool.referenced == 0
         pool.check()
+
+    asyncio.run(scenario())
+
+
+def test_plans_name_only_what_changed_and_release_what_they_announced():
+    """Prompt of 10 tokens, pages of 4, 7 new tokens: the first step sends the sequence whole;
+    a decode step sends one token, plus a page id only when its position starts a page; the
+    next plan after the sequence finished releases it."""
+    async def scenario():
+        pool, shards, engine, (a, b) = _setup(2)
+        a.max_new_tokens = 7
+        shards.open = True
+        engine.submit(a, [])
+        loop = asyncio.create_task(engine.run())
+        await _drain(a)
+        engine.submit(b, [])
+        await _drain(b)
+        loop.cancel()
+        entries = [(plan.released, s) for plan in shards.plans for s in plan.seqs]
+        first, *decodes = [s for _, s in entries if s.seq_id == a.seq_id]
+        assert first.first and first.HasField("sampling") and len(first.new_pages) == 3
+        assert [(s.start_pos, len(s.new_pages)) for s in decodes] == [(10, 0), (11, 0), (12, 1), (13, 0), (14, 0),
+                                                                      (15, 0)]
+        assert not any(s.first or s.HasField("sampling") for s in decodes)
+        released_with_b = [r for r, s in entries if s.seq_id == b.seq_id and s.first]
+        assert list(released_with_b[0]) == [a.seq_id]
+        assert sum(len(plan.released) for plan in shards.plans) == 1
 
     asyncio.run(scenario())

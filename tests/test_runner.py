@@ -1,0 +1,124 @@
+"""The shard's model runner on a tiny model, in process: prefill pieces, chunks, and the
+sequence state it holds between steps (the plan names only what changed)."""
+import pytest
+import torch
+
+import shard.runner as runner_module
+from common.model_source import resolve_model
+from protos import shard_pb2
+from shard.runner import ModelRunner, Span, pieces
+from shard.weights import build_model
+
+PAGE = 8
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    return build_model(resolve_model(str(tiny_models["qwen3"])), torch.float32, torch.device("cpu"))
+
+
+def _runner(model, num_pages=16, max_seqs=8):
+    runner = ModelRunner(model, PAGE, torch.float32, torch.device("cpu"))
+    runner.allocate(num_pages, max_seqs)
+    return runner
+
+
+def _first(seq_id, tokens, pages, start=0, emit=True):
+    return shard_pb2.SequenceStep(seq_id=seq_id, first=True, token_ids=tokens, start_pos=start, new_pages=pages,
+                                  emit=emit, sampling=shard_pb2.Sampling(top_p=1.0))
+
+
+def _next(seq_id, tokens, start, pages=(), emit=True):
+    return shard_pb2.SequenceStep(seq_id=seq_id, token_ids=tokens, start_pos=start, new_pages=pages, emit=emit)
+
+
+def _plan(*seqs, released=()):
+    return shard_pb2.StepPlan(seqs=seqs, released=released)
+
+
+def test_intermediate_chunks_compute_no_logits_and_write_the_same_kv(model):
+    prompt = list(range(300, 341))  # 41 tokens over pages of 8
+
+    def run(chunks: list[int]):
+        runner, pos, tokens = _runner(model), 0, []
+        for i, n in enumerate(chunks):
+            emit = pos + n == len(prompt)
+            step = (_first(1, prompt[:n], list(range(6)), emit=emit) if i == 0 else
+                    _next(1, prompt[pos:pos + n], pos, emit=emit))
+            tokens += runner.step(_plan(step)).tokens
+            pos += n
+        kv = torch.stack([k[:6] for k, _ in runner.kv.layers])
+        return tokens, runner.lm_head_calls, kv
+
+    whole_tokens, whole_calls, whole_kv = run([41])
+    chunk_tokens, chunk_calls, chunk_kv = run([7, 7, 7, 7, 7, 5, 1])  # a one-token final tail
+    assert whole_calls == chunk_calls == 1
+    assert chunk_tokens == whole_tokens
+    torch.testing.assert_close(chunk_kv, whole_kv, rtol=1e-5, atol=1e-5)
+
+
+def test_a_long_prefill_step_runs_in_pieces_with_the_same_tokens_and_kv(model, monkeypatch):
+    steps = [_first(1, list(range(300, 341)), list(range(6))), _first(2, list(range(500, 503)), [6]),
+             _first(3, list(range(700, 720)), [7, 8, 9], emit=False)]
+
+    def run(limit):
+        monkeypatch.setattr(runner_module, "PREFILL_PIECE_TOKENS", limit)
+        runner = _runner(model)
+        out = runner.step(_plan(*steps))
+        return out.tokens, torch.stack([k[:10] for k, _ in runner.kv.layers])
+
+    spans = [Span(list(s.token_ids), s.start_pos, torch.tensor(list(s.new_pages))) for s in steps]
+    assert [[(i, len(s.token_ids), s.start_pos) for i, s in p] for p in pieces(spans, 16)] == [
+        [(0, 16, 0)], [(0, 16, 16)], [(0, 9, 32), (1, 3, 0), (2, 4, 0)], [(2, 16, 4)]]
+    whole_tokens, whole_kv = run(4096)
+    piece_tokens, piece_kv = run(16)
+    assert piece_tokens == whole_tokens and len(whole_tokens) == 2
+    torch.testing.assert_close(piece_kv, whole_kv, rtol=1e-5, atol=1e-5)
+
+
+def _decode(runner, seq_id, token, start, steps, page_of=None):
+    """Greedy decode of `steps` tokens; a new page id from page_of(position) when one is needed."""
+    out = []
+    for pos in range(start, start + steps):
+        pages = [page_of(pos)] if page_of and pos % PAGE == 0 else []
+        result = runner.step(_plan(_next(seq_id, [token], pos, pages)))
+        assert not result.failures, result.failures
+        token = result.tokens[0]
+        out.append(token)
+    return out
+
+
+def test_a_plan_that_disagrees_with_what_the_shard_holds_fails_that_sequence_alone(model):
+    prompt = list(range(100, 111))
+    alone = _runner(model)
+    first = alone.step(_plan(_first(1, prompt, [0, 1]))).tokens
+    reference = first + _decode(alone, 1, first[0], len(prompt), 8, page_of=lambda pos: 2)
+
+    runner = _runner(model)
+    runner.step(_plan(_first(1, prompt, [0, 1]), _first(2, prompt, [3, 4])))
+    wrong = {
+        3: (_next(3, [5], 0), "does not hold"),                       # never announced
+        2: (_first(2, [5], [5], start=11), "already holds it"),         # announced twice
+    }
+    out = runner.step(_plan(_next(1, [first[0]], len(prompt)), *(s for s, _ in wrong.values())))
+    assert set(out.failures) == {2, 3}
+    for seq_id, (_, phrase) in wrong.items():
+        assert phrase in out.failures[seq_id]
+    assert 2 not in runner.table.held, "a failed sequence is forgotten"
+    # Sequence 1 went on as if alone; a wrong position fails it, and it is then forgotten.
+    rest = _decode(runner, 1, out.tokens[0], len(prompt) + 1, 7, page_of=lambda pos: 2)
+    assert out.tokens + rest == reference[1:]
+    bad = runner.step(_plan(_next(1, [rest[-1]], len(prompt) + 7)))
+    assert "holds 19 positions" in bad.failures[1] and not runner.table.held
+
+
+def test_released_sequences_free_their_row_and_a_full_shard_refuses_more(model):
+    runner = _runner(model, max_seqs=2)
+    out = runner.step(_plan(_first(1, [1, 2], [0]), _first(2, [3, 4], [1]), _first(3, [5, 6], [2])))
+    assert list(out.failures) == [3] and "its maximum" in out.failures[3]
+    row = runner.table.held[1].row
+    assert runner.table.tables[row, 0] == 0
+    out = runner.step(_plan(_first(3, [5, 6], [2]), released=[1, 1, 7]))  # idempotent, unknown ids too
+    assert not out.failures and set(runner.table.held) == {2, 3}
+    assert runner.table.held[3].row == row and runner.table.tables[row, 0] == 2
+    assert (runner.table.tables[row, 1:] == runner.kv.padding_page).all(), "a stale page stayed in a reused row"
