@@ -64,6 +64,9 @@ def _shard_flags(p):
     _add(p, "kv-memory-gb", 1.0, _number(float, 0, 1 << 16, low_open=True), "memory budget of the KV page pool per shard")
     _add(p, "threads", 0, SIZE, "torch threads per shard (0: torch's default)")
     _add(p, "device", "", help="cpu | cuda (default: cuda when available)")
+    _add(p, "decode-graphs", "auto", help="capture decode steps as graphs per batch bucket at warmup "
+         "(auto: on CUDA only; on CPU torch.compile pays off little and takes minutes to warm up)",
+         choices=["auto", "on", "off"])
 
 
 def _router_flags(p):

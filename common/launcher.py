@@ -71,7 +71,7 @@ class ShardGroup:
         for n, address in enumerate(self.addresses):
             stage, rank = divmod(n, args.tp)
             self.procs.append(spawn_service(
-                ["shard", *_flags(args, ["model", "page-size", "dtype", "kv-memory-gb", "threads", "device",
+                ["shard", *_flags(args, ["model", "page-size", "dtype", "kv-memory-gb", "threads", "device", "decode-graphs",
                                          "tp", "pp", "drain-timeout-s"]),
                  "--tp-rank", str(rank), "--pp-stage", str(stage), "--dist-init", f"tcp://127.0.0.1:{dist_port}",
                  "--listen", address]))

@@ -32,6 +32,7 @@ class AttentionBatch:
     query_lens: list[int] | None = None         # prefill
     start_positions: list[int] | None = None    # prefill
     block_tables_list: list[torch.Tensor] | None = None  # prefill
+    opaque: bool = False    # decode inside a compiled graph: attention as one operator
 
 
 def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -54,6 +55,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: 
 
     Writes k/v into the pages first, then attends each query over its sequence's cached context.
     """
+    if batch.opaque:
+        return decode_attention(q, k, v, k_pages, v_pages, batch.slots, batch.block_tables, batch.context_lens, scale)
     write_kv(k_pages, v_pages, k, v, batch.slots)
     if _use_flash(q, k_pages.shape[1]):
         return _flash(q, k_pages, v_pages, batch, scale)
@@ -108,9 +111,12 @@ def _gathered(pages, table, tokens: int):
 def _decode_torch(q, k_pages, v_pages, batch: AttentionBatch, scale):
     """Split-KV decode: the context is read in blocks of DECODE_BLOCK_TOKENS, each block only for
     the sequences that reach into it, and the blocks' partial results are merged by their
-    log-sum-exp (as flash-decoding does). A batch of short sequences is one block."""
-    bsz, max_pages = batch.block_tables.shape
+    log-sum-exp (as flash-decoding does). A batch of short sequences is one block. Block tables
+    may be wider than the longest context (a captured graph's static ones are): the blocks stop
+    at the longest context."""
+    bsz = batch.block_tables.shape[0]
     page_size, kv_heads, head_dim = k_pages.shape[1:]
+    max_pages = min(batch.block_tables.shape[1], -(-int(batch.context_lens.max()) // page_size))
     heads = q.shape[1]
     # One query per sequence: view the q heads of each KV head as that head's queries, so the
     # kernel runs plain multi-head attention over the KV heads with no K/V repeated.
@@ -118,12 +124,12 @@ def _decode_torch(q, k_pages, v_pages, batch: AttentionBatch, scale):
     block_pages = max(1, DECODE_BLOCK_TOKENS // page_size)
     out = lse = None
     for first in range(0, max_pages, block_pages):
-        start = first * page_size
+        start, last = first * page_size, min(first + block_pages, max_pages)
         rows = (batch.context_lens > start).nonzero().squeeze(1)  # sequences with tokens here
         if first and len(rows) < bsz:
-            tables, lens, q_rows = batch.block_tables[rows, first:first + block_pages], batch.context_lens[rows], qg[rows]
+            tables, lens, q_rows = batch.block_tables[rows, first:last], batch.context_lens[rows], qg[rows]
         else:
-            tables, lens, q_rows = batch.block_tables[:, first:first + block_pages], batch.context_lens, qg
+            tables, lens, q_rows = batch.block_tables[:, first:last], batch.context_lens, qg
         n, width = tables.shape
         k = k_pages[tables].view(n, width * page_size, kv_heads, head_dim).transpose(1, 2)
         v = v_pages[tables].view(n, width * page_size, kv_heads, head_dim).transpose(1, 2)
@@ -182,3 +188,22 @@ def _flash(q, k_pages, v_pages, batch: AttentionBatch, scale):  # pragma: no cov
         outs.append(out.squeeze(0))
         offset += n
     return torch.cat(outs)
+
+
+# A captured decode graph (shard/decode_graphs.py, torch.compile on CPU) calls paged attention as
+# one opaque operator, so inductor compiles everything around it and leaves the paged reads to
+# the code above. It is declared without mutated arguments although it writes the new tokens'
+# K/V into the pages: no other operator of the graph reads those pages, and declaring the write
+# would make functionalization copy each layer's whole pool every step (in our measurement it
+# made a compiled SmolLM2 decode step several times slower than eager).
+@torch.library.custom_op("shardline::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
+                     v_pages: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    batch = AttentionBatch(slots=slots, is_decode=True, block_tables=block_tables, context_lens=context_lens)
+    return paged_attention(q, k, v, k_pages, v_pages, batch, scale)
+
+
+@decode_attention.register_fake
+def _(q, k, v, k_pages, v_pages, slots, block_tables, context_lens, scale):
+    return torch.empty_like(q)

@@ -44,6 +44,7 @@ class Engine:
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0
         self.requests_failed = 0
+        self.decode_graph_launches = self.eager_decode_steps = 0   # summed over the shards
         # Recent decode steps as (router wall ms, shard compute ms).
         self.decode_step_times: deque[tuple[float, float]] = deque(maxlen=512)
 
@@ -91,6 +92,8 @@ class Engine:
         t0 = time.perf_counter()
         result = await self.shards.step(plan)
         wall_ms = (time.perf_counter() - t0) * 1e3
+        self.decode_graph_launches += result.graph_launches
+        self.eager_decode_steps += result.eager_decode_steps
         if not step.is_prefill:
             self.decode_step_times.append((wall_ms, result.compute_ms))
         failed = {f.seq_id for f in result.failures}

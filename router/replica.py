@@ -62,7 +62,10 @@ class Replica:
         num_pages = min(args.num_pages, capacity) if args.num_pages else capacity
         if num_pages < 1:
             raise ShardError(f"the shards have room for {capacity} pages; raise --kv-memory-gb")
-        await self.shards.warmup(num_pages, args.max_batch)
+        warmups = await self.shards.warmup(num_pages, args.max_batch)
+        buckets = {tuple(w.decode_graph_buckets) for w in warmups}
+        if len(buckets) > 1:
+            raise ShardError(f"the shards captured different decode graph buckets: {sorted(buckets)}")
         self.info = pb.InfoResponse(
             model=head.model, page_size=head.page_size, num_pages=num_pages,
             tensor_parallel=head.tp_size, pipeline_parallel=head.pp_size, max_batch=args.max_batch,
@@ -71,7 +74,9 @@ class Replica:
             slru_protected_ratio=args.slru_protected_ratio, chunk_size=args.chunk_size,
             max_batch_tokens=args.max_batch_tokens, step_timeout_s=args.step_timeout_s,
             drain_timeout_s=args.drain_timeout_s, shard_weight_bytes=max(i.weight_bytes for i in infos),
-            shard_kv_pool_bytes=max(i.kv_bytes_per_page for i in infos) * (num_pages + 1))
+            shard_kv_pool_bytes=max(i.kv_bytes_per_page for i in infos) * (num_pages + 1),
+            decode_graphs=bool(warmups[0].decode_graph_buckets), decode_graph_buckets=warmups[0].decode_graph_buckets,
+            decode_graph_capture_s=max(w.capture_s for w in warmups))
         eos = set(head.eos_token_ids)
         if self.codec.eos_token_id is not None:
             eos.add(self.codec.eos_token_id)

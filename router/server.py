@@ -221,6 +221,7 @@ class GenerationService:
             requests_prefilling=len(sched.prefilling), requests_decoding=len(sched.decoding),
             steps=engine.step_id, tokens_generated=engine.tokens_generated,
             prompt_tokens_computed=engine.prompt_tokens_computed, requests_failed=engine.requests_failed,
+            decode_graph_launches=engine.decode_graph_launches, eager_decode_steps=engine.eager_decode_steps,
             decode_step_ms_p50=_median([w for w, _ in engine.decode_step_times]),
             shard_decode_step_ms_p50=_median([c for _, c in engine.decode_step_times])))
         return st

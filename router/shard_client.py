@@ -34,9 +34,12 @@ class ShardClient:
         # wait_for_ready: a shard that is still loading its weights is not an error.
         return await self.stub.Info(shard_pb2.InfoRequest(), wait_for_ready=True, timeout=timeout)
 
-    async def warmup(self, num_pages: int, max_batch: int) -> None:
-        await self.stub.Warmup(shard_pb2.WarmupRequest(num_pages=num_pages, max_batch=max_batch), timeout=600)
+    async def warmup(self, num_pages: int, max_batch: int) -> shard_pb2.WarmupResponse:
+        # Capturing decode graphs compiles them on a first start: minutes on a small CPU.
+        response = await self.stub.Warmup(shard_pb2.WarmupRequest(num_pages=num_pages, max_batch=max_batch),
+                                          timeout=1800)
         self._stream = self.stub.Steps()
+        return response
 
     async def answers(self, timeout: float) -> bool:
         try:
@@ -114,9 +117,9 @@ class ShardGroup:
         self.sampler = next(n for n, i in enumerate(infos) if i.pp_stage == pp - 1 and i.tp_rank == 0)
         return infos
 
-    async def warmup(self, num_pages: int, max_batch: int) -> None:
+    async def warmup(self, num_pages: int, max_batch: int) -> list[shard_pb2.WarmupResponse]:
         try:
-            await asyncio.gather(*(s.warmup(num_pages, max_batch) for s in self.shards))
+            return list(await asyncio.gather(*(s.warmup(num_pages, max_batch) for s in self.shards)))
         except grpc.aio.AioRpcError as e:
             raise ShardError(f"a shard failed its warmup: {e.code().name} {e.details()}") from e
 
@@ -141,7 +144,10 @@ class ShardGroup:
                     if task.exception() is not None:
                         raise task.exception()
                 if not pending:
-                    return tasks[self.sampler].result()
+                    result = tasks[self.sampler].result()
+                    result.graph_launches = sum(t.result().graph_launches for t in tasks)
+                    result.eager_decode_steps = sum(t.result().eager_decode_steps for t in tasks)
+                    return result
                 # A long step: it may be a long prefill, or a shard that hangs. Ask them all.
                 answers = await asyncio.gather(*(s.answers(self.probe_timeout_s) for s in self.shards))
                 silent = [s.address for s, ok in zip(self.shards, answers) if not ok]

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from kernels.attention import AttentionBatch
 from shard.kv_cache import KVPages
+from shard.decode_graphs import DecodeGraphs
 from shard.model import Transformer
 from shard.parallel import Layout
 from shard.sampler import SamplingParams, sample
@@ -76,14 +77,22 @@ class ModelRunner:
         self.max_position = max_position or model.cfg.max_position
         self.kv: KVPages | None = None
         self.table: SequenceTable | None = None
+        self.graphs: DecodeGraphs | None = None
         self.lm_head_calls = 0
+        self.graph_launches = self.eager_decode_steps = 0  # by the step that last ran
 
-    def allocate(self, num_pages: int, max_seqs: int) -> None:
-        """A fresh KV pool and sequence table: whatever the shard held before is gone."""
-        self.kv = self.table = None  # let the old pool go before the new one is allocated
+    def allocate(self, num_pages: int, max_seqs: int, decode_graphs: bool = False) -> None:
+        """A fresh KV pool and sequence table (whatever the shard held before is gone), and the
+        decode graphs that read them, captured now when asked for (single-stage replicas only:
+        a stage boundary's send/recv stays eager)."""
+        self.kv = self.table = self.graphs = None  # let the old pool go before the new one is allocated
         self.kv = KVPages(self.model.cfg, num_pages, self.page_size, self.dtype, self.device)
         max_pages = -(-self.max_position // self.page_size)
         self.table = SequenceTable(max_seqs, max_pages, self.kv.padding_page, self.device)
+        if decode_graphs and self.layout.pp == 1:
+            self.graphs = DecodeGraphs(self.model, self.kv.layers, self.table.tables, self.table.padding_row,
+                                       self.page_size, max_seqs, self.device, whole=self.layout.tp == 1)
+            self.graphs.capture()
 
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -169,6 +178,7 @@ class ModelRunner:
         """plan: a StepPlan. Samples one token per valid sequence with emit set (on the sampling
         shard). An exception here leaves the shard's state unknown."""
         out = StepOutput()
+        self.graph_launches = self.eager_decode_steps = 0
         for seq_id in plan.released:
             self.table.release(seq_id)
         entries, states = [], []
@@ -182,8 +192,14 @@ class ModelRunner:
                 self.table.release(s.seq_id)
         if not entries:
             return out
-        if all(len(s.token_ids) == 1 for s in entries):
-            last = self._forward(*self._decode_batch([s.token_ids[0] for s in entries], states))
+        if all(len(s.token_ids) == 1 for s in entries):  # a decode step (or one-token chunks)
+            tokens = [s.token_ids[0] for s in entries]
+            if self.graphs is not None and self.graphs.bucket_for(len(entries)):
+                last = self.graphs.run(tokens, [st.next_pos for st in states], [st.row for st in states])
+                self.graph_launches = 1
+            else:
+                last = self._forward(*self._decode_batch(tokens, states))
+                self.eager_decode_steps = 1
         else:
             spans = [Span(list(s.token_ids), s.start_pos, self.table.tables[st.row, :len(st.pages)])
                      for s, st in zip(entries, states)]

@@ -11,7 +11,8 @@ Invariants kept here:
 - every held sequence has exactly one row, and no two share one;
 - `tables[row]` holds the sequence's pages in order, then the padding page up to the width;
 - a released (or never admitted) row holds only the padding page, so a stale row can never
-  address a page the router has given to someone else.
+  address a page the router has given to someone else; the last row (`padding_row`) is never
+  given out: padding entries of a captured decode batch read it.
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ class SequenceState:
 
 class SequenceTable:
     def __init__(self, rows: int, max_pages: int, padding_page: int, device: torch.device):
-        self.padding_page = padding_page
-        self.tables = torch.full((rows, max_pages), padding_page, dtype=torch.int64, device=device)
+        self.padding_page, self.padding_row = padding_page, rows
+        self.tables = torch.full((rows + 1, max_pages), padding_page, dtype=torch.int64, device=device)
         self._free_rows = list(range(rows - 1, -1, -1))
         self.held: dict[int, SequenceState] = {}
 

@@ -37,8 +37,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class ShardService(shard_pb2_grpc.ShardServicer):
-    def __init__(self, runner: ModelRunner, info: shard_pb2.ShardInfo, grouped: bool):
-        self.runner, self.info, self.grouped = runner, info, grouped
+    def __init__(self, runner: ModelRunner, info: shard_pb2.ShardInfo, grouped: bool, decode_graphs: bool):
+        self.runner, self.info, self.grouped, self.decode_graphs = runner, info, grouped, decode_graphs
         self._stream_lock = threading.Lock()  # one router drives a shard at a time
         self.streaming = threading.Event()    # a step stream is open
 
@@ -54,7 +54,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         if not 1 <= request.max_batch <= MAX_SEQUENCES:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"max_batch {request.max_batch} outside [1, {MAX_SEQUENCES}]")
-        self.runner.allocate(request.num_pages, request.max_batch)
+        self.runner.allocate(request.num_pages, request.max_batch, self.decode_graphs)
         # One prefill and one decode, so first-request latency does not pay for lazy init.
         seq = dict(seq_id=0, emit=True)
         self.runner.step(shard_pb2.StepPlan(seqs=[shard_pb2.SequenceStep(
@@ -62,7 +62,9 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         self.runner.step(shard_pb2.StepPlan(seqs=[shard_pb2.SequenceStep(**seq, token_ids=[1], start_pos=2)]))
         self.runner.table.release_all()
         _trim_heap()
-        return shard_pb2.WarmupResponse()
+        graphs = self.runner.graphs
+        return shard_pb2.WarmupResponse(decode_graph_buckets=sorted(graphs.buckets) if graphs else [],
+                                        capture_s=graphs.capture_s if graphs else 0.0)
 
     def Steps(self, request_iterator, context):
         if not self._stream_lock.acquire(blocking=False):
@@ -81,6 +83,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                     context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {e!r}")
                 yield shard_pb2.StepResult(
                     step_id=plan.step_id, tokens=out.tokens, compute_ms=(time.perf_counter() - t0) * 1e3,
+                    graph_launches=self.runner.graph_launches, eager_decode_steps=self.runner.eager_decode_steps,
                     failures=[shard_pb2.SequenceFailure(seq_id=k, message=v) for k, v in out.failures.items()])
             if _was_cancelled(context):
                 self._leave_group_soon("the router abandoned the step stream")
@@ -144,6 +147,8 @@ def serve_shard(args) -> int:
         device = torch.device("cpu")
     dtype = DTYPES[args.dtype]
     source = resolve_model(args.model)
+    # Compiled decode graphs are kept beside the converted weights, so a restart reuses them.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(source.cache_dir / "inductor"))
     t0 = time.perf_counter()
     model = build_model(source, dtype, device)
     full = model.cfg
@@ -165,7 +170,8 @@ def serve_shard(args) -> int:
     runner = ModelRunner(model, args.page_size, dtype, device, layout, full.vocab_size, full.max_position)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
         ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
-    service = ShardService(runner, info, grouped=layout.world > 1)
+    decode_graphs = args.decode_graphs == "on" or (args.decode_graphs == "auto" and device.type == "cuda")
+    service = ShardService(runner, info, grouped=layout.world > 1, decode_graphs=decode_graphs)
     shard_pb2_grpc.add_ShardServicer_to_server(service, server)
     health_servicer = health.HealthServicer()  # for orchestrators: SERVING once the weights are in
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
