@@ -49,6 +49,16 @@ def _use_flash(q: torch.Tensor, page_size: int) -> bool:
             and q.dtype in (torch.float16, torch.bfloat16))
 
 
+def decode_capturable(device: torch.device, dtype: torch.dtype, page_size: int) -> bool:
+    """Whether decode attention can run inside a captured graph on this device. On CUDA only
+    flash-attn's paged decode can (the torch path reads context lengths on the host); on CPU the
+    graph is compiled, not captured, and the torch path runs as one opaque operator."""
+    if device.type != "cuda":
+        return True
+    return (flash_attn_with_kvcache is not None and page_size % 256 == 0
+            and dtype in (torch.float16, torch.bfloat16))
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
                     v_pages: torch.Tensor, batch: AttentionBatch, scale: float) -> torch.Tensor:
     """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] of this step's tokens -> [T, heads, head_dim].

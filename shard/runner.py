@@ -18,13 +18,14 @@ out the same sequences and the collectives stay matched.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from kernels.attention import AttentionBatch
+from kernels.attention import AttentionBatch, decode_capturable
 from shard.kv_cache import KVPages
 from shard.decode_graphs import DecodeGraphs
 from shard.model import Transformer
@@ -33,6 +34,7 @@ from shard.sampler import SamplingParams, sample
 from shard.sequences import SequenceState, SequenceTable
 
 
+log = logging.getLogger(__name__)
 PREFILL_PIECE_TOKENS = 512
 
 
@@ -89,7 +91,12 @@ class ModelRunner:
         self.kv = KVPages(self.model.cfg, num_pages, self.page_size, self.dtype, self.device)
         max_pages = -(-self.max_position // self.page_size)
         self.table = SequenceTable(max_seqs, max_pages, self.kv.padding_page, self.device)
-        if decode_graphs and self.layout.pp == 1:
+        if decode_graphs and self.layout.pp > 1:
+            log.warning("decode graphs are off: pipeline stages run decode eagerly")
+        elif decode_graphs and not decode_capturable(self.device, self.dtype, self.page_size):
+            log.warning("decode graphs are off: on CUDA they need flash-attn, fp16/bf16 and pages "
+                        "of a multiple of 256 tokens")
+        elif decode_graphs:
             self.graphs = DecodeGraphs(self.model, self.kv.layers, self.table.tables, self.table.padding_row,
                                        self.page_size, max_seqs, self.device, whole=self.layout.tp == 1)
             self.graphs.capture()
