@@ -136,3 +136,20 @@ def test_graphs_keep_parity_with_chunking_and_the_prefix_cache(llama, chunk, cac
         assert st.pages_referenced == 0 and st.pages_free + st.pages_evictable == st.pages_total
     finally:
         assert server.stop() == 0
+
+
+def test_a_one_token_final_chunk_takes_the_decode_graph(llama, graph_runner):
+    ref = hf_model(llama)
+    prompt = [random.Random(15).randrange(ref.config.vocab_size) for _ in range(15)]
+    launches = []
+    for start, n in ((0, 7), (7, 7), (14, 1)):  # chunks of 7: the last is one token
+        step = shard_pb2.SequenceStep(seq_id=99, token_ids=prompt[start:start + n], start_pos=start, emit=start == 14)
+        if start == 0:
+            step.first, step.sampling.top_p = True, 1.0
+            step.new_pages.extend([60, 61])
+        tokens = graph_runner.step(shard_pb2.StepPlan(seqs=[step])).tokens
+        launches.append(graph_runner.graph_launches)
+    graph_runner.step(shard_pb2.StepPlan(released=[99]))
+    assert launches == [0, 0, 1]
+    want, margins = hf_greedy(ref, prompt, 1)
+    assert_greedy_match(tokens, want, margins)
