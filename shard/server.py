@@ -25,6 +25,7 @@ import torch
 
 from common.model_source import resolve_model
 from common.process import exit_soon
+from kernels.linear import use_onednn
 from protos import shard_pb2, shard_pb2_grpc
 from shard.kv_cache import bytes_per_page
 from shard.parallel import Layout, init_distributed, keep_stage, shard_tensor_parallel
@@ -167,10 +168,12 @@ def serve_shard(args) -> int:
         tp_rank=layout.tp_rank, tp_size=layout.tp, pp_stage=layout.pp_stage, pp_size=layout.pp,
         dtype=args.dtype, device=str(device), eos_token_ids=full.eos_token_ids,
         weight_bytes=weight_bytes, kv_bytes_per_page=per_page)
+    decode_graphs = args.decode_graphs == "on" or (args.decode_graphs == "auto" and device.type == "cuda")
+    if device.type == "cpu" and dtype == torch.float32 and not decode_graphs:
+        log.info("%d linear layers use oneDNN's weight layout", use_onednn(model))
     runner = ModelRunner(model, args.page_size, dtype, device, layout, full.vocab_size, full.max_position)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
         ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
-    decode_graphs = args.decode_graphs == "on" or (args.decode_graphs == "auto" and device.type == "cuda")
     service = ShardService(runner, info, grouped=layout.world > 1, decode_graphs=decode_graphs)
     shard_pb2_grpc.add_ShardServicer_to_server(service, server)
     health_servicer = health.HealthServicer()  # for orchestrators: SERVING once the weights are in
