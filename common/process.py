@@ -66,8 +66,6 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-# A peer that restarts (a shard group, say) is reconnected to within a second, rather than after
-# gRPC's default backoff, which grows to two minutes while the peer is away.
 def hang_detection_s(step_timeout_s: float) -> tuple[float, float]:
     """(probe timeout, launcher's silence limit) for a --step-timeout-s. The router, which sees a
     step overrun, probes the shards for at most the probe timeout after the step deadline; the
@@ -77,6 +75,8 @@ def hang_detection_s(step_timeout_s: float) -> tuple[float, float]:
     return probe, step_timeout_s + probe + 1.0
 
 
+# A peer that restarts (a shard group, say) is reconnected to within a second, rather than after
+# gRPC's default backoff, which grows to two minutes while the peer is away.
 FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                   ("grpc.max_reconnect_backoff_ms", 1000)]
 

@@ -43,20 +43,18 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: t
     v_pages.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
 
 
-def _use_flash(q: torch.Tensor, page_size: int) -> bool:
-    # flash-attn's paged KV needs pages of a multiple of 256 tokens.
-    return (flash_attn_with_kvcache is not None and q.is_cuda and page_size % 256 == 0
-            and q.dtype in (torch.float16, torch.bfloat16))
+def uses_flash(device: torch.device, dtype: torch.dtype, page_size: int) -> bool:
+    """Whether attention takes flash-attn's paged path: CUDA, fp16/bf16, and pages of a multiple
+    of 256 tokens (what its paged KV needs)."""
+    return (flash_attn_with_kvcache is not None and device.type == "cuda" and page_size % 256 == 0
+            and dtype in (torch.float16, torch.bfloat16))
 
 
 def decode_capturable(device: torch.device, dtype: torch.dtype, page_size: int) -> bool:
     """Whether decode attention can run inside a captured graph on this device. On CUDA only
     flash-attn's paged decode can (the torch path reads context lengths on the host); on CPU the
     graph is compiled, not captured, and the torch path runs as one opaque operator."""
-    if device.type != "cuda":
-        return True
-    return (flash_attn_with_kvcache is not None and page_size % 256 == 0
-            and dtype in (torch.float16, torch.bfloat16))
+    return device.type != "cuda" or uses_flash(device, dtype, page_size)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
@@ -68,7 +66,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: 
     if batch.opaque:
         return decode_attention(q, k, v, k_pages, v_pages, batch.slots, batch.block_tables, batch.context_lens, scale)
     write_kv(k_pages, v_pages, k, v, batch.slots)
-    if _use_flash(q, k_pages.shape[1]):
+    if uses_flash(q.device, q.dtype, k_pages.shape[1]):
         return _flash(q, k_pages, v_pages, batch, scale)
     if batch.is_decode:
         return _decode_torch(q, k_pages, v_pages, batch, scale)

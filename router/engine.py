@@ -79,15 +79,13 @@ class Engine:
         plan = shard_pb2.StepPlan(step_id=self.step_id, released=self._released)
         self._released = []
         for seq, inputs, emit in zip(step.seqs, step.inputs, step.emits):
-            entry = plan.seqs.add(seq_id=seq.seq_id, token_ids=inputs, start_pos=seq.num_computed, emit=emit)
             held = self._announced.get(seq.seq_id)
+            entry = plan.seqs.add(seq_id=seq.seq_id, token_ids=inputs, start_pos=seq.num_computed, emit=emit,
+                                  first=held is None, new_pages=seq.block_table[held or 0:])
             if held is None:
                 s = seq.sampling
-                entry.first = True
                 entry.sampling.CopyFrom(shard_pb2.Sampling(temperature=s.temperature, top_p=s.top_p,
                                                            top_k=s.top_k, seed=s.seed))
-                held = 0
-            entry.new_pages.extend(seq.block_table[held:])
             self._announced[seq.seq_id] = len(seq.block_table)
         t0 = time.perf_counter()
         result = await self.shards.step(plan)

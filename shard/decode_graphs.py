@@ -14,7 +14,7 @@ into the bucket's buffers.
   not traceable: the step compiles in pieces between them, and each replay runs them all.
   Compiled code is cached on disk (TORCHINDUCTOR_CACHE_DIR), so a restart reuses it.
 
-`launches` counts the replays really issued, at the call that issues them.
+The runner counts a launch at each `run` call, which issues exactly one replay.
 """
 from __future__ import annotations
 
@@ -42,7 +42,6 @@ class _Bucket:
     """The static buffers of one bucket and the graph that reads them."""
 
     def __init__(self, size: int, device: torch.device, padding_row: int):
-        self.size = size
         self.tokens = torch.zeros(size, dtype=torch.int64, device=device)
         self.positions = torch.zeros(size, dtype=torch.int64, device=device)
         self.rows = torch.full((size,), padding_row, dtype=torch.int64, device=device)
@@ -58,7 +57,6 @@ class DecodeGraphs:
         self.padding_row = padding_row
         self.buckets = {b: _Bucket(b, device, padding_row) for b in buckets_for(max_batch)}
         self.whole = whole  # False: compile in pieces around the collectives
-        self.launches = 0
         self.capture_s = 0.0
         self._compiled = None
 
@@ -112,7 +110,6 @@ class DecodeGraphs:
         bucket.positions[:n] = torch.tensor(positions)
         bucket.rows[:n] = torch.tensor(rows)
         bucket.tokens[n:], bucket.positions[n:], bucket.rows[n:] = 0, 0, self.padding_row
-        self.launches += 1
         if bucket.graph is not None:  # pragma: no cover - needs a GPU
             bucket.graph.replay()
             hidden = bucket.output

@@ -68,6 +68,8 @@ def pieces(seqs: list[Span], limit: int) -> list[list[tuple[int, Span]]]:
 class StepOutput:
     tokens: list[int] = field(default_factory=list)       # per emitting sequence that did not fail
     failures: dict[int, str] = field(default_factory=dict)  # seq_id -> why
+    graph_launches: int = 0       # decode graphs replayed for the step (0 or 1)
+    eager_decode_steps: int = 0   # or the decode step run eagerly (0 or 1)
 
 
 class ModelRunner:
@@ -81,7 +83,6 @@ class ModelRunner:
         self.table: SequenceTable | None = None
         self.graphs: DecodeGraphs | None = None
         self.lm_head_calls = 0
-        self.graph_launches = self.eager_decode_steps = 0  # by the step that last ran
 
     def allocate(self, num_pages: int, max_seqs: int, decode_graphs: bool = False) -> None:
         """A fresh KV pool and sequence table (whatever the shard held before is gone), and the
@@ -185,7 +186,6 @@ class ModelRunner:
         """plan: a StepPlan. Samples one token per valid sequence with emit set (on the sampling
         shard). An exception here leaves the shard's state unknown."""
         out = StepOutput()
-        self.graph_launches = self.eager_decode_steps = 0
         for seq_id in plan.released:
             self.table.release(seq_id)
         entries, states = [], []
@@ -203,10 +203,10 @@ class ModelRunner:
             tokens = [s.token_ids[0] for s in entries]
             if self.graphs is not None and self.graphs.bucket_for(len(entries)):
                 last = self.graphs.run(tokens, [st.next_pos for st in states], [st.row for st in states])
-                self.graph_launches = 1
+                out.graph_launches = 1
             else:
                 last = self._forward(*self._decode_batch(tokens, states))
-                self.eager_decode_steps = 1
+                out.eager_decode_steps = 1
         else:
             spans = [Span(list(s.token_ids), s.start_pos, self.table.tables[st.row, :len(st.pages)])
                      for s, st in zip(entries, states)]

@@ -53,8 +53,8 @@ def _generate(runner, prompts, chunk: int):
                 step.new_pages.extend(held[i])
             result = runner.step(shard_pb2.StepPlan(seqs=[step]))
             if not emit:
-                counts["chunk"][0] += runner.graph_launches
-                counts["chunk"][1] += runner.eager_decode_steps
+                counts["chunk"][0] += result.graph_launches
+                counts["chunk"][1] += result.eager_decode_steps
             out[i] += result.tokens
     for n in range(1, NEW):
         plan = shard_pb2.StepPlan(seqs=[shard_pb2.SequenceStep(seq_id=i, token_ids=out[i][-1:], emit=True,
@@ -62,8 +62,8 @@ def _generate(runner, prompts, chunk: int):
                                         for i, p in enumerate(prompts)])
         result = runner.step(plan)
         assert not result.failures, result.failures
-        counts["decode"][0] += runner.graph_launches
-        counts["decode"][1] += runner.eager_decode_steps
+        counts["decode"][0] += result.graph_launches
+        counts["decode"][1] += result.eager_decode_steps
         for i, token in enumerate(result.tokens):
             out[i].append(token)
     runner.step(shard_pb2.StepPlan(released=list(out)))
@@ -147,8 +147,9 @@ def test_a_one_token_final_chunk_takes_the_decode_graph(llama, graph_runner):
         if start == 0:
             step.first, step.sampling.top_p = True, 1.0
             step.new_pages.extend([60, 61])
-        tokens = graph_runner.step(shard_pb2.StepPlan(seqs=[step])).tokens
-        launches.append(graph_runner.graph_launches)
+        result = graph_runner.step(shard_pb2.StepPlan(seqs=[step]))
+        tokens = result.tokens
+        launches.append(result.graph_launches)
     graph_runner.step(shard_pb2.StepPlan(released=[99]))
     assert launches == [0, 0, 1]
     want, margins = hf_greedy(ref, prompt, 1)
