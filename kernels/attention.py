@@ -34,6 +34,14 @@ class AttentionBatch:
     block_tables_list: list[torch.Tensor] | None = None  # prefill
     opaque: bool = False    # decode inside a compiled graph: attention as one operator
 
+    @classmethod
+    def decode(cls, block_tables: torch.Tensor, positions: torch.Tensor, page_size: int,
+               opaque: bool = False) -> "AttentionBatch":
+        """One new token per sequence at `positions` [B], its pages in `block_tables` [B, width]."""
+        pages = block_tables.gather(1, (positions // page_size)[:, None])[:, 0]
+        return cls(slots=pages * page_size + positions % page_size, is_decode=True, block_tables=block_tables,
+                   context_lens=positions + 1, opaque=opaque)
+
 
 def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slots: torch.Tensor) -> None:

@@ -61,12 +61,8 @@ class DecodeGraphs:
         self._compiled = None
 
     def _forward(self, bucket: _Bucket, opaque: bool) -> torch.Tensor:
-        ps, positions = self.page_size, bucket.positions
-        tables = self.tables[bucket.rows]
-        slots = tables.gather(1, (positions // ps)[:, None])[:, 0] * ps + positions % ps
-        batch = AttentionBatch(slots=slots, is_decode=True, block_tables=tables, context_lens=positions + 1,
-                               opaque=opaque)
-        return self.model(bucket.tokens, positions, self.kv_layers, batch)
+        batch = AttentionBatch.decode(self.tables[bucket.rows], bucket.positions, self.page_size, opaque)
+        return self.model(bucket.tokens, bucket.positions, self.kv_layers, batch)
 
     def capture(self) -> None:
         """Captures (CUDA) or compiles (CPU) every bucket, largest first; logs progress."""

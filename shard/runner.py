@@ -147,14 +147,10 @@ class ModelRunner:
         return state
 
     def _decode_batch(self, tokens: list[int], states: list[SequenceState]):
-        ps = self.page_size
         positions = self._tensor([st.next_pos for st in states])
         width = max(len(st.pages) for st in states)
         tables = self.table.tables[self._tensor([st.row for st in states]), :width]
-        rows = torch.arange(len(states), device=self.device)
-        slots = tables[rows, positions // ps] * ps + positions % ps
-        batch = AttentionBatch(slots=slots, is_decode=True, block_tables=tables, context_lens=positions + 1)
-        return self._tensor(tokens), positions, batch
+        return self._tensor(tokens), positions, AttentionBatch.decode(tables, positions, self.page_size)
 
     def _prefill_batch(self, spans: list[Span]):
         ps = self.page_size
