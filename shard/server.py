@@ -145,19 +145,6 @@ def _was_cancelled(context, within_s: float = 0.5) -> bool:
     return True
 
 
-_M_ARENA_MAX = -8
-
-
-def _one_heap() -> None:
-    """One malloc arena for every thread. The gRPC worker threads take turns running steps; each
-    would otherwise grow an arena of its own, whose freed activations stay resident, and a
-    long-running shard's RSS would creep up by the largest step's temporaries per thread."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, 1)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 def _trim_heap() -> None:
     """Hands the heap's free memory back to the system: what loading the weights (and a previous
     pool) left behind would otherwise stay resident beside the new pool."""
@@ -168,7 +155,6 @@ def _trim_heap() -> None:
 
 
 def serve_shard(args) -> int:
-    _one_heap()
     if args.threads:
         torch.set_num_threads(args.threads)
     layout = Layout(tp=args.tp, pp=args.pp, tp_rank=args.tp_rank, pp_stage=args.pp_stage)
