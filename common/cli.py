@@ -67,6 +67,11 @@ def _shard_flags(p):
     _add(p, "decode-graphs", "auto", help="capture decode steps as graphs per batch bucket at warmup "
          "(auto: on CUDA only; on CPU torch.compile pays off little and takes minutes to warm up)",
          choices=["auto", "on", "off"])
+    _add(p, "weights", "native", help="native: a GGUF's quantized layers stay quantized (int4 / int8 "
+         "kernels, bf16 activations; CPU only); dequantized: every weight in --dtype, exact",
+         choices=["native", "dequantized"])
+    _add(p, "quantize", "none", help="quantize dense linear layers at load (a Hugging Face folder, or "
+         "a dequantized GGUF): int4 (LM head int8) or int8; CPU only", choices=["none", "int4", "int8"])
 
 
 def _router_flags(p):

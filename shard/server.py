@@ -27,11 +27,12 @@ import torch
 from common.model_source import resolve_model
 from common.process import exit_soon
 from kernels.linear import use_onednn
+from kernels.quantized import quantize, weight_format
 from protos import shard_pb2, shard_pb2_grpc
 from shard.kv_cache import bytes_per_page
 from shard.parallel import Layout, init_distributed, keep_stage, shard_tensor_parallel
 from shard.runner import ModelRunner
-from shard.weights import build_model
+from shard.weights import build_model, mark_quantized
 
 log = logging.getLogger("shardline.shard")
 MAX_SEQUENCES = 4096  # sequences a shard holds at once: the top of the router's --max-batch range
@@ -171,15 +172,22 @@ def serve_shard(args) -> int:
     t0 = time.perf_counter()
     model = build_model(source, dtype, device)
     full = model.cfg
+    if device.type == "cpu":
+        mark_quantized(model, source, args.weights, "" if args.quantize == "none" else args.quantize)
+    elif args.quantize != "none" or (args.weights == "native" and source.kind == "gguf"):
+        log.warning("quantized weights have CPU kernels only: serving every weight in %s", args.dtype)
     if layout.world > 1:
         group = init_distributed(layout, args.dist_init, device)
         keep_stage(model, layout)
         shard_tensor_parallel(model, layout, group)
+    quantize(model)
     cfg = model.cfg
     log.info("loaded %s (stage %d/%d, TP rank %d/%d, %d layers) in %.1f s", source.name, layout.pp_stage,
              layout.pp, layout.tp_rank, layout.tp, cfg.num_layers, time.perf_counter() - t0)
     per_page = bytes_per_page(cfg, args.page_size, dtype)
-    weight_bytes = sum(t.numel() * t.element_size() for t in {id(p): p for p in model.parameters()}.values())
+    weight_bytes = sum(t.numel() * t.element_size() for t in
+                       {id(t): t for t in (*model.parameters(), *model.buffers()) if t is not model.rotary.cos
+                        and t is not model.rotary.sin}.values())
     info = shard_pb2.ShardInfo(
         model=source.name, vocab_size=full.vocab_size, context_length=full.max_position,
         page_size=args.page_size, max_pages=max(0, int(args.kv_memory_gb * 2**30 // per_page) - 1),
@@ -189,6 +197,11 @@ def serve_shard(args) -> int:
     decode_graphs = args.decode_graphs == "on" or (args.decode_graphs == "auto" and device.type == "cuda")
     if device.type == "cpu" and dtype == torch.float32 and not decode_graphs:
         log.info("%d linear layers use oneDNN's weight layout", use_onednn(model))
+    formats = {name.rpartition(".")[2]: weight_format(m) for name, m in model.named_modules(remove_duplicate=False)
+               if name.rpartition(".")[2] in ("embed", "wqkv", "wo", "w13", "w2", "lm_head")}
+    info.weight_formats.update(formats)
+    log.info("weights: %s", ", ".join(f"{k} {v}" for k, v in formats.items()))
+    _trim_heap()
     runner = ModelRunner(model, args.page_size, dtype, device, layout, full.vocab_size, full.max_position)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
         ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])

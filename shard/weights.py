@@ -99,6 +99,50 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device) -
     return model.eval().requires_grad_(False)
 
 
+# GGUF types whose blocks are groups of 32 weights on a 4-bit grid: int4 reproduces them exactly.
+_FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}
+_FLOAT = {"F32", "F16", "BF16", "F64"}
+
+
+def gguf_types(source: ModelSource) -> dict[str, str]:
+    """Hugging Face tensor name -> GGUF type name (Q4_1, Q8_0, F32, ...), from the file's header."""
+    from gguf import GGUFReader
+
+    return {hf_name(t.name): t.tensor_type.name for t in GGUFReader(str(source.path)).tensors}
+
+
+def mark_quantized(model: Transformer, source: ModelSource, weights: str, quantize: str) -> None:
+    """Tags each linear layer that is to be served quantized with `quant_bits` (4 or 8), for
+    `kernels.quantized.quantize` to swap after any slicing.
+
+    `weights="native"` keeps a GGUF's quantized layers quantized: 4-bit block types as int4, the
+    others as int8. `quantize` ("int4" | "int8" | "") quantizes dense layers at load: with int4 the
+    block layers take int4 and the LM head int8, whose logits suffer most from 4 bits."""
+    def parts(i: int) -> dict[str, list[str]]:
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        return {f"layers.{i}.attn.wqkv": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+                f"layers.{i}.attn.wo": [a + "o_proj.weight"],
+                f"layers.{i}.mlp.w13": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                f"layers.{i}.mlp.w2": [p + "mlp.down_proj.weight"]}
+
+    layers = {}
+    for i in range(model.cfg.num_layers):
+        layers.update(parts(i))
+    types = gguf_types(source) if source.kind == "gguf" and weights == "native" else {}
+    head = "lm_head.weight" if "lm_head.weight" in types else "model.embed_tokens.weight"
+    for name, tensors in [*layers.items(), ("lm_head", [head])]:
+        kinds = {types.get(t, "F32") for t in tensors}
+        if quantize == "int8" or (quantize == "int4" and name == "lm_head"):
+            bits = 8
+        elif quantize == "int4" or kinds <= _FOUR_BIT:
+            bits = 4
+        elif not kinds <= _FLOAT:
+            bits = 8
+        else:
+            continue
+        model.get_submodule(name).quant_bits = bits
+
+
 def write_hf_config(cfg: ModelConfig, path) -> None:
     """A config.json that `transformers` reads, for reference runs over the same weights."""
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

@@ -12,6 +12,6 @@ def tiny_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_server():
-    server = Server("--max-batch", "16")
+    server = Server("--max-batch", "16", "--weights", "dequantized")
     yield server
     assert server.stop() == 0, "".join(server.log[-30:])

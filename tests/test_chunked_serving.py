@@ -39,7 +39,7 @@ def test_smollm2_greedy_tokens_do_not_depend_on_chunking(chunk, tmp_path):
     text = " ".join(f"Step {i}: mix {i} grams of flour with {i + 2} eggs." for i in range(45 if chunk == 300 else 12))
     ids = tok.encode(text, add_special_tokens=False)
     want, margins = hf_greedy(smollm2_hf_model(tmp_path), ids, 12)
-    server = Server("--chunk-size", str(chunk))
+    server = Server("--chunk-size", str(chunk), "--weights", "dequantized")
     try:
         got, _, _ = server.generate(prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=12, ignore_eos=True)
         assert_greedy_match(got, want, margins)

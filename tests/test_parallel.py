@@ -38,7 +38,7 @@ def test_smollm2_parallel_layouts_match_transformers(tp, pp, tmp_path):
     ids = tok.encode(" ".join(f"Fact {i}: water boils at {90 + i} degrees on mountain {i}." for i in range(20)),
                      add_special_tokens=False)
     want, margins = hf_greedy(smollm2_hf_model(tmp_path), ids, 12)
-    server = Server("--tp", str(tp), "--pp", str(pp), "--threads", "1", "--chunk-size", "64")
+    server = Server("--tp", str(tp), "--pp", str(pp), "--threads", "1", "--chunk-size", "64", "--weights", "dequantized")
     try:
         for _ in range(2):
             got, _, last = server.generate(prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=12,

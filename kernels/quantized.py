@@ -1,0 +1,166 @@
+"""Weight-only quantized linear layers, on torch's int4 CPU kernel, with bf16 activations (the
+only ones the kernel vectorizes).
+
+Weights are held in groups of 32 along the input dimension, w = lo + scale * code:
+- int4 (16 levels): `_weight_int4pack_mm_for_cpu` directly. GGUF's Q4_0, Q4_1 and Q4_K blocks are
+  such groups, so their weights are recovered exactly, up to the rounding of scale and zero to bf16.
+- int8 (255 levels): two int4 multiplies, one for each half of the code. GGUF's Q8_0 blocks are
+  such groups (exact likewise); finer-grained types (Q6_K) are rounded to 8 bits per group.
+  Above `INT8_MAX_ROWS` rows a dense bf16 GEMM is faster (measured on the 2-core AMD EPYC
+  development machine, LM head 49152x576: the int4 kernel 0.8 ms at 1 row, 2.8 at 8, 15 at 32;
+  bf16 dense 4.1, 5.5, 11.6), so an int8 layer — in practice the LM head — keeps a bf16 copy,
+  which also serves a tied embedding's lookups.
+int4 layers keep no dense copy: at 512-row prefill pieces the int4 kernel is about as fast as
+fp32 (5.4 against 4.8-5.7 ms for a 1536x576 layer) and a bf16 copy would cost 2 bytes a weight.
+
+Like tensor parallelism, quantization is a transformation of a plain `Transformer`, applied after
+any TP slicing: `quantize` swaps the tagged modules in place and carries over their forward hooks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.linear import OneDnnLinear
+
+GROUP = 32
+INT8_MAX_ROWS = 8
+
+
+def grid_groups(w: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """w [N, K] -> (codes int32 [N, K] in 0..levels-1, scale [N, K/32], lo [N, K/32], share exact),
+    with w = lo + scale * code.
+
+    A group of 32 whose weights already lie on such a grid (what a GGUF block dequantizes to:
+    Q4_0, Q4_1 and Q4_K with 16 levels, Q8_0 with 255) keeps that grid exactly; any other group is
+    rounded to the nearest of `levels` evenly spaced values between its min and max. The last
+    value is the share of groups kept exactly."""
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"quantized layers need an input dimension divisible by {GROUP}, got {k}")
+    g = w.float().reshape(-1, GROUP)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    span = hi - lo
+    scale = torch.where(span > 0, span / (levels - 1), torch.ones_like(span))
+    codes = ((g - lo) / scale).round().clamp(0, levels - 1)
+    exact = (span == 0) | ((lo + codes * scale - g).abs() <= span * 1e-4).all(-1, keepdim=True)
+    # Groups whose codes do not reach both ends: hi and lo are still grid points, so the step is
+    # span / (a whole number of steps), and the smallest gap between values is a whole number of
+    # steps too (more than one when no two of the codes present are adjacent).
+    todo = (~exact).squeeze(-1).nonzero().squeeze(-1)
+    if len(todo):
+        gt, lot, spant = g[todo], lo[todo], span[todo]
+        tol = spant * 1e-4
+        gaps = gt.sort(-1).values.diff(dim=-1)
+        smallest = torch.where(gaps > tol, gaps, torch.full_like(gaps, float("inf"))).amin(-1, keepdim=True)
+        for per_gap in range(1, 9):
+            steps = (per_gap * spant / smallest).round()
+            trial = spant / steps
+            trial_codes = ((gt - lot) / trial).round()
+            fits = (steps <= levels - 1) & ((lot + trial_codes * trial - gt).abs() <= tol).all(-1, keepdim=True)
+            fits = (fits & ~exact[todo]).squeeze(-1)
+            rows = todo[fits]
+            scale[rows], codes[rows], exact[rows] = trial[fits], trial_codes[fits], True
+    return (codes.reshape(n, k).to(torch.int32), scale.reshape(n, k // GROUP), lo.reshape(n, k // GROUP),
+            exact.float().mean().item())
+
+
+def _int4_operands(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+    """The packed weight and [K/32, N, 2] scales-and-zeros of `_weight_int4pack_mm_for_cpu`,
+    which computes with w = (code - 8) * scale + zero."""
+    return (torch._convert_weight_to_int4pack_for_cpu(codes, 2),
+            torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous())
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.out_features, self.in_features = linear.weight.shape
+        codes, scale, lo, self.exact = grid_groups(linear.weight.detach(), 16)
+        packed, scales_zeros = _int4_operands(codes, scale, lo + 8 * scale)
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales_zeros", scales_zeros, persistent=False)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        self._forward_hooks = linear._forward_hooks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(nn.Module):
+    """8-bit codes in groups of 32, multiplied as two int4 halves: code = 16 * high + low, so
+    w = lo + scale * code = [(high - 8) * 16 scale + (lo + 128 scale)] + [(low - 8) * scale + 8 scale].
+    Above `INT8_MAX_ROWS` rows a bf16 copy of the weights is faster, and is kept for that."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.out_features, self.in_features = linear.weight.shape
+        codes, scale, lo, self.exact = grid_groups(linear.weight.detach(), 255)
+        for name, part in [("high", _int4_operands(codes >> 4, 16 * scale, lo + 128 * scale)),
+                           ("low", _int4_operands(codes & 15, scale, 8 * scale))]:
+            self.register_buffer(f"{name}_packed", part[0], persistent=False)
+            self.register_buffer(f"{name}_scales_zeros", part[1], persistent=False)
+        dense = lo.repeat_interleave(GROUP, 1) + scale.repeat_interleave(GROUP, 1) * codes
+        self.register_buffer("dense", dense.to(torch.bfloat16), persistent=False)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        self._forward_hooks = linear._forward_hooks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if rows.shape[0] <= INT8_MAX_ROWS:
+            y = (torch._weight_int4pack_mm_for_cpu(rows, self.high_packed, GROUP, self.high_scales_zeros).float()
+                 + torch._weight_int4pack_mm_for_cpu(rows, self.low_packed, GROUP, self.low_scales_zeros).float())
+        else:
+            y = F.linear(rows, self.dense)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.dense[tokens]
+
+
+class Int8Embedding(nn.Module):
+    """An embedding that reads its rows from an `Int8Linear`'s codes (a tied LM head's)."""
+
+    def __init__(self, table: Int8Linear, dtype: torch.dtype):
+        super().__init__()
+        self.table, self.dtype = table, dtype
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(tokens).to(self.dtype)
+
+
+def quantize(model: nn.Module) -> None:
+    """Swaps every linear layer tagged with a `quant_bits` attribute (4 or 8) for its quantized
+    form, in place. A tied LM head quantized to int8 also serves the embedding's lookups."""
+    embed, head = getattr(model, "embed", None), getattr(model, "lm_head", None)
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    for name, linear in list(model.named_modules()):
+        bits = getattr(linear, "quant_bits", None)
+        if bits is None:
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        new = Int4Linear(linear) if bits == 4 else Int8Linear(linear)
+        setattr(model.get_submodule(parent_name), attr, new)
+    if tied and isinstance(model.lm_head, Int8Linear):
+        model.embed = Int8Embedding(model.lm_head, embed.weight.dtype)
+
+
+def weight_format(module: nn.Module) -> str:
+    """How a layer's weights are held, in words, for `Info`."""
+    if isinstance(module, Int4Linear):
+        return f"int4 g{GROUP}, bf16 scales ({module.exact:.0%} of groups exact)"
+    if isinstance(module, Int8Linear):
+        return f"int8 g{GROUP} as two int4 halves ({module.exact:.0%} of groups exact), bf16 copy above {INT8_MAX_ROWS} rows"
+    if isinstance(module, Int8Embedding):
+        return "the LM head's bf16 copy"
+    if isinstance(module, OneDnnLinear):
+        return "float32 oneDNN"
+    return str(module.weight.dtype).removeprefix("torch.")

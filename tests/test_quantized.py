@@ -1,0 +1,95 @@
+"""Quantized linear layers: GGUF blocks are recovered exactly, the int4 and int8 layers compute
+what their (dequantized) weights say at every batch size, and `quantize` swaps tagged layers of a
+model in place, keeping TP hooks and a tied embedding."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize as gguf_quantize
+
+from kernels.quantized import GROUP, INT8_MAX_ROWS, Int4Linear, Int8Embedding, Int8Linear, grid_groups, quantize
+from shard.config import ModelConfig
+from shard.model import Transformer
+
+
+def _gguf_roundtrip(w: torch.Tensor, qtype) -> torch.Tensor:
+    blocks = gguf_quantize(w.numpy(), qtype)
+    return torch.from_numpy(dequantize(blocks, qtype).astype(np.float32).reshape(w.shape))
+
+
+@pytest.mark.parametrize("qtype,levels", [(GGMLQuantizationType.Q4_0, 16), (GGMLQuantizationType.Q4_1, 16),
+                                          (GGMLQuantizationType.Q8_0, 255)], ids=["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_are_recovered_exactly(qtype, levels):
+    w = _gguf_roundtrip(torch.randn(96, 256) * torch.rand(96, 1), qtype)
+    codes, scale, lo, exact = grid_groups(w, levels)
+    assert exact == 1.0
+    assert codes.min() >= 0 and codes.max() <= levels - 1
+    back = lo.repeat_interleave(GROUP, 1) + scale.repeat_interleave(GROUP, 1) * codes
+    torch.testing.assert_close(back, w, rtol=0, atol=1e-6)
+
+
+def test_dense_weights_are_rounded_to_their_nearest_level():
+    w = torch.randn(64, 128)
+    for levels in (16, 255):
+        codes, scale, lo, exact = grid_groups(w, levels)
+        assert exact == 0.0
+        back = lo.repeat_interleave(GROUP, 1) + scale.repeat_interleave(GROUP, 1) * codes
+        assert ((back - w).abs() <= scale.repeat_interleave(GROUP, 1) / 2 + 1e-6).all()
+
+
+def _reference(layer_weight: torch.Tensor, x: torch.Tensor, bias=None) -> torch.Tensor:
+    return F.linear(x.bfloat16().float(), layer_weight, bias)
+
+
+@pytest.mark.parametrize("rows", [1, 3, INT8_MAX_ROWS, INT8_MAX_ROWS + 1, 64])
+def test_quantized_layers_compute_their_weights(rows):
+    torch.manual_seed(rows)
+    dense = nn_linear(256, 96, bias=True)
+    q4 = _gguf_roundtrip(dense.weight.detach(), GGMLQuantizationType.Q4_1)
+    q8 = _gguf_roundtrip(dense.weight.detach(), GGMLQuantizationType.Q8_0)
+    x = torch.randn(1, rows, 256)
+    for layer, w in [(Int4Linear(nn_linear(256, 96, weight=q4, bias=dense.bias)), q4),
+                     (Int8Linear(nn_linear(256, 96, weight=q8, bias=dense.bias)), q8)]:
+        got = layer(x)
+        assert got.shape == (1, rows, 96) and got.dtype == torch.float32
+        want = _reference(w, x, dense.bias)
+        # bf16 activations and bf16 scales: a few parts in a thousand of the output's scale.
+        assert (got - want).abs().max() <= 1e-2 * want.abs().max(), type(layer).__name__
+
+
+def nn_linear(k, n, weight=None, bias=None):
+    layer = torch.nn.Linear(k, n, bias=bias is not None or weight is None)
+    with torch.no_grad():
+        if weight is not None:
+            layer.weight.copy_(weight)
+        if bias is not None and not isinstance(bias, bool):
+            layer.bias.copy_(bias)
+    return layer
+
+
+def test_input_dimension_must_hold_whole_groups():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Int4Linear(torch.nn.Linear(48, 8))
+
+
+def test_quantize_swaps_tagged_layers_keeps_hooks_and_feeds_a_tied_embedding():
+    cfg = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+                      rms_norm_eps=1e-5, max_position=64, tie_word_embeddings=True, eos_token_ids=[0])
+    model = Transformer(cfg).eval().requires_grad_(False)
+    model.lm_head.weight = model.embed.weight
+    calls = []
+    model.layers[0].mlp.w2.register_forward_hook(lambda *_: calls.append(1))
+    for block in model.layers:
+        block.attn.wqkv.quant_bits = block.mlp.w13.quant_bits = block.mlp.w2.quant_bits = 4
+    model.lm_head.quant_bits = 8
+    table = model.embed.weight.clone()
+    quantize(model)
+    assert isinstance(model.layers[1].attn.wqkv, Int4Linear) and isinstance(model.layers[0].mlp.w2, Int4Linear)
+    assert type(model.layers[0].attn.wo) is torch.nn.Linear  # untagged: left alone
+    assert isinstance(model.lm_head, Int8Linear) and isinstance(model.embed, Int8Embedding)
+    model.layers[0].mlp.w2(torch.randn(3, 128))
+    assert calls == [1]
+    tokens = torch.tensor([5, 0, 127])
+    torch.testing.assert_close(model.embed(tokens), table[tokens], atol=table.abs().max().item() / 100, rtol=0)
