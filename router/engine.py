@@ -85,7 +85,12 @@ class Engine:
             if held is None:
                 s = seq.sampling
                 entry.sampling.CopyFrom(shard_pb2.Sampling(temperature=s.temperature, top_p=s.top_p,
-                                                           top_k=s.top_k, seed=s.seed))
+                                                           top_k=s.top_k, seed=s.seed, logprobs=seq.logprobs))
+            if seq.prompt_logprobs is not None and seq.num_computed < len(seq.prompt_ids):
+                entry.prompt_logprobs = seq.prompt_logprobs
+                end = seq.num_computed + len(inputs)
+                if end < len(seq.prompt_ids):
+                    entry.next_token = seq.prompt_ids[end]
             self._announced[seq.seq_id] = len(seq.block_table)
         t0 = time.perf_counter()
         result = await self.shards.step(plan)
@@ -102,24 +107,41 @@ class Engine:
 
     def _apply(self, step: Step, result: shard_pb2.StepResult, failed: dict[int, str]) -> None:
         sampled = iter(result.tokens)
+        logprobs = {entry.seq_id: entry for entry in result.logprobs}
         for seq, inputs, emit in zip(step.seqs, step.inputs, step.emits):
             if step.is_prefill:
                 self.prompt_tokens_computed += len(inputs)
             if seq.seq_id in failed:
                 self.fail(seq, Failure("INTERNAL", f"the shard could not serve this request: {failed[seq.seq_id]}"))
                 continue
+            scores = logprobs.get(seq.seq_id)
+            if scores is not None:
+                seq.prompt_scores.extend(scores.prompt)
             if not emit:
                 continue  # an intermediate chunk: KV written, nothing sampled
             token = next(sampled)
             if seq.cancelled:
                 continue  # dropped at the top of the next loop
+            if why := self._missing_logprobs(seq, scores):
+                self.fail(seq, Failure("INTERNAL", why))
+                continue
             try:
-                self._emit(seq, token)
+                self._emit(seq, token, list(scores.sampled) if scores is not None else [])
             except Exception as e:  # a detokenizer or stop-string edge case: this request only
                 log.exception("request %s failed on token %d", seq.request_id, token)
                 self.fail(seq, Failure("INTERNAL", f"turning token {token} into text failed: {e!r}"))
 
-    def _emit(self, seq: Sequence, token: int) -> None:
+    @staticmethod
+    def _missing_logprobs(seq: Sequence, scores: shard_pb2.SequenceLogprobs | None) -> str | None:
+        if seq.logprobs is not None and (scores is None or len(scores.sampled) != 1):
+            return "the shard returned no log-probability for the sampled token"
+        if seq.prompt_logprobs is not None and not seq.output_ids and len(seq.prompt_scores) != len(seq.prompt_ids) - 1:
+            return (f"the shards scored {len(seq.prompt_scores)} prompt positions, "
+                    f"expected {len(seq.prompt_ids) - 1}")
+        return None
+
+    def _emit(self, seq: Sequence, token: int, logprobs: list) -> None:
+        first = not seq.output_ids
         seq.output_ids.append(token)
         self.tokens_generated += 1
         detok, stops = self._text[seq.seq_id]
@@ -131,7 +153,8 @@ class Engine:
         if reason and not stopped:
             rest, stopped = stops.flush()
             text, reason = text + rest, "stop" if stopped else reason
-        seq.outputs.put_nowait(Output([token], text, reason))
+        seq.outputs.put_nowait(Output([token], text, reason, logprobs=logprobs,
+                                      prompt_logprobs=seq.prompt_scores if first else []))
         if reason:
             self._finish(seq)
 

@@ -107,7 +107,8 @@ class Scheduler:
             seq = self._most_urgent()
             if seq.prompt_hashes is None:
                 seq.prompt_hashes = pages.prompt_hashes(seq.prompt_ids, seq.cache_salt)
-            hits = pages.lookup(seq.prompt_hashes)
+            # Scoring the prompt needs its logits at every position: nothing of it is reused.
+            hits = [] if seq.prompt_logprobs is not None else pages.lookup(seq.prompt_hashes)
             cached = len(hits) * pages.page_size
             n = self._chunk(seq, budget, first=not step.seqs, computed=cached)
             if n == 0:

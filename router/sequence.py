@@ -37,6 +37,8 @@ class Output:
     text: str = ""
     finish_reason: str = ""
     failure: Failure | None = None
+    logprobs: list = field(default_factory=list)         # shard TokenLogprobs, one per token
+    prompt_logprobs: list = field(default_factory=list)  # on the first output, when asked for
 
 
 @dataclass(eq=False)
@@ -57,6 +59,9 @@ class Sequence:
     cached_prompt_tokens: int = 0
     cache_salt: str = ""
     priority: int = 0
+    logprobs: int | None = None          # alternatives to report per sampled token (None: no logprobs)
+    prompt_logprobs: int | None = None   # likewise per prompt token; the prompt is then computed whole
+    prompt_scores: list = field(default_factory=list)  # shard TokenLogprobs of prompt tokens 1..
     prompt_hashes: list[bytes] | None = None   # chain hashes of the prompt's full pages
     page_hashes: list[bytes] = field(default_factory=list)  # of block_table's published prefix
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)

@@ -31,6 +31,7 @@ SERVICE = "shardline.v1.Generation"
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
 MAX_ID_CHARS = 256        # request_id, cache_salt
 MAX_MESSAGES = 1024
+MAX_LOGPROBS = 20         # alternatives per position (the shard's own limit too)
 
 
 class InvalidRequest(Exception):
@@ -83,6 +84,9 @@ class GenerationService:
             if len(getattr(req, name)) > MAX_ID_CHARS:
                 raise _invalid(f"{name} is longer than {MAX_ID_CHARS} characters")
         self._sampling(req)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(req, name) > MAX_LOGPROBS:
+                raise _invalid(f"{name} must lie in 0..{MAX_LOGPROBS}, got {getattr(req, name)}")
         kind = req.WhichOneof("input")
         limit = info.context_length * self.replica.codec.max_token_chars
         if kind == "prompt":
@@ -174,6 +178,8 @@ class GenerationService:
         return Sequence(seq_id=next(self._ids), request_id=req.request_id or uuid.uuid4().hex,
                         prompt_ids=ids, max_new_tokens=req.max_new_tokens, sampling=self._sampling(req),
                         cache_salt=req.cache_salt, priority=req.priority,
+                        logprobs=req.logprobs if req.HasField("logprobs") else None,
+                        prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
                         stop_token_ids=frozenset() if req.ignore_eos else self.replica.eos_ids)
 
     # -- RPCs -----------------------------------------------------------------------------------
@@ -190,7 +196,9 @@ class GenerationService:
                 if out.failure is not None:
                     await context.abort(grpc.StatusCode[out.failure.code], out.failure.message)
                 msg = pb.GenerateResponse(token_ids=out.token_ids, text=out.text,
-                                          finish_reason=out.finish_reason, request_id=seq.request_id)
+                                          finish_reason=out.finish_reason, request_id=seq.request_id,
+                                          logprobs=map(_public_logprob, out.logprobs),
+                                          prompt_logprobs=map(_public_logprob, out.prompt_logprobs))
                 if out.finish_reason:
                     msg.usage.CopyFrom(pb.Usage(prompt_tokens=len(seq.prompt_ids),
                                                 cached_prompt_tokens=seq.cached_prompt_tokens,
@@ -232,6 +240,12 @@ class GenerationService:
         if self.replica.info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"not connected: {self.replica.down_reason}")
         return self.replica.info
+
+
+def _public_logprob(entry) -> pb.TokenLogprob:
+    """A shard's TokenLogprob (parallel id and value lists) as the API's message."""
+    return pb.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob,
+                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in zip(entry.top_ids, entry.top_logprobs)])
 
 
 def _median(values: list[float]) -> float:

@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from protos import shard_pb2
 from kernels.attention import AttentionBatch, decode_capturable
 from shard.kv_cache import KVPages
+from shard.logprobs import MAX_TOP, from_logits, score
 from shard.decode_graphs import DecodeGraphs
 from shard.model import Transformer
 from shard.parallel import Layout
@@ -70,6 +72,7 @@ class StepOutput:
     failures: dict[int, str] = field(default_factory=dict)  # seq_id -> why
     graph_launches: int = 0       # decode graphs replayed for the step (0 or 1)
     eager_decode_steps: int = 0   # or the decode step run eagerly (0 or 1)
+    logprobs: list[shard_pb2.SequenceLogprobs] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -127,8 +130,10 @@ class ModelRunner:
             return f"block table of {pages} pages is longer than the context needs"
         if s.new_pages and max(s.new_pages) >= self.kv.padding_page:
             return f"page id {max(s.new_pages)} outside the pool of {self.kv.padding_page} pages"
-        if max(s.token_ids) >= self.vocab_size:
-            return f"token id {max(s.token_ids)} outside the vocabulary of {self.vocab_size}"
+        if max(s.token_ids) >= self.vocab_size or (s.HasField("next_token") and s.next_token >= self.vocab_size):
+            return f"token id {max(*s.token_ids, s.next_token)} outside the vocabulary of {self.vocab_size}"
+        if max(s.prompt_logprobs, s.sampling.logprobs) > MAX_TOP:
+            return f"at most {MAX_TOP} alternatives per position can be scored"
         if s.first:
             sp = s.sampling
             if not (math.isfinite(sp.temperature) and sp.temperature >= 0 and 0 <= sp.top_p <= 1):
@@ -141,8 +146,8 @@ class ModelRunner:
         state = self.table.get(s.seq_id)
         if state is None:
             sp = s.sampling
-            state = self.table.admit(s.seq_id, s.start_pos,
-                                     SamplingParams(sp.temperature, sp.top_p or 1.0, sp.top_k, sp.seed))
+            state = self.table.admit(s.seq_id, s.start_pos, SamplingParams(
+                sp.temperature, sp.top_p or 1.0, sp.top_k, sp.seed, sp.logprobs if sp.HasField("logprobs") else None))
         self.table.append_pages(state, list(s.new_pages))
         return state
 
@@ -195,6 +200,7 @@ class ModelRunner:
                 self.table.release(s.seq_id)
         if not entries:
             return out
+        scored = {i for i, s in enumerate(entries) if s.HasField("prompt_logprobs")}
         if all(len(s.token_ids) == 1 for s in entries):  # a decode step (or one-token chunks)
             tokens = [s.token_ids[0] for s in entries]
             if self.graphs is not None and self.graphs.bucket_for(len(entries)):
@@ -203,28 +209,60 @@ class ModelRunner:
             else:
                 last = self._forward(*self._decode_batch(tokens, states))
                 out.eager_decode_steps = 1
+            every = {i: last[i:i + 1] for i in scored} if last is not None else {}
         else:
-            spans = [Span(list(s.token_ids), s.start_pos, self.table.tables[st.row, :len(st.pages)])
-                     for s, st in zip(entries, states)]
-            rows = [None] * len(spans)  # the hidden state of each sequence's last token
-            for piece in pieces(spans, PREFILL_PIECE_TOKENS):
-                hidden = self._forward(*self._prefill_batch([span for _, span in piece]))
-                ends = torch.tensor([len(span.token_ids) for _, span in piece]).cumsum(0) - 1
-                for (i, _), end in zip(piece, ends.tolist()):
-                    rows[i] = None if hidden is None else hidden[end].clone()  # not a view: frees the piece
-            last = None if rows[0] is None else torch.stack(rows)
+            last, every = self._prefill(entries, states, scored)
         for s, st in zip(entries, states):
             st.next_pos += len(s.token_ids)
-        emitting = [i for i, s in enumerate(entries) if s.emit]
-        if not emitting or not self.layout.samples:
-            return out
-        self.lm_head_calls += 1
-        logits = self.model.logits(last[torch.tensor(emitting, device=self.device)])
-        sampled_at = [states[i].next_pos for i in emitting]
-        for i, token in zip(emitting, sample(logits, [states[i].sampling for i in emitting], sampled_at)):
-            if isinstance(token, str):
-                out.failures[entries[i].seq_id] = token
-                self.table.release(entries[i].seq_id)
-            else:
-                out.tokens.append(token)
+        if self.layout.samples:
+            self._sample(entries, states, last, every, out)
         return out
+
+    def _prefill(self, entries, states, scored: set[int]):
+        """Runs a prefill step in pieces. Returns the hidden state of each sequence's last token
+        [n, H], and all hidden states of the sequences in `scored` (for prompt log-probabilities);
+        (None, {}) off the last stage."""
+        spans = [Span(list(s.token_ids), s.start_pos, self.table.tables[st.row, :len(st.pages)])
+                 for s, st in zip(entries, states)]
+        rows = [None] * len(spans)
+        kept: dict[int, list[torch.Tensor]] = {i: [] for i in scored}
+        for piece in pieces(spans, PREFILL_PIECE_TOKENS):
+            hidden = self._forward(*self._prefill_batch([span for _, span in piece]))
+            if hidden is None:
+                continue
+            end = 0
+            for i, span in piece:
+                start, end = end, end + len(span.token_ids)
+                rows[i] = hidden[end - 1].clone()  # copies, not views: the piece is freed
+                if i in kept:
+                    kept[i].append(hidden[start:end].clone())
+        if rows[0] is None:
+            return None, {}
+        return torch.stack(rows), {i: torch.cat(parts) for i, parts in kept.items()}
+
+    def _sample(self, entries, states, last, every: dict[int, torch.Tensor], out: StepOutput) -> None:
+        """On the sampling shard: scores prompt positions, samples emitting sequences, and adds
+        the log-probabilities asked for."""
+        logprobs = {i: shard_pb2.SequenceLogprobs(seq_id=entries[i].seq_id) for i in every}
+        for i, hidden in every.items():
+            s = entries[i]
+            targets = list(s.token_ids[1:]) + ([s.next_token] if s.HasField("next_token") else [])
+            logprobs[i].prompt.extend(score(self.model.logits, hidden[:len(targets)], targets, s.prompt_logprobs))
+        emitting = [i for i, s in enumerate(entries) if s.emit]
+        if emitting:
+            self.lm_head_calls += 1
+            logits = self.model.logits(last[torch.tensor(emitting, device=self.device)])
+            sampled_at = [states[i].next_pos for i in emitting]
+            for row, (i, token) in enumerate(zip(emitting, sample(logits, [states[i].sampling for i in emitting],
+                                                                   sampled_at))):
+                if isinstance(token, str):
+                    out.failures[entries[i].seq_id] = token
+                    self.table.release(entries[i].seq_id)
+                    logprobs.pop(i, None)
+                    continue
+                out.tokens.append(token)
+                top = states[i].sampling.logprobs
+                if top is not None:
+                    entry = logprobs.setdefault(i, shard_pb2.SequenceLogprobs(seq_id=entries[i].seq_id))
+                    entry.sampled.extend(from_logits(logits[row:row + 1], [token], top))
+        out.logprobs = [logprobs[i] for i in sorted(logprobs)]

@@ -27,6 +27,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    logprobs: int | None = None   # report the sampled token's log-probability and this many alternatives
 
 
 def _mix(seed: int, position: int) -> int:

@@ -118,7 +118,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 yield shard_pb2.StepResult(
                     step_id=plan.step_id, tokens=out.tokens, compute_ms=(time.perf_counter() - t0) * 1e3,
                     graph_launches=out.graph_launches, eager_decode_steps=out.eager_decode_steps,
-                    failures=[shard_pb2.SequenceFailure(seq_id=k, message=v) for k, v in out.failures.items()])
+                    failures=[shard_pb2.SequenceFailure(seq_id=k, message=v) for k, v in out.failures.items()],
+                    logprobs=out.logprobs)
             if _was_cancelled(context):
                 self._leave_group_soon("the router abandoned the step stream")
         except grpc.RpcError:  # cancelled by the router, or the router went away
