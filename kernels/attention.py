@@ -33,6 +33,7 @@ class AttentionBatch:
     start_positions: list[int] | None = None    # prefill
     block_tables_list: list[torch.Tensor] | None = None  # prefill
     opaque: bool = False    # decode inside a compiled graph: attention as one operator
+    blocks: list | None = None  # decode: the split-KV blocks, worked out by the first layer
 
     @classmethod
     def decode(cls, block_tables: torch.Tensor, positions: torch.Tensor, page_size: int,
@@ -124,37 +125,49 @@ def _gathered(pages, table, tokens: int):
     return pages[used].view(-1, kv_heads, head_dim)[:tokens].transpose(0, 1)[None]
 
 
+def _decode_blocks(batch: AttentionBatch, page_size: int, dtype: torch.dtype) -> list:
+    """[(rows or None for all, block tables [n, width], additive mask [n, 1, 1, width * page_size])]
+    per block of the context: the same for every layer of a step, so worked out once."""
+    if batch.blocks is not None:
+        return batch.blocks
+    bsz = batch.block_tables.shape[0]
+    max_pages = min(batch.block_tables.shape[1], -(-int(batch.context_lens.max()) // page_size))
+    block_pages = max(1, DECODE_BLOCK_TOKENS // page_size)
+    batch.blocks = []
+    for first in range(0, max_pages, block_pages):
+        start, last = first * page_size, min(first + block_pages, max_pages)
+        rows = (batch.context_lens > start).nonzero().squeeze(1)  # sequences with tokens here
+        if first and len(rows) < bsz:
+            tables, lens = batch.block_tables[rows, first:last], batch.context_lens[rows]
+        else:
+            rows, tables, lens = None, batch.block_tables[:, first:last], batch.context_lens
+        n, width = tables.shape
+        positions = torch.arange(start, start + width * page_size, device=tables.device)
+        bias = torch.zeros(n, 1, 1, width * page_size, dtype=dtype, device=tables.device)
+        bias.masked_fill_((positions[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
+        batch.blocks.append((rows, tables, bias))
+    return batch.blocks
+
+
 def _decode_torch(q, k_pages, v_pages, batch: AttentionBatch, scale):
     """Split-KV decode: the context is read in blocks of DECODE_BLOCK_TOKENS, each block only for
     the sequences that reach into it, and the blocks' partial results are merged by their
     log-sum-exp (as flash-decoding does). A batch of short sequences is one block. Block tables
     may be wider than the longest context (a captured graph's static ones are): the blocks stop
     at the longest context."""
-    bsz = batch.block_tables.shape[0]
+    bsz, heads = q.shape[:2]
     page_size, kv_heads, head_dim = k_pages.shape[1:]
-    max_pages = min(batch.block_tables.shape[1], -(-int(batch.context_lens.max()) // page_size))
-    heads = q.shape[1]
-    # One query per sequence: view the q heads of each KV head as that head's queries, so the
-    # kernel runs plain multi-head attention over the KV heads with no K/V repeated.
     qg = q.view(bsz, kv_heads, heads // kv_heads, head_dim)
-    block_pages = max(1, DECODE_BLOCK_TOKENS // page_size)
     out = lse = None
-    for first in range(0, max_pages, block_pages):
-        start, last = first * page_size, min(first + block_pages, max_pages)
-        rows = (batch.context_lens > start).nonzero().squeeze(1)  # sequences with tokens here
-        if first and len(rows) < bsz:
-            tables, lens, q_rows = batch.block_tables[rows, first:last], batch.context_lens[rows], qg[rows]
-        else:
-            tables, lens, q_rows = batch.block_tables[:, first:last], batch.context_lens, qg
+    for rows, tables, bias in _decode_blocks(batch, page_size, q.dtype):
         n, width = tables.shape
         k = k_pages[tables].view(n, width * page_size, kv_heads, head_dim).transpose(1, 2)
         v = v_pages[tables].view(n, width * page_size, kv_heads, head_dim).transpose(1, 2)
-        positions = torch.arange(start, start + width * page_size, device=q.device)
-        bias = torch.zeros(n, 1, 1, width * page_size, dtype=q.dtype, device=q.device)
-        bias.masked_fill_((positions[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
-        o, l = _attend(q_rows, k, v, scale, bias)
+        o, l = _attend(qg if rows is None else qg[rows], k, v, scale, bias)
         if out is None:
             out, lse = o.float(), l.float()
+        elif rows is None:
+            out, lse = _merge(out, lse, o, l)
         else:
             out[rows], lse[rows] = _merge(out[rows], lse[rows], o, l)
     return out.to(q.dtype).reshape(bsz, heads, head_dim)
