@@ -1,0 +1,66 @@
+"""Quantized weights through every serving path: chunked prefill, the prefix cache, TP2 and PP2.
+
+A tiny random llama served with `--quantize int4` (int4 block layers, int8 LM head). Its
+configurations compute in different orders (TP2 sums partial products across ranks; a chunk of
+at most 8 rows takes the LM head's int4 kernel where a longer one takes its bf16 copy), so each
+is compared with the whole-prompt single-shard run by the quality measure of `bench.quality`,
+with one allowance for this random model: its next-token distributions are nearly flat, and the
+quantized kernels return bf16 logits (steps of 1/16 at this model's logit sizes), so exact top-2
+ties are common. Hence: perplexity within 1%, and the same top-1 token at every position where
+the whole-prompt run's best token leads its second by more than 0.25 (four bf16 steps); a path
+that computes something else disagrees far beyond that. A repeat on a prefix-cache hit must
+give exactly the same tokens as the first run of the same server.
+"""
+import random
+
+import pytest
+
+from bench.quality import compare
+from protos import generation_pb2 as pb
+from tests.support import Server
+
+QUANT = ["--quantize", "int4", "--page-size", "16", "--max-batch-tokens", "512"]
+
+
+def serve_and_score(model, prompts, *flags):
+    server = Server("--model", str(model), *QUANT, *flags)
+    try:
+        formats = server.stub.Info(pb.InfoRequest()).weight_formats
+        assert formats["w13"].startswith("int4") and formats["lm_head"].startswith("int8"), formats
+        scores, tokens = [], []
+        for prompt in prompts:
+            responses = list(server.stub.Generate(pb.GenerateRequest(
+                prompt_token_ids=pb.PromptTokens(ids=prompt), max_new_tokens=8, ignore_eos=True,
+                prompt_logprobs=20), timeout=120))
+            scores += list(responses[0].prompt_logprobs)
+            tokens.append([t for r in responses for t in r.token_ids])
+        for prompt, first in zip(prompts, tokens):  # again, now from the prefix cache
+            again, _, last = server.generate(prompt_token_ids=pb.PromptTokens(ids=prompt), max_new_tokens=8,
+                                             ignore_eos=True)
+            assert again == first
+        assert last.usage.cached_prompt_tokens > 0
+        assert server.wait_idle().pages_referenced == 0
+        return scores, tokens
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def whole(tiny_models):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(n)] for n in (40, 300)]
+    return prompts, serve_and_score(tiny_models["llama"], prompts)
+
+
+@pytest.mark.parametrize("flags", [["--chunk-size", "7"], ["--tp", "2"], ["--pp", "2", "--chunk-size", "64"]],
+                         ids=["chunks-of-7", "tp2", "pp2-chunks-of-64"])
+def test_quantized_serving_paths_agree_with_the_whole_prompt_run(tiny_models, whole, flags):
+    prompts, (want, _) = whole
+    got, _ = serve_and_score(tiny_models["llama"], prompts, *flags)
+    result = compare(want, got)
+    print(result)
+    assert result["perplexity_ratio"] <= 1.01, result
+    clear = [(w.top[0].token_id, g.top[0].token_id) for w, g in zip(want, got)
+             if w.top[0].logprob - w.top[1].logprob > 0.25]
+    assert len(clear) > len(want) / 2  # most positions are clear-cut, so this checks something
+    assert all(a == b for a, b in clear), [i for i, (a, b) in enumerate(clear) if a != b]
