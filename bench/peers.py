@@ -1,0 +1,168 @@
+"""Shardline against its peers on the same prompts, one after the other (never two at once):
+`transformers` generate (fp32, batch 1 and 8), llama.cpp through `llama-cpp-python` on the same
+GGUF (one stream: its high-level API decodes one sequence), and Shardline with native and with
+dequantized weights at 1, 8, 16 and 32 concurrent streams.
+
+    python -m bench.peers [--max-new-tokens 128] [--repeats 2]
+
+llama.cpp is the optional `peers` extra (`pip install -e .[peers]`: builds from source, about ten
+minutes on two cores); without it that peer is reported as missing. tok/s is completion tokens
+over wall time from the first request to the last token, prefill included, for every peer; ITL is
+the gap between streamed tokens. Writes bench/out/peers-<time>.json and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import statistics
+import time
+from pathlib import Path
+
+import grpc
+
+from bench.common import machine, save
+from bench.load import PROMPTS, _scenario, hf_run, hf_setup, run_scenario
+from bench.serve import CpuMeter, Serve
+from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def gguf_path() -> Path:
+    from common.model_source import resolve_model
+    return resolve_model("smollm2").path
+
+
+def llama_cpp_peer(max_new: int, repeats: int) -> dict:
+    if importlib.util.find_spec("llama_cpp") is None:
+        return {"missing": "llama-cpp-python is not installed (pip install -e .[peers])"}
+    import llama_cpp
+    from transformers import AutoTokenizer
+    from common.model_source import resolve_model
+    from common.tokenizer_files import tokenizer_folder
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_folder(resolve_model("smollm2")))
+    import os
+    llm = llama_cpp.Llama(model_path=str(gguf_path()), n_ctx=2048, n_threads=os.cpu_count(),
+                          n_threads_batch=os.cpu_count(), verbose=False)
+    no_eos = {llm.token_eos(): -1e9}  # always max_new tokens, as the other peers generate
+
+    def one(prompt_ids: list[int], n: int) -> dict:
+        llm.reset()
+        t0, times = time.perf_counter(), []
+        for _ in llm.create_completion(prompt_ids, max_tokens=n, temperature=0.0, repeat_penalty=1.0,
+                                       top_k=1, stream=True, logit_bias=no_eos):
+            times.append(time.perf_counter())
+        times = times[:n]  # the stream ends with a chunk that only says why it finished
+        wall = times[-1] - t0
+        itl = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+        return {"tok_s": len(times) / wall, "ttft_ms": (times[0] - t0) * 1e3,
+                "itl_ms_p50": median(itl) if itl else None, "tokens": len(times)}
+
+    ids = tok(PROMPTS[0], add_special_tokens=False)["input_ids"]
+    one(ids, 8)  # warm-up
+    runs = [one(tok(PROMPTS[i % len(PROMPTS)], add_special_tokens=False)["input_ids"], max_new)
+            for i in range(repeats)]
+    return {"version": llama_cpp.__version__, "runs": runs,
+            "tok_s": median([r["tok_s"] for r in runs]), "itl_ms_p50": median([r["itl_ms_p50"] for r in runs])}
+
+
+def transformers_peer(max_new: int, repeats: int) -> dict:
+    model, tok = hf_setup("smollm2")
+    out = {}
+    for batch in (1, 8):
+        hf_run(model, tok, batch, 4)  # warm-up
+        runs = [hf_run(model, tok, batch, max_new) for _ in range(repeats)]
+        out[batch] = {"tok_s": median([r["tok_s"] for r in runs]), "runs": [r["tok_s"] for r in runs]}
+    del model
+    return out
+
+
+def shardline_peer(weights: str, streams: list[int], max_new: int, repeats: int) -> dict:
+    server = Serve("--weights", weights, "--max-batch", str(max(streams)))
+    try:
+        stub = pb_grpc.GenerationStub(grpc.insecure_channel(server.target))
+        info = stub.Info(pb.InfoRequest(), timeout=30)
+        asyncio.run(_scenario(server.target, 1, 8))  # warm-up
+        meter, out = CpuMeter(server), {"startup_s": server.startup_s,
+                                         "weight_formats": dict(info.weight_formats),
+                                         "shard_weight_mb": info.shard_weight_bytes / 2**20,
+                                         "kv_pool_mb": info.shard_kv_pool_bytes / 2**20, "streams": {}}
+        for n in streams:
+            asyncio.run(_scenario(server.target, n, max_new))  # untimed: warms this batch shape
+            runs = []
+            for _ in range(repeats):
+                steps0 = stub.Stats(pb.StatsRequest(), timeout=10).steps
+                runs.append(run_scenario(stub, server.target, n, max_new, steps0, meter))
+            out["streams"][n] = {"tok_s": median([r["tok_s"] for r in runs]),
+                                 "itl_ms_p50": median([r["itl_ms"]["p50"] for r in runs]),
+                                 "ttft_ms_p50": median([r["ttft_ms"]["p50"] for r in runs]),
+                                 "errors": sum(len(r["errors"]) for r in runs),
+                                 "runs": [r["tok_s"] for r in runs]}
+            print(f"shardline {weights} {n} streams: {out['streams'][n]['tok_s']:.1f} tok/s, "
+                  f"ITL p50 {out['streams'][n]['itl_ms_p50']:.1f} ms", flush=True)
+        out["memory_after_load"] = server.memory_mb()
+        return out
+    finally:
+        server.stop()
+
+
+def plot(result: dict, png) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for weights, color in (("native", "tab:blue"), ("dequantized", "tab:gray")):
+        streams = result["shardline"][weights]["streams"]
+        xs = sorted(int(n) for n in streams)
+        ax.plot(xs, [streams[n]["tok_s"] for n in xs], "o-", color=color, label=f"Shardline {weights}")
+    for batch, style in ((1, ":"), (8, "--")):
+        ax.axhline(result["transformers"][batch]["tok_s"], ls=style, color="tab:orange",
+                   label=f"transformers fp32 batch {batch}")
+    if "tok_s" in result["llama_cpp"]:
+        ax.axhline(result["llama_cpp"]["tok_s"], ls="-.", color="tab:green", label="llama.cpp, 1 stream")
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("tokens/s")
+    ax.set_xscale("log", base=2)
+    ax.set_title("SmolLM2-135M Q4_1 GGUF, " + result["platform"][:40])
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+
+
+def ratios(result: dict) -> dict:
+    native = result["shardline"]["native"]["streams"]
+    hf = result["transformers"]
+    out = {"native_1_stream/transformers_batch_1": native[1]["tok_s"] / hf[1]["tok_s"],
+           "native_16_streams/transformers_batch_8": native[16]["tok_s"] / hf[8]["tok_s"]}
+    if "tok_s" in result["llama_cpp"]:
+        out["native_1_stream/llama_cpp_1_stream"] = native[1]["tok_s"] / result["llama_cpp"]["tok_s"]
+    rss = {w: result["shardline"][w]["memory_after_load"]["shard"]["rss_mb"] for w in ("native", "dequantized")}
+    out["shard_rss_mb_saved_native_vs_dequantized"] = rss["dequantized"] - rss["native"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--streams", default="1,8,16,32")
+    args = parser.parse_args()
+    streams = [int(s) for s in args.streams.split(",")]
+    result = {"benchmark": "peers", **machine(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
+    result["transformers"] = transformers_peer(args.max_new_tokens, args.repeats)
+    print("transformers:", {b: round(r["tok_s"], 1) for b, r in result["transformers"].items()}, flush=True)
+    result["llama_cpp"] = llama_cpp_peer(args.max_new_tokens, max(3, args.repeats))
+    print("llama.cpp:", result["llama_cpp"].get("tok_s", result["llama_cpp"].get("missing")), flush=True)
+    result["shardline"] = {w: shardline_peer(w, streams, args.max_new_tokens, args.repeats)
+                           for w in ("native", "dequantized")}
+    if {1, 16} <= set(streams):
+        result["ratios"] = ratios(result)
+        print(result["ratios"])
+    save("peers", result, plot)
+
+
+if __name__ == "__main__":
+    main()
