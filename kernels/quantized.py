@@ -26,6 +26,7 @@ from kernels.linear import OneDnnLinear
 
 GROUP = 32
 INT8_MAX_ROWS = 8
+INT4_MAX_ROWS = 32  # with a dense copy (`quantize(dense_copy=True)`), more rows (prefill) take it
 
 
 def grid_groups(w: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
@@ -74,22 +75,31 @@ def _int4_operands(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor)
 
 
 class Int4Linear(nn.Module):
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, dense_copy: bool = False):
         super().__init__()
         self.out_features, self.in_features = linear.weight.shape
         codes, scale, lo, self.exact = grid_groups(linear.weight.detach(), 16)
         packed, scales_zeros = _int4_operands(codes, scale, lo + 8 * scale)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales_zeros", scales_zeros, persistent=False)
+        self.register_buffer("dense", _dense(codes, scale, lo) if dense_copy else None, persistent=False)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self._forward_hooks = linear._forward_hooks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros).to(x.dtype)
+        if self.dense is not None and rows.shape[0] > INT4_MAX_ROWS:
+            y = F.linear(rows, self.dense).to(x.dtype)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def _dense(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The weights in bf16, [N, K], from their groups."""
+    return (lo.repeat_interleave(GROUP, 1) + scale.repeat_interleave(GROUP, 1) * codes).to(torch.bfloat16)
 
 
 class Int8Linear(nn.Module):
@@ -105,8 +115,7 @@ class Int8Linear(nn.Module):
                            ("low", _int4_operands(codes & 15, scale, 8 * scale))]:
             self.register_buffer(f"{name}_packed", part[0], persistent=False)
             self.register_buffer(f"{name}_scales_zeros", part[1], persistent=False)
-        dense = lo.repeat_interleave(GROUP, 1) + scale.repeat_interleave(GROUP, 1) * codes
-        self.register_buffer("dense", dense.to(torch.bfloat16), persistent=False)
+        self.register_buffer("dense", _dense(codes, scale, lo), persistent=False)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self._forward_hooks = linear._forward_hooks
 
@@ -137,9 +146,10 @@ class Int8Embedding(nn.Module):
         return self.table.rows(tokens).to(self.dtype)
 
 
-def quantize(model: nn.Module) -> None:
+def quantize(model: nn.Module, dense_copy: bool = False) -> None:
     """Swaps every linear layer tagged with a `quant_bits` attribute (4 or 8) for its quantized
-    form, in place. A tied LM head quantized to int8 also serves the embedding's lookups."""
+    form, in place. A tied LM head quantized to int8 also serves the embedding's lookups.
+    `dense_copy`: int4 layers also keep a bf16 copy, for steps of more than INT4_MAX_ROWS rows."""
     embed, head = getattr(model, "embed", None), getattr(model, "lm_head", None)
     tied = embed is not None and head is not None and head.weight is embed.weight
     for name, linear in list(model.named_modules()):
@@ -147,7 +157,7 @@ def quantize(model: nn.Module) -> None:
         if bits is None:
             continue
         parent_name, _, attr = name.rpartition(".")
-        new = Int4Linear(linear) if bits == 4 else Int8Linear(linear)
+        new = Int4Linear(linear, dense_copy) if bits == 4 else Int8Linear(linear)
         setattr(model.get_submodule(parent_name), attr, new)
     if tied and isinstance(model.lm_head, Int8Linear):
         model.embed = Int8Embedding(model.lm_head, embed.weight.dtype)
@@ -156,7 +166,8 @@ def quantize(model: nn.Module) -> None:
 def weight_format(module: nn.Module) -> str:
     """How a layer's weights are held, in words, for `Info`."""
     if isinstance(module, Int4Linear):
-        return f"int4 g{GROUP}, bf16 scales ({module.exact:.0%} of groups exact)"
+        copy = f", bf16 copy above {INT4_MAX_ROWS} rows" if module.dense is not None else ""
+        return f"int4 g{GROUP}, bf16 scales ({module.exact:.0%} of groups exact){copy}"
     if isinstance(module, Int8Linear):
         return f"int8 g{GROUP} as two int4 halves ({module.exact:.0%} of groups exact), bf16 copy above {INT8_MAX_ROWS} rows"
     if isinstance(module, Int8Embedding):

@@ -181,7 +181,7 @@ def serve_shard(args) -> int:
         group = init_distributed(layout, args.dist_init, device)
         keep_stage(model, layout)
         shard_tensor_parallel(model, layout, group)
-    quantize(model)
+    quantize(model, dense_copy=args.dense_prefill == "on")
     cfg = model.cfg
     log.info("loaded %s (stage %d/%d, TP rank %d/%d, %d layers) in %.1f s", source.name, layout.pp_stage,
              layout.pp, layout.tp_rank, layout.tp, cfg.num_layers, time.perf_counter() - t0)

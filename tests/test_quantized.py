@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize as gguf_quantize
 
-from kernels.quantized import GROUP, INT8_MAX_ROWS, Int4Linear, Int8Embedding, Int8Linear, grid_groups, quantize
+from kernels.quantized import GROUP, INT4_MAX_ROWS, INT8_MAX_ROWS, Int4Linear, Int8Embedding, Int8Linear, grid_groups, quantize
 from shard.config import ModelConfig
 from shard.model import Transformer
 
@@ -42,7 +42,7 @@ def _reference(layer_weight: torch.Tensor, x: torch.Tensor, bias=None) -> torch.
     return F.linear(x.bfloat16().float(), layer_weight, bias)
 
 
-@pytest.mark.parametrize("rows", [1, 3, INT8_MAX_ROWS, INT8_MAX_ROWS + 1, 64])
+@pytest.mark.parametrize("rows", [1, 3, INT8_MAX_ROWS, INT8_MAX_ROWS + 1, INT4_MAX_ROWS + 1])
 def test_quantized_layers_compute_their_weights(rows):
     torch.manual_seed(rows)
     dense = nn_linear(256, 96, bias=True)
@@ -50,6 +50,7 @@ def test_quantized_layers_compute_their_weights(rows):
     q8 = _gguf_roundtrip(dense.weight.detach(), GGMLQuantizationType.Q8_0)
     x = torch.randn(1, rows, 256)
     for layer, w in [(Int4Linear(nn_linear(256, 96, weight=q4, bias=dense.bias)), q4),
+                     (Int4Linear(nn_linear(256, 96, weight=q4, bias=dense.bias), dense_copy=True), q4),
                      (Int8Linear(nn_linear(256, 96, weight=q8, bias=dense.bias)), q8)]:
         got = layer(x)
         assert got.shape == (1, rows, 96) and got.dtype == torch.float32
