@@ -99,6 +99,9 @@ def shardline_peer(weights: str, streams: list[int], max_new: int, repeats: int)
                 runs.append(run_scenario(stub, server.target, n, max_new, steps0, meter))
             out["streams"][n] = {"tok_s": median([r["tok_s"] for r in runs]),
                                  "itl_ms_p50": median([r["itl_ms"]["p50"] for r in runs]),
+                                 "shard_decode_step_ms_p50": runs[-1]["stats"]["shard_decode_step_ms_p50"],
+                                 "router_decode_step_ms_p50": runs[-1]["stats"]["decode_step_ms_p50"],
+                                 "other_cpu_pct": median([r["other_cpu_pct"] for r in runs]),
                                  "ttft_ms_p50": median([r["ttft_ms"]["p50"] for r in runs]),
                                  "errors": sum(len(r["errors"]) for r in runs),
                                  "runs": [r["tok_s"] for r in runs]}
@@ -152,12 +155,14 @@ def main() -> None:
     args = parser.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     result = {"benchmark": "peers", **machine(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
+    # Shardline first: the peers that run inside this process (transformers' OpenMP team,
+    # llama.cpp's thread pool) may leave threads behind that compete with a server started later.
+    result["shardline"] = {w: shardline_peer(w, streams, args.max_new_tokens, args.repeats)
+                           for w in ("native", "dequantized")}
     result["transformers"] = transformers_peer(args.max_new_tokens, args.repeats)
     print("transformers:", {b: round(r["tok_s"], 1) for b, r in result["transformers"].items()}, flush=True)
     result["llama_cpp"] = llama_cpp_peer(args.max_new_tokens, max(3, args.repeats))
     print("llama.cpp:", result["llama_cpp"].get("tok_s", result["llama_cpp"].get("missing")), flush=True)
-    result["shardline"] = {w: shardline_peer(w, streams, args.max_new_tokens, args.repeats)
-                           for w in ("native", "dequantized")}
     if {1, 16} <= set(streams):
         result["ratios"] = ratios(result)
         print(result["ratios"])

@@ -50,19 +50,22 @@ def grid_groups(w: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tenso
     # span / (a whole number of steps), and the smallest gap between values is a whole number of
     # steps too (more than one when no two of the codes present are adjacent).
     todo = (~exact).squeeze(-1).nonzero().squeeze(-1)
-    if len(todo):
-        gt, lot, spant = g[todo], lo[todo], span[todo]
-        tol = spant * 1e-4
-        gaps = gt.sort(-1).values.diff(dim=-1)
-        smallest = torch.where(gaps > tol, gaps, torch.full_like(gaps, float("inf"))).amin(-1, keepdim=True)
-        for per_gap in range(1, 9):
-            steps = (per_gap * spant / smallest).round()
-            trial = spant / steps
-            trial_codes = ((gt - lot) / trial).round()
-            fits = (steps <= levels - 1) & ((lot + trial_codes * trial - gt).abs() <= tol).all(-1, keepdim=True)
-            fits = (fits & ~exact[todo]).squeeze(-1)
-            rows = todo[fits]
-            scale[rows], codes[rows], exact[rows] = trial[fits], trial_codes[fits], True
+    t_g, t_lo, t_span = g[todo], lo[todo], span[todo]  # t_: the groups still without a grid
+    gaps = t_g.sort(-1).values.diff(dim=-1)
+    t_tol = t_span * 1e-4
+    t_gap = torch.where(gaps > t_tol, gaps, torch.full_like(gaps, float("inf"))).amin(-1, keepdim=True)
+    for per_gap in range(1, 9):
+        if not len(todo):
+            break
+        steps = (per_gap * t_span / t_gap).round()
+        trial = t_span / steps
+        trial_codes = ((t_g - t_lo) / trial).round()
+        fits = (steps <= levels - 1) & ((t_lo + trial_codes * trial - t_g).abs() <= t_tol).all(-1, keepdim=True)
+        fits = fits.squeeze(-1)
+        rows = todo[fits]
+        scale[rows], codes[rows], exact[rows] = trial[fits], trial_codes[fits], True
+        rest = ~fits
+        todo, t_g, t_lo, t_span, t_tol, t_gap = todo[rest], t_g[rest], t_lo[rest], t_span[rest], t_tol[rest], t_gap[rest]
     return (codes.reshape(n, k).to(torch.int32), scale.reshape(n, k // GROUP), lo.reshape(n, k // GROUP),
             exact.float().mean().item())
 

@@ -105,10 +105,19 @@ _FLOAT = {"F32", "F16", "BF16", "F64"}
 
 
 def gguf_types(source: ModelSource) -> dict[str, str]:
-    """Hugging Face tensor name -> GGUF type name (Q4_1, Q8_0, F32, ...), from the file's header."""
+    """Hugging Face tensor name -> GGUF type name (Q4_1, Q8_0, F32, ...). Parsing the file's header
+    takes seconds, so the answer is kept beside the converted weights."""
     from gguf import GGUFReader
 
-    return {hf_name(t.name): t.tensor_type.name for t in GGUFReader(str(source.path)).tensors}
+    cached = source.cache_dir / "gguf_types.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    types = {hf_name(t.name): t.tensor_type.name for t in GGUFReader(str(source.path)).tensors}
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".{os.getpid()}.tmp")  # shards of one replica may race here
+    tmp.write_text(json.dumps(types))
+    tmp.replace(cached)
+    return types
 
 
 def mark_quantized(model: Transformer, source: ModelSource, weights: str, quantize: str) -> None:

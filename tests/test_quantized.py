@@ -29,6 +29,19 @@ def test_gguf_blocks_are_recovered_exactly(qtype, levels):
     torch.testing.assert_close(back, w, rtol=0, atol=1e-6)
 
 
+def test_q4_k_blocks_are_recovered_exactly():
+    """gguf-py cannot quantize to Q4_K, so the blocks are random bytes (every byte pattern of the
+    scales and codes is a valid block) with finite fp16 super-block scales."""
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, size=(96 * 256 // 256, 144), dtype=np.uint8)
+    blocks[:, 0:4] = np.array([0.01, 0.02], dtype=np.float16).view(np.uint8)  # d, dmin
+    w = torch.from_numpy(dequantize(blocks.reshape(96, -1), GGMLQuantizationType.Q4_K).astype(np.float32))
+    codes, scale, lo, exact = grid_groups(w, 16)
+    assert exact == 1.0
+    back = lo.repeat_interleave(GROUP, 1) + scale.repeat_interleave(GROUP, 1) * codes
+    torch.testing.assert_close(back, w, rtol=0, atol=1e-6)
+
+
 def test_dense_weights_are_rounded_to_their_nearest_level():
     w = torch.randn(64, 128)
     for levels in (16, 255):
