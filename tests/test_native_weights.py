@@ -64,3 +64,34 @@ def test_quantized_serving_paths_agree_with_the_whole_prompt_run(tiny_models, wh
              if w.top[0].logprob - w.top[1].logprob > 0.25]
     assert len(clear) > len(want) / 2  # most positions are clear-cut, so this checks something
     assert all(a == b for a, b in clear), [i for i, (a, b) in enumerate(clear) if a != b]
+
+
+def test_quantized_decode_graphs_agree_with_eager_decode(tiny_models):
+    """Decode graphs over int4 layers (`--decode-graphs on`, buckets 1 and 2): two concurrent
+    streams decode as graph launches only, with the eager server's tokens up to any bf16 near-tie
+    (eager top-2 gap at most 0.25, as above), after which continuations may part."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(9)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(n)] for n in (12, 45)]
+
+    def run(*flags):
+        server = Server("--model", str(tiny_models["llama"]), *QUANT, "--max-batch", "2", *flags, timeout=600)
+        try:
+            with ThreadPoolExecutor(2) as pool:
+                out = list(pool.map(lambda p: list(server.stub.Generate(pb.GenerateRequest(
+                    prompt_token_ids=pb.PromptTokens(ids=p), max_new_tokens=10, ignore_eos=True, logprobs=5),
+                    timeout=120)), prompts))
+            return [[lp for r in responses for lp in r.logprobs] for responses in out], server.wait_idle()
+        finally:
+            assert server.stop() == 0
+
+    eager, _ = run("--decode-graphs", "off")
+    graphs, st = run("--decode-graphs", "on")
+    assert st.decode_graph_launches > 0 and st.eager_decode_steps == 0
+    for want, got in zip(eager, graphs):
+        for w, g in zip(want, got):
+            if w.token_id != g.token_id:  # eager's distribution must rate the graph's token near-best
+                theirs = {t.token_id: t.logprob for t in w.top}
+                assert g.token_id in theirs and w.top[0].logprob - theirs[g.token_id] <= 0.25, (w, g)
+                break
