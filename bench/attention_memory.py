@@ -10,7 +10,7 @@ Per version, against a fresh `shardline serve --max-batch 32` on SmolLM2:
    shard's RSS is sampled throughout and its peak (VmHWM) read at the end. The budget is weights
    + the whole KV pool + 400 MB.
 
-    .venv/bin/python -m bench.attention_memory [--baseline-rev REV]
+    .venv/bin/python -m bench.attention_memory [--baseline-rev REV] [--weights native|dequantized]
 """
 from __future__ import annotations
 
@@ -47,9 +47,14 @@ def _concurrently(server: Serve, prompts: list[list[int]], new: int) -> list[lis
     return stamps
 
 
-def measure_short(cwd: Path, rng: random.Random) -> dict:
+def _serve(cwd: Path, args) -> Serve:
+    weights = ["--weights", args.weights] if cwd == ROOT else []  # a baseline may predate the flag
+    return Serve("--max-batch", "32", "--prefix-cache", "off", *weights, cwd=cwd)
+
+
+def measure_short(cwd: Path, args, rng: random.Random) -> dict:
     """Short-context decode on a fresh server: one stream, then 32 at once."""
-    server = Serve("--max-batch", "32", "--prefix-cache", "off", cwd=cwd)
+    server = _serve(cwd, args)
     try:
         prompt = lambda n: [rng.randrange(1000, 40000) for _ in range(n)]
         _concurrently(server, [prompt(32)], 8)  # warm-up
@@ -65,7 +70,7 @@ def measure_short(cwd: Path, rng: random.Random) -> dict:
 
 def measure_long(cwd: Path, args, rng: random.Random) -> dict:
     """A long sequence, joined by 31 short ones once its first token is out; the shard's RSS."""
-    server = Serve("--max-batch", "32", "--prefix-cache", "off", cwd=cwd)
+    server = _serve(cwd, args)
     try:
         shard = server.roles()["shard"]
         prompt = lambda n: [rng.randrange(1000, 40000) for _ in range(n)]
@@ -145,17 +150,18 @@ def main() -> None:
     ap.add_argument("--long-new-tokens", type=int, default=190)
     ap.add_argument("--short-new-tokens", type=int, default=64)
     ap.add_argument("--short-repeats", type=int, default=3)
+    ap.add_argument("--weights", default="native", help="this checkout's --weights (native | dequantized)")
     args = ap.parse_args()
     trees = {"this checkout": ROOT}
     if args.baseline_rev:
         trees = {f"baseline {args.baseline_rev}": _worktree(args.baseline_rev), **trees}
-    result = {"benchmark": "attention_memory", **machine(), "long_tokens": args.long_tokens,
+    result = {"benchmark": "attention_memory", **machine(), "long_tokens": args.long_tokens, "weights": args.weights,
               "short_repeats": args.short_repeats, "versions": {n: {"short_runs": []} for n in trees}}
     rng = random.Random(0)
     try:
         for _ in range(args.short_repeats):  # interleaved, so that both see the same noise
             for name, cwd in trees.items():
-                result["versions"][name]["short_runs"].append(measure_short(cwd, rng))
+                result["versions"][name]["short_runs"].append(measure_short(cwd, args, rng))
         for name, cwd in trees.items():
             result["versions"][name]["long"] = measure_long(cwd, args, random.Random(1))
     finally:
