@@ -122,7 +122,7 @@ def _gathered(pages, table, tokens: int):
     """[1, kv_heads, tokens, head_dim]: the first `tokens` cached positions of one sequence."""
     page_size, kv_heads, head_dim = pages.shape[1:]
     used = table[: (tokens + page_size - 1) // page_size]
-    return pages[used].view(-1, kv_heads, head_dim)[:tokens].transpose(0, 1)[None]
+    return pages.index_select(0, used).view(-1, kv_heads, head_dim)[:tokens].transpose(0, 1)[None]
 
 
 def _decode_blocks(batch: AttentionBatch, page_size: int, dtype: torch.dtype) -> list:
@@ -161,8 +161,10 @@ def _decode_torch(q, k_pages, v_pages, batch: AttentionBatch, scale):
     out = lse = None
     for rows, tables, bias in _decode_blocks(batch, page_size, q.dtype):
         n, width = tables.shape
-        k = k_pages[tables].view(n, width * page_size, kv_heads, head_dim).transpose(1, 2)
-        v = v_pages[tables].view(n, width * page_size, kv_heads, head_dim).transpose(1, 2)
+        # index_select, not k_pages[tables]: the same rows, gathered 5x faster on CPU (45 vs 229 us
+        # for 64 pages of SmolLM2's K)
+        k = k_pages.index_select(0, tables.flatten()).view(n, width * page_size, kv_heads, head_dim).transpose(1, 2)
+        v = v_pages.index_select(0, tables.flatten()).view(n, width * page_size, kv_heads, head_dim).transpose(1, 2)
         o, l = _attend(qg if rows is None else qg[rows], k, v, scale, bias)
         if out is None:
             out, lse = o.float(), l.float()

@@ -42,7 +42,8 @@ class Rotary(nn.Module):
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's (cos, sin) [T, 1, head_dim], looked up once and shared by every layer."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        return (self.cos.index_select(0, positions).to(dtype)[:, None, :],
+                self.sin.index_select(0, positions).to(dtype)[:, None, :])
 
     @staticmethod
     def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
