@@ -26,6 +26,7 @@ from kernels.linear import OneDnnLinear
 
 GROUP = 32
 INT8_MAX_ROWS = 8
+ROWS_AT_ONCE = 4096  # rows quantized together at load (SmolLM2's LM head has 49152)
 INT4_MAX_ROWS = 32  # with a dense copy (`quantize(dense_copy=True)`), more rows (prefill) take it
 
 
@@ -40,6 +41,10 @@ def grid_groups(w: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tenso
     n, k = w.shape
     if k % GROUP:
         raise ValueError(f"quantized layers need an input dimension divisible by {GROUP}, got {k}")
+    if n > ROWS_AT_ONCE:  # the temporaries below are several copies of w: bound them
+        parts = [grid_groups(w[i:i + ROWS_AT_ONCE], levels) for i in range(0, n, ROWS_AT_ONCE)]
+        exact = sum(p[3] * len(p[0]) for p in parts) / n
+        return (*(torch.cat([p[j] for p in parts]) for j in range(3)), exact)
     g = w.float().reshape(-1, GROUP)
     lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
     span = hi - lo
