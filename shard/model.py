@@ -30,7 +30,11 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Rotary embedding in the rotate-half layout, with a cos/sin table over every position."""
+    """Rotary embedding in the rotate-half layout, with a cos/sin table over every position.
+
+    rotate_half(x) * sin is computed as roll(x, half) * sin', where sin' is sin with its first
+    half negated: the same products, exactly (negation is exact), in two operators instead of
+    four."""
 
     def __init__(self, head_dim: int, theta: float, max_position: int):
         super().__init__()
@@ -38,19 +42,18 @@ class Rotary(nn.Module):
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's (cos, sin) [T, 1, head_dim], looked up once and shared by every layer."""
+        """The step's (cos, sin') [T, 1, head_dim], looked up once and shared by every layer."""
         return (self.cos.index_select(0, positions).to(dtype)[:, None, :],
                 self.sin.index_select(0, positions).to(dtype)[:, None, :])
 
     @staticmethod
     def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [T, heads, head_dim]."""
         cos, sin = cos_sin
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class Attention(nn.Module):
@@ -58,7 +61,6 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split = (q_size, kv_size, kv_size)
         self.wqkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.wo = nn.Linear(q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -66,13 +68,13 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):
-        q, k, v = self.wqkv(x).split(self.split, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.wqkv(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = qkv[:, :self.num_heads + self.num_kv_heads], qkv[:, self.num_heads + self.num_kv_heads:]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = Rotary.apply(q, cos_sin), Rotary.apply(k, cos_sin)
+            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], 1)
+        # q and k rotate as one tensor: one set of operators per layer instead of two
+        qk = Rotary.apply(qk, cos_sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         out = paged_attention(q, k, v, k_pages, v_pages, batch, self.scale)
         return self.wo(out.reshape(-1, self.num_heads * self.head_dim))
 

@@ -136,7 +136,6 @@ def shard_tensor_parallel(model: Transformer, layout: Layout, group) -> None:
         if attn.wqkv.bias is not None:
             attn.wqkv.bias = nn.Parameter(split_qkv(attn.wqkv.bias), requires_grad=False)
         attn.num_heads, attn.num_kv_heads = len(q_heads), len(kv)
-        attn.split = (len(q_heads) * hd, len(kv) * hd, len(kv) * hd)
         attn.wo.weight = nn.Parameter(_cols(attn.wo.weight, q_heads.start * hd, len(q_heads) * hd),
                                       requires_grad=False)
         attn.wo.register_forward_hook(all_reduce)
