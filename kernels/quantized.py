@@ -6,17 +6,24 @@ Weights are held in groups of 32 along the input dimension, w = lo + scale * cod
   such groups, so their weights are recovered exactly, up to the rounding of scale and zero to bf16.
 - int8 (255 levels): two int4 multiplies, one for each half of the code. GGUF's Q8_0 blocks are
   such groups (exact likewise); finer-grained types (Q6_K) are rounded to 8 bits per group.
-  Above `INT8_MAX_ROWS` rows a dense bf16 GEMM is faster (measured on the 2-core AMD EPYC
-  development machine, LM head 49152x576: the int4 kernel 0.8 ms at 1 row, 2.8 at 8, 15 at 32;
-  bf16 dense 4.1, 5.5, 11.6), so an int8 layer — in practice the LM head — keeps a bf16 copy,
-  which also serves a tied embedding's lookups.
-int4 layers keep no dense copy: at 512-row prefill pieces the int4 kernel is about as fast as
-fp32 (5.4 against 4.8-5.7 ms for a 1536x576 layer) and a bf16 copy would cost 2 bytes a weight.
+
+A step of many rows is faster on dense weights, by how much depends on the CPU. So an int8 layer
+(in practice the LM head) always keeps a dense copy, and int4 layers keep one when asked (for
+prefill, `dense_copy`); its dtype (`dense_kind`) and the row count above which it multiplies
+(`crossover`) are measured on the machine at load, once per layer shape. Measured, SmolLM2's LM
+head (49152x576), ms at 1/8/16/32 rows:
+  2-core EPYC, AVX-512-bf16: int4 kernel 0.76/2.8/-/15, bf16 dense 4.1/5.5/-/11.6;
+  2-core EPYC, AVX2:         int4 kernel 2.3/8.8/17/36, bf16 dense 3.7/26/50/109, oneDNN fp32 4.9/12/18/23.
+Without a copy, int4 layers multiply every step in the int4 kernel.
 
 Like tensor parallelism, quantization is a transformation of a plain `Transformer`, applied after
 any TP slicing: `quantize` swaps the tagged modules in place and carries over their forward hooks.
 """
 from __future__ import annotations
+
+import functools
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -25,9 +32,8 @@ from torch import nn
 from kernels.linear import OneDnnLinear
 
 GROUP = 32
-INT8_MAX_ROWS = 8
 ROWS_AT_ONCE = 4096  # rows quantized together at load (SmolLM2's LM head has 49152)
-INT4_MAX_ROWS = 32  # with a dense copy (`quantize(dense_copy=True)`), more rows (prefill) take it
+MAX_PROBE_ROWS = 64  # `crossover` measures up to this many rows; quantized still faster there: always
 
 
 def grid_groups(w: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
@@ -82,6 +88,70 @@ def _int4_operands(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor)
             torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous())
 
 
+def _weights(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The weights in fp32, [N, K], from their groups."""
+    return lo.repeat_interleave(GROUP, 1) + scale.repeat_interleave(GROUP, 1) * codes
+
+
+def _median_ms(fn, x, runs: int = 3) -> float:
+    fn(x)  # warm-up
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+@functools.cache
+def dense_kind() -> str:
+    """'bf16' or 'onednn' (fp32 in oneDNN's blocked layout): whichever multiplies a many-row step
+    faster on this machine, measured once per process at an LM-head-like shape. bf16 GEMMs are
+    fast only where the CPU computes in bf16 natively (2-core EPYC with AVX-512-bf16, SmolLM2's
+    LM head at 16 rows: bf16 ~5 ms; 2-core AVX2 EPYC: bf16 50 ms, oneDNN fp32 18 ms)."""
+    with torch.inference_mode():
+        w, x = torch.randn(8192, 576), torch.randn(16, 576)
+        bf16 = _median_ms(lambda r: F.linear(r.bfloat16(), w.bfloat16()), x)
+        onednn = OneDnnLinear(nn.Linear(576, 8192, bias=False))
+        fp32 = _median_ms(onednn, x)
+    return "bf16" if bf16 < fp32 else "onednn"
+
+
+class DenseCopy(nn.Module):
+    """A quantized layer's weights, dense, for steps of many rows (see `dense_kind`)."""
+
+    def __init__(self, weights: torch.Tensor):
+        super().__init__()
+        self.kind = dense_kind()
+        self.register_buffer("weight", weights.bfloat16() if self.kind == "bf16" else weights.float().to_mkldnn(),
+                             persistent=False)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, K] -> fp32 [n, N]."""
+        if self.kind == "bf16":
+            return F.linear(rows.bfloat16(), self.weight).float()
+        return torch._C._nn.mkldnn_linear(rows.float().contiguous().to_mkldnn(), self.weight, None).to_dense()
+
+
+_CROSSOVERS: dict[tuple, int] = {}
+
+
+def crossover(key: tuple, quantized, dense, in_features: int) -> int:
+    """The most rows a step may have for `quantized` to be used rather than `dense`: the row
+    count (of 1, 2, 4, ..., MAX_PROBE_ROWS) below the first at which `dense` measured faster
+    here. Measured once per process per `key` (a layer type and shape)."""
+    if key not in _CROSSOVERS:
+        best, rows = 0, 1
+        with torch.inference_mode():
+            while rows <= MAX_PROBE_ROWS:
+                x = torch.randn(rows, in_features)
+                if _median_ms(quantized, x) > _median_ms(dense, x):
+                    break
+                best, rows = rows, rows * 2
+        _CROSSOVERS[key] = best if best < MAX_PROBE_ROWS else 1 << 30
+    return _CROSSOVERS[key]
+
+
 class Int4Linear(nn.Module):
     def __init__(self, linear: nn.Linear, dense_copy: bool = False):
         super().__init__()
@@ -90,32 +160,30 @@ class Int4Linear(nn.Module):
         packed, scales_zeros = _int4_operands(codes, scale, lo + 8 * scale)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales_zeros", scales_zeros, persistent=False)
-        self.register_buffer("dense", _dense(codes, scale, lo) if dense_copy else None, persistent=False)
+        self.dense = DenseCopy(_weights(codes, scale, lo)) if dense_copy else None
         self.bias = None if linear.bias is None else linear.bias.detach()
         self._forward_hooks = linear._forward_hooks
+        self.max_rows = 1 << 30 if self.dense is None else crossover(
+            ("int4", self.dense.kind, *linear.weight.shape), self._quantized, self.dense, self.in_features)
+
+    def _quantized(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(rows.bfloat16(), self.packed, GROUP, self.scales_zeros).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if self.dense is not None and rows.shape[0] > INT4_MAX_ROWS:
-            y = F.linear(rows, self.dense).to(x.dtype)
-        else:
-            y = torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros).to(x.dtype)
+        rows = x.reshape(-1, self.in_features)
+        y = (self._quantized(rows) if rows.shape[0] <= self.max_rows else self.dense(rows)).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def _dense(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """The weights in bf16, [N, K], from their groups."""
-    return (lo.repeat_interleave(GROUP, 1) + scale.repeat_interleave(GROUP, 1) * codes).to(torch.bfloat16)
-
-
 class Int8Linear(nn.Module):
     """8-bit codes in groups of 32, multiplied as two int4 halves: code = 16 * high + low, so
     w = lo + scale * code = [(high - 8) * 16 scale + (lo + 128 scale)] + [(low - 8) * scale + 8 scale].
-    Above `INT8_MAX_ROWS` rows a bf16 copy of the weights is faster, and is kept for that."""
+    Above the rows where a dense copy of the weights measures faster (`crossover`), the copy
+    multiplies. `keep_rows`: also keep the codes, to look rows up (a tied embedding's)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, keep_rows: bool = False):
         super().__init__()
         self.out_features, self.in_features = linear.weight.shape
         codes, scale, lo, self.exact = grid_groups(linear.weight.detach(), 255)
@@ -123,24 +191,30 @@ class Int8Linear(nn.Module):
                            ("low", _int4_operands(codes & 15, scale, 8 * scale))]:
             self.register_buffer(f"{name}_packed", part[0], persistent=False)
             self.register_buffer(f"{name}_scales_zeros", part[1], persistent=False)
-        self.register_buffer("dense", _dense(codes, scale, lo), persistent=False)
+        self.dense = DenseCopy(_weights(codes, scale, lo))
+        for name, t in [("codes", codes.to(torch.uint8)), ("scale", scale), ("lo", lo)]:
+            self.register_buffer(name, t if keep_rows else None, persistent=False)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self._forward_hooks = linear._forward_hooks
+        self.max_rows = crossover(("int8", self.dense.kind, *linear.weight.shape), self._quantized, self.dense,
+                                  self.in_features)
+
+    def _quantized(self, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.bfloat16()
+        return (torch._weight_int4pack_mm_for_cpu(rows, self.high_packed, GROUP, self.high_scales_zeros).float()
+                + torch._weight_int4pack_mm_for_cpu(rows, self.low_packed, GROUP, self.low_scales_zeros).float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if rows.shape[0] <= INT8_MAX_ROWS:
-            y = (torch._weight_int4pack_mm_for_cpu(rows, self.high_packed, GROUP, self.high_scales_zeros).float()
-                 + torch._weight_int4pack_mm_for_cpu(rows, self.low_packed, GROUP, self.low_scales_zeros).float())
-        else:
-            y = F.linear(rows, self.dense)
-        y = y.to(x.dtype)
+        rows = x.reshape(-1, self.in_features)
+        y = (self._quantized(rows) if rows.shape[0] <= self.max_rows else self.dense(rows)).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
     def rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.dense[tokens]
+        """The weights' rows `tokens`, fp32 (needs keep_rows)."""
+        return _weights(self.codes.index_select(0, tokens).float(), self.scale.index_select(0, tokens),
+                        self.lo.index_select(0, tokens))
 
 
 class Int8Embedding(nn.Module):
@@ -157,7 +231,7 @@ class Int8Embedding(nn.Module):
 def quantize(model: nn.Module, dense_copy: bool = False) -> None:
     """Swaps every linear layer tagged with a `quant_bits` attribute (4 or 8) for its quantized
     form, in place. A tied LM head quantized to int8 also serves the embedding's lookups.
-    `dense_copy`: int4 layers also keep a bf16 copy, for steps of more than INT4_MAX_ROWS rows."""
+    `dense_copy`: int4 layers also keep a dense copy, for steps of many rows (prefill)."""
     embed, head = getattr(model, "embed", None), getattr(model, "lm_head", None)
     tied = embed is not None and head is not None and head.weight is embed.weight
     for name, linear in list(model.named_modules()):
@@ -165,7 +239,7 @@ def quantize(model: nn.Module, dense_copy: bool = False) -> None:
         if bits is None:
             continue
         parent_name, _, attr = name.rpartition(".")
-        new = Int4Linear(linear, dense_copy) if bits == 4 else Int8Linear(linear)
+        new = Int4Linear(linear, dense_copy) if bits == 4 else Int8Linear(linear, keep_rows=tied and linear is head)
         setattr(model.get_submodule(parent_name), attr, new)
     if tied and isinstance(model.lm_head, Int8Linear):
         model.embed = Int8Embedding(model.lm_head, embed.weight.dtype)
@@ -174,12 +248,13 @@ def quantize(model: nn.Module, dense_copy: bool = False) -> None:
 def weight_format(module: nn.Module) -> str:
     """How a layer's weights are held, in words, for `Info`."""
     if isinstance(module, Int4Linear):
-        copy = f", bf16 copy above {INT4_MAX_ROWS} rows" if module.dense is not None else ""
+        copy = f", {module.dense.kind} copy above {module.max_rows} rows" if module.dense is not None else ""
         return f"int4 g{GROUP}, bf16 scales ({module.exact:.0%} of groups exact){copy}"
     if isinstance(module, Int8Linear):
-        return f"int8 g{GROUP} as two int4 halves ({module.exact:.0%} of groups exact), bf16 copy above {INT8_MAX_ROWS} rows"
+        return (f"int8 g{GROUP} as two int4 halves ({module.exact:.0%} of groups exact), "
+                f"{module.dense.kind} copy above {module.max_rows} rows")
     if isinstance(module, Int8Embedding):
-        return "the LM head's bf16 copy"
+        return "the LM head's int8 codes"
     if isinstance(module, OneDnnLinear):
         return "float32 oneDNN"
     return str(module.weight.dtype).removeprefix("torch.")

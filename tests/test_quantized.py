@@ -1,6 +1,8 @@
 """Quantized linear layers: GGUF blocks are recovered exactly, the int4 and int8 layers compute
 what their (dequantized) weights say at every batch size, and `quantize` swaps tagged layers of a
 model in place, keeping TP hooks and a tied embedding."""
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -8,7 +10,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize as gguf_quantize
 
-from kernels.quantized import GROUP, INT4_MAX_ROWS, INT8_MAX_ROWS, Int4Linear, Int8Embedding, Int8Linear, grid_groups, quantize
+from kernels.quantized import GROUP, Int4Linear, Int8Embedding, Int8Linear, crossover, grid_groups, quantize
 from shard.config import ModelConfig
 from shard.model import Transformer
 
@@ -55,7 +57,7 @@ def _reference(layer_weight: torch.Tensor, x: torch.Tensor, bias=None) -> torch.
     return F.linear(x.bfloat16().float(), layer_weight, bias)
 
 
-@pytest.mark.parametrize("rows", [1, 3, INT8_MAX_ROWS, INT8_MAX_ROWS + 1, INT4_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 3, 9, 33])
 def test_quantized_layers_compute_their_weights(rows):
     torch.manual_seed(rows)
     dense = nn_linear(256, 96, bias=True)
@@ -65,11 +67,21 @@ def test_quantized_layers_compute_their_weights(rows):
     for layer, w in [(Int4Linear(nn_linear(256, 96, weight=q4, bias=dense.bias)), q4),
                      (Int4Linear(nn_linear(256, 96, weight=q4, bias=dense.bias), dense_copy=True), q4),
                      (Int8Linear(nn_linear(256, 96, weight=q8, bias=dense.bias)), q8)]:
-        got = layer(x)
-        assert got.shape == (1, rows, 96) and got.dtype == torch.float32
-        want = _reference(w, x, dense.bias)
-        # bf16 activations and bf16 scales: a few parts in a thousand of the output's scale.
-        assert (got - want).abs().max() <= 1e-2 * want.abs().max(), type(layer).__name__
+        kernels = [0, 1 << 30] if layer.dense is not None else [layer.max_rows]
+        for layer.max_rows in kernels:  # every layer with a dense copy: the copy, then the quantized kernel
+            got = layer(x)
+            assert got.shape == (1, rows, 96) and got.dtype == torch.float32
+            want = _reference(w, x, dense.bias)
+            # bf16 activations and bf16 scales: a few parts in a thousand of the output's scale.
+            assert (got - want).abs().max() <= 1e-2 * want.abs().max(), (type(layer).__name__, layer.max_rows)
+
+
+def test_the_crossover_is_the_last_row_count_before_the_dense_kernel_measures_faster():
+    def slow_above(n):  # quantized: free up to n rows, then slower than dense
+        return lambda x: time.sleep(0.002 if x.shape[0] > n else 0)
+    assert crossover(("test", 1), slow_above(4), lambda x: time.sleep(0.001), 8) == 4
+    assert crossover(("test", 2), slow_above(0), lambda x: time.sleep(0.001), 8) == 0
+    assert crossover(("test", 3), slow_above(1 << 20), lambda x: time.sleep(0.001), 8) >= 1 << 20
 
 
 def nn_linear(k, n, weight=None, bias=None):
