@@ -39,10 +39,10 @@ def _status_mb(pid: int, key: str) -> float:
 class Serve(ServeProcess):
     """`shardline serve` as a child process, with a client stub and what /proc says about it."""
 
-    def __init__(self, *args: str, timeout: float = 600, cwd: Path = ROOT):
+    def __init__(self, *args: str, timeout: float = 600, cwd: Path = ROOT, env: dict | None = None):
         # A checkout from before the command line moved to common/ (a baseline being compared).
         module = "common.cli" if (cwd / "common" / "cli.py").is_file() else "router.cli"
-        super().__init__(*args, timeout=timeout, cwd=cwd, module=module)
+        super().__init__(*args, timeout=timeout, cwd=cwd, module=module, env=env)
         self.channel = grpc.insecure_channel(self.target)
         self.stub = pb_grpc.GenerationStub(self.channel)
 

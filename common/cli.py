@@ -72,8 +72,9 @@ def _shard_flags(p):
          choices=["native", "dequantized"])
     _add(p, "quantize", "none", help="quantize dense linear layers at load (a Hugging Face folder, or "
          "a dequantized GGUF): int4 (LM head int8) or int8; CPU only", choices=["none", "int4", "int8"])
-    _add(p, "dense-prefill", "off", help="int4 layers also keep a bf16 copy for prefill (steps of more than "
-         "32 rows): prefill about 2x faster, 2 more bytes per weight", choices=["on", "off"])
+    _add(p, "dense-prefill", "off", help="int4 layers also keep a dense copy for steps of many rows (prefill; "
+         "bf16, or fp32 without native bf16): prefill about 2x faster, 2 or 4 more bytes per weight",
+         choices=["on", "off"])
 
 
 def _router_flags(p):
@@ -94,6 +95,12 @@ def _router_flags(p):
     _add(p, "eviction", "lru", help="which cached pages are reclaimed first", choices=["lru", "slru"])
     _add(p, "slru-protected-ratio", 0.5, _number(float, 0, 1),
          "SLRU: share of the pool the protected segment may hold")
+    _add(p, "metrics-port", 0, _number(int, 0, 65535), "port of the Prometheus endpoint /metrics (0: none)")
+
+
+def _telemetry_flags(p):
+    _add(p, "otlp-endpoint", "", help="export traces over OTLP/gRPC to this collector (host:port or URL); "
+         "the standard OTEL_EXPORTER_OTLP_* variables work too; empty and unset: no tracing")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="start the router and its shard(s); print 'ready HOST:PORT'")
-    for add in (_model_flags, _shard_flags, _router_flags, _parallel_flags, _drain_flags):
+    for add in (_model_flags, _shard_flags, _router_flags, _parallel_flags, _drain_flags, _telemetry_flags):
         add(serve)
     _add(serve, "shard-restarts", 5, SIZE,
          "restarts of a failed shard group in a row before `serve` gives up and exits 1")
@@ -110,12 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(router)
     _router_flags(router)
     _drain_flags(router)
+    _telemetry_flags(router)
     _add(router, "shards", "", help="comma-separated shard addresses (host:port or unix:PATH)")
 
     shard = sub.add_parser("shard", help="run one shard alone")
     _model_flags(shard)
     _shard_flags(shard)
     _drain_flags(shard)
+    _telemetry_flags(shard)
     _add(shard, "listen", "127.0.0.1:50061", help="address the shard listens on")
     _parallel_flags(shard)
     _add(shard, "tp-rank", 0, SIZE, "this shard's tensor-parallel rank")
@@ -146,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("SHARDLINE_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s")
+    from common.telemetry import log_with_trace_ids
+    log_with_trace_ids(f"%(asctime)s {args.command} %(levelname)s %(name)s%(trace_ids)s: %(message)s",
+                       os.environ.get("SHARDLINE_LOG_LEVEL", "INFO"))
     if args.command == "serve":
         from common.launcher import serve
         code = serve(args)

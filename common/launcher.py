@@ -72,7 +72,8 @@ class ShardGroup:
             stage, rank = divmod(n, args.tp)
             self.procs.append(spawn_service(
                 ["shard", *_flags(args, ["model", "page-size", "dtype", "kv-memory-gb", "threads", "device", "decode-graphs",
-                                         "weights", "quantize", "dense-prefill", "tp", "pp", "drain-timeout-s"]),
+                                         "weights", "quantize", "dense-prefill", "tp", "pp", "drain-timeout-s",
+                                         "otlp-endpoint"]),
                  "--tp-rank", str(rank), "--pp-stage", str(stage), "--dist-init", f"tcp://127.0.0.1:{dist_port}",
                  "--listen", address]))
         self.probes = [HealthProbe(a) for a in self.addresses]
@@ -123,7 +124,8 @@ def serve(args) -> int:
         ["router", *_flags(args, ["model", "page-size", "dtype"]), "--shards", ",".join(group.addresses),
          *_flags(args, ["host", "port", "num-pages", "max-batch", "max-batch-tokens", "max-waiting",
                         "shard-timeout", "step-timeout-s", "drain-timeout-s", "prefix-cache", "eviction",
-                        "slru-protected-ratio", "chunk-size", "priority-aging-s"])])
+                        "slru-protected-ratio", "chunk-size", "priority-aging-s", "metrics-port",
+                        "otlp-endpoint"])])
     target = HealthProbe(f"{args.host}:{args.port}")
     ready, restarts, code = False, 0, 0
     try:

@@ -17,11 +17,14 @@ from grpc_health.v1 import health, health_pb2
 
 from common.model_source import resolve_model
 from common.process import exit_soon
+from common.telemetry import setup_tracing
 from common.tokenizer_files import tokenizer_folder
+from router.metrics import Metrics
 from router.replica import Replica
 from router.server import SERVICE, GenerationService, add_services
 from router.shard_client import ShardGroup
 from router.tokenizer import TextCodec
+from router.tracing import Tracing
 
 log = logging.getLogger("shardline.router")
 
@@ -46,8 +49,15 @@ async def serve_router(args) -> int:
             print(f"router listening {address}", flush=True)
 
     shards = ShardGroup(args.shards, step_timeout_s=args.step_timeout_s)
-    replica = Replica(args, source.name, shards, codec, on_serving)
-    add_services(server, GenerationService(replica, args.max_waiting), health_servicer)
+    tracer = setup_tracing(args.otlp_endpoint, "router", f"router:{args.port}")
+    tracing = Tracing(tracer, source.name) if tracer is not None else None
+    metrics = Metrics() if args.metrics_port else None
+    replica = Replica(args, source.name, shards, codec, on_serving, [o for o in (metrics, tracing) if o])
+    if metrics is not None:
+        metrics.watch(replica)
+        metrics.serve(args.metrics_port, args.host)
+        print(f"router metrics http://{args.host}:{args.metrics_port}/metrics", flush=True)
+    add_services(server, GenerationService(replica, args.max_waiting, tracing), health_servicer)
     if server.add_insecure_port(address) == 0:
         raise SystemExit(f"cannot listen on {address}")
 

@@ -22,6 +22,7 @@ import time
 from collections import deque
 
 from protos import shard_pb2
+from router.metrics import RequestEvents
 from router.scheduler import Scheduler, Step
 from router.sequence import Failure, Output, Sequence, Status
 from router.shard_client import ShardError, ShardGroup
@@ -32,9 +33,11 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler, shards: ShardGroup, codec: TextCodec, max_position: int):
+    def __init__(self, scheduler: Scheduler, shards: ShardGroup, codec: TextCodec, max_position: int,
+                 observers: list[RequestEvents] = ()):
         self.scheduler, self.shards, self.codec = scheduler, shards, codec
         self.max_position = max_position
+        self.observers = list(observers)  # metrics and traces: told every request's and step's events
         self._wake = asyncio.Event()
         self._text: dict[int, tuple[Detokenizer, StopMatcher]] = {}
         self._cancelled: set[Sequence] = set()
@@ -51,6 +54,8 @@ class Engine:
     def submit(self, seq: Sequence, stops: list[str]) -> None:
         self._text[seq.seq_id] = (self.codec.stream(), StopMatcher(stops))
         self.scheduler.add(seq)
+        for o in self.observers:
+            o.queued(seq)
         self._wake.set()
 
     def cancel(self, seq: Sequence) -> None:
@@ -76,6 +81,12 @@ class Engine:
 
     async def _execute(self, step: Step) -> shard_pb2.StepResult:
         self.step_id += 1
+        if step.phase == "admit":
+            now = time.monotonic()
+            for seq in step.seqs:
+                seq.admitted_at = now
+                for o in self.observers:
+                    o.admitted(seq)
         plan = shard_pb2.StepPlan(step_id=self.step_id, released=self._released)
         self._released = []
         for seq, inputs, emit in zip(step.seqs, step.inputs, step.emits):
@@ -92,9 +103,18 @@ class Engine:
                 if end < len(seq.prompt_ids):
                     entry.next_token = seq.prompt_ids[end]
             self._announced[seq.seq_id] = len(seq.block_table)
+        for o in self.observers:
+            o.step_started(self.step_id, step, plan)
         t0 = time.perf_counter()
-        result = await self.shards.step(plan)
+        try:
+            result = await self.shards.step(plan)
+        except BaseException as e:
+            for o in self.observers:
+                o.step_failed(self.step_id, step, e)
+            raise
         wall_ms = (time.perf_counter() - t0) * 1e3
+        for o in self.observers:
+            o.step_done(self.step_id, step, result, wall_ms / 1e3)
         self.decode_graph_launches += result.graph_launches
         self.eager_decode_steps += result.eager_decode_steps
         if not step.is_prefill:
@@ -144,6 +164,11 @@ class Engine:
         first = not seq.output_ids
         seq.output_ids.append(token)
         self.tokens_generated += 1
+        seq.previous_token_at, seq.last_token_at = seq.last_token_at, time.monotonic()
+        if first:
+            seq.first_token_at = seq.last_token_at
+        for o in self.observers:
+            o.token(seq, first)
         detok, stops = self._text[seq.seq_id]
         is_eos = token in seq.stop_token_ids
         text, stopped = stops.feed("" if is_eos else detok.push(token))
@@ -156,9 +181,12 @@ class Engine:
         seq.outputs.put_nowait(Output([token], text, reason, logprobs=logprobs,
                                       prompt_logprobs=seq.prompt_scores if first else []))
         if reason:
-            self._finish(seq)
+            self._finish(seq, reason)
 
-    def _finish(self, seq: Sequence) -> None:
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is not Status.FINISHED:
+            for o in self.observers:
+                o.finished(seq, reason)
         self.scheduler.finish(seq)
         self._text.pop(seq.seq_id, None)
         if self._announced.pop(seq.seq_id, None) is not None:
@@ -170,7 +198,7 @@ class Engine:
             return
         self.requests_failed += 1
         try:
-            self._finish(seq)
+            self._finish(seq, failure.code.lower())
         finally:  # whatever state the failure left, the client hears of it
             seq.outputs.put_nowait(Output([], "", failure=failure))
 
@@ -185,6 +213,6 @@ class Engine:
     def _drop_cancelled(self) -> None:
         for seq in self._cancelled:
             if seq.status is not Status.FINISHED:
-                self._finish(seq)
+                self._finish(seq, "cancelled")
                 seq.outputs.put_nowait(Output([], "", "cancelled"))
         self._cancelled.clear()

@@ -33,8 +33,9 @@ BACKOFF_S = (0.5, 1, 2, 4, 5)
 
 class Replica:
     def __init__(self, args, model_name: str, shards: ShardGroup, codec: TextCodec,
-                 on_serving: Callable[[bool], Awaitable[None]]):
+                 on_serving: Callable[[bool], Awaitable[None]], observers: list = ()):
         self.args, self.model_name, self.shards, self.codec = args, model_name, shards, codec
+        self.observers = list(observers)
         self.on_serving = on_serving
         self.engine: Engine | None = None
         self.info: pb.InfoResponse | None = None
@@ -88,7 +89,7 @@ class Replica:
         scheduler = Scheduler(pages, args.max_batch, args.max_batch_tokens, chunk_size=args.chunk_size,
                               aging_s=args.priority_aging_s)
         if self.engine is None:
-            self.engine = Engine(scheduler, self.shards, self.codec, head.context_length)
+            self.engine = Engine(scheduler, self.shards, self.codec, head.context_length, self.observers)
         else:  # the old pool described KV that is gone: start from an empty one
             self.engine.scheduler, self.engine.max_position = scheduler, head.context_length
         log.info("serving %s: TP%d x PP%d, %d pages of %d tokens", head.model, head.tp_size, head.pp_size,

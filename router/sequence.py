@@ -50,6 +50,10 @@ class Sequence:
     sampling: Sampling
     stop_token_ids: frozenset[int] = frozenset()
     arrival: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None      # time.monotonic() of admission, first token, last two tokens
+    first_token_at: float | None = None
+    previous_token_at: float | None = None
+    last_token_at: float | None = None
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
@@ -65,6 +69,7 @@ class Sequence:
     prompt_hashes: list[bytes] | None = None   # chain hashes of the prompt's full pages
     page_hashes: list[bytes] = field(default_factory=list)  # of block_table's published prefix
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    span: object | None = None   # its trace span (router/tracing.py), when tracing is on
 
     @property
     def num_tokens(self) -> int:

@@ -20,10 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.trace import Status, StatusCode
 
 from protos import generation_pb2 as pb
 from router.replica import Replica
 from router.sequence import Sampling, Sequence
+from router.tracing import Tracing, request_attributes
 from router.tokenizer import CHAT_ROLES, TemplateError
 
 log = logging.getLogger(__name__)
@@ -61,8 +63,8 @@ def _parser(cls):
 
 
 class GenerationService:
-    def __init__(self, replica: Replica, max_waiting: int):
-        self.replica, self.max_waiting = replica, max_waiting
+    def __init__(self, replica: Replica, max_waiting: int, tracing: Tracing | None = None):
+        self.replica, self.max_waiting, self.tracing = replica, max_waiting, tracing
         self._ids = itertools.count(1)
         # One thread: a burst of long prompts queues here instead of taking every core.
         self._text_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
@@ -184,10 +186,19 @@ class GenerationService:
 
     # -- RPCs -----------------------------------------------------------------------------------
     async def Generate(self, request, context):
+        span = None
+        if self.tracing is not None:
+            span = self.tracing.request_span(context.invocation_metadata(), *request_attributes(request))
         try:
             seq = await self._accept(request)
         except InvalidRequest as e:
+            if span is not None:
+                span.set_status(Status(StatusCode.ERROR, f"{e.code.name}: {e}"))
+                span.end()
             await context.abort(e.code, str(e))
+        seq.span = span
+        if span is not None:
+            span.set_attribute("gen_ai.response.id", seq.request_id)
         engine = self.replica.engine
         engine.submit(seq, list(request.stop))
         try:

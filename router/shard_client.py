@@ -147,6 +147,7 @@ class ShardGroup:
                     result = tasks[self.sampler].result()
                     result.graph_launches = sum(t.result().graph_launches for t in tasks)
                     result.eager_decode_steps = sum(t.result().eager_decode_steps for t in tasks)
+                    result.compute_ms = max(t.result().compute_ms for t in tasks)  # the slowest rank
                     return result
                 # A long step: it may be a long prefill, or a shard that hangs. Ask them all.
                 answers = await asyncio.gather(*(s.answers(self.probe_timeout_s) for s in self.shards))

@@ -23,9 +23,11 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import torch
+from opentelemetry import propagate, trace
 
 from common.model_source import resolve_model
 from common.process import exit_soon
+from common.telemetry import setup_tracing
 from kernels.linear import use_onednn
 from kernels.quantized import quantize, weight_format
 from protos import shard_pb2, shard_pb2_grpc
@@ -67,9 +69,9 @@ class MainThreadWork:
 
 class ShardService(shard_pb2_grpc.ShardServicer):
     def __init__(self, runner: ModelRunner, info: shard_pb2.ShardInfo, grouped: bool, decode_graphs: bool,
-                 work: MainThreadWork):
+                 work: MainThreadWork, tracer=None):
         self.runner, self.info, self.grouped, self.decode_graphs = runner, info, grouped, decode_graphs
-        self.work = work
+        self.work, self.tracer = work, tracer
         self._stream_lock = threading.Lock()  # one router drives a shard at a time
         self.streaming = threading.Event()    # a step stream is open
 
@@ -108,18 +110,24 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             if self.runner.kv is None:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Warmup must come before Steps")
             for plan in request_iterator:
-                t0 = time.perf_counter()
-                try:
-                    out = self.work.call(self.runner.step, plan)
-                except Exception as e:  # the step's effects are unknown
-                    log.exception("step %d failed", plan.step_id)
-                    self._leave_group_soon(f"step {plan.step_id} failed")
-                    context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {e!r}")
-                yield shard_pb2.StepResult(
-                    step_id=plan.step_id, tokens=out.tokens, compute_ms=(time.perf_counter() - t0) * 1e3,
-                    graph_launches=out.graph_launches, eager_decode_steps=out.eager_decode_steps,
-                    failures=[shard_pb2.SequenceFailure(seq_id=k, message=v) for k, v in out.failures.items()],
-                    logprobs=out.logprobs)
+                with self._step_span(plan) as span:
+                    t0 = time.perf_counter()
+                    try:
+                        out = self.work.call(self.runner.step, plan)
+                    except Exception as e:  # the step's effects are unknown
+                        log.exception("step %d failed", plan.step_id)
+                        self._leave_group_soon(f"step {plan.step_id} failed")
+                        context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {e!r}")
+                    result = shard_pb2.StepResult(
+                        step_id=plan.step_id, tokens=out.tokens, compute_ms=(time.perf_counter() - t0) * 1e3,
+                        graph_launches=out.graph_launches, eager_decode_steps=out.eager_decode_steps,
+                        failures=[shard_pb2.SequenceFailure(seq_id=k, message=v) for k, v in out.failures.items()],
+                        logprobs=out.logprobs)
+                    span.set_attributes({"shardline.step.compute_ms": result.compute_ms,
+                                         "shardline.step.decode_graph_launches": result.graph_launches,
+                                         "shardline.step.eager_decode_steps": result.eager_decode_steps,
+                                         "shardline.step.failed_sequences": len(result.failures)})
+                yield result
             if _was_cancelled(context):
                 self._leave_group_soon("the router abandoned the step stream")
         except grpc.RpcError:  # cancelled by the router, or the router went away
@@ -127,6 +135,17 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         finally:
             self.streaming.clear()
             self._stream_lock.release()
+
+    def _step_span(self, plan):
+        """The shard's span of a step, a child of the router's (a non-recording one when either
+        side does not trace); current while the step runs, so log lines carry its ids."""
+        if self.tracer is None or not plan.trace_context:
+            return trace.use_span(trace.INVALID_SPAN)
+        info = self.info
+        return self.tracer.start_as_current_span(
+            "shard step", context=propagate.extract(dict(plan.trace_context)), kind=trace.SpanKind.SERVER,
+            attributes={"shardline.step.id": plan.step_id, "shardline.tp_rank": info.tp_rank,
+                        "shardline.pp_stage": info.pp_stage, "shardline.step.sequences": len(plan.seqs)})
 
     def _leave_group_soon(self, why: str) -> None:
         if self.grouped:
@@ -207,7 +226,10 @@ def serve_shard(args) -> int:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
         ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
     work = MainThreadWork()
-    service = ShardService(runner, info, grouped=layout.world > 1, decode_graphs=decode_graphs, work=work)
+    tracer = setup_tracing(args.otlp_endpoint, "shard", f"pp{layout.pp_stage}-tp{layout.tp_rank}",
+                           {"shardline.tp_rank": layout.tp_rank, "shardline.pp_stage": layout.pp_stage})
+    service = ShardService(runner, info, grouped=layout.world > 1, decode_graphs=decode_graphs, work=work,
+                           tracer=tracer)
     shard_pb2_grpc.add_ShardServicer_to_server(service, server)
     health_servicer = health.HealthServicer()  # for orchestrators: SERVING once the weights are in
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

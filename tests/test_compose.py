@@ -6,19 +6,31 @@ import subprocess
 import sys
 import time
 
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
 import grpc
 import pytest
 import yaml
 
+from bench.otlp_receiver import OtlpReceiver
+
 from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 from common.process import spawn_service
-from tests.support import ROOT, free_port
+from tests.support import ROOT, free_port, wait_for
 
 ADDRESS = re.compile(r"([A-Za-z0-9][\w.-]*):(\d+)")
 
 
 def load_compose() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def shardline_services(compose: dict) -> dict:
+    """The router and shards of the default profile (not the observability stack, not CUDA)."""
+    return {n: s for n, s in compose["services"].items()
+            if "profiles" not in s and str(s.get("image", "")).startswith("shardline")}
 
 
 class Loopback:
@@ -33,7 +45,7 @@ class Loopback:
     def rewrite(self, service: str, key: str, value: str) -> str:
         if key == "SHARDLINE_HOST":
             return "127.0.0.1"
-        if key == "SHARDLINE_PORT":
+        if key in ("SHARDLINE_PORT", "SHARDLINE_METRICS_PORT"):
             return str(self.port(service, value))
 
         def swap(m):
@@ -62,7 +74,7 @@ def _wait_healthy(loop: Loopback, name: str, service: dict, proc, timeout=180):
 
 def test_compose_file_shape():
     compose = load_compose()
-    services = {n: s for n, s in compose["services"].items() if "profiles" not in s}
+    services = shardline_services(compose)
     shards = [n for n, s in services.items() if s["command"][1] == "shard"]
     routers = [n for n, s in services.items() if s["command"][1] == "router"]
     assert len(routers) == 1 and len(shards) == 2
@@ -78,10 +90,13 @@ def test_compose_file_shape():
 @pytest.mark.smollm2
 def test_compose_services_serve_a_request_on_loopback():
     compose = load_compose()
-    services = {n: s for n, s in compose["services"].items() if "profiles" not in s}
-    loop = Loopback(services)
+    services = shardline_services(compose)
+    loop = Loopback(compose["services"])
     order = sorted(services, key=lambda n: bool(services[n].get("depends_on")))  # shards first
     procs = {}
+    # The test's own OTLP receiver stands in for the collector, on the port its address maps to.
+    collector = _collector_address(compose)
+    receiver = OtlpReceiver(port=loop.port(*collector)).__enter__()
     try:
         for name in order:
             service = services[name]
@@ -97,10 +112,93 @@ def test_compose_services_serve_a_request_on_loopback():
             stub = pb_grpc.GenerationStub(channel)
             info = stub.Info(pb.InfoRequest())
             assert info.tensor_parallel == 2
-            text = "".join(m.text for m in stub.Generate(
-                pb.GenerateRequest(prompt="The capital of France is", max_new_tokens=4), timeout=120))
-        assert "Paris" in text
+            replies = list(stub.Generate(pb.GenerateRequest(prompt="The capital of France is", max_new_tokens=4),
+                                         timeout=120))
+        assert "Paris" in "".join(m.text for m in replies)
+        # Every service exports its spans where the compose file says, and the router's metrics
+        # endpoint is where Prometheus scrapes it.
+        names = {"shardline-router": 1, "shardline-shard": 2}
+        wait_for(lambda: all(len({s.resource["service.instance.id"] for s in receiver.spans()
+                                  if s.resource["service.name"] == n}) == k for n, k in names.items()),
+                 60, "spans from the router and both shards")
+        metrics_port = loop.port(router, str(services[router]["environment"]["SHARDLINE_METRICS_PORT"]))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        generated = sum(len(m.token_ids) for m in replies)
+        assert f"shardline:generation_tokens_total {float(generated)}" in text
     finally:
         for proc in procs.values():
             proc.kill()
             proc.wait()
+        receiver.__exit__()
+
+
+def _collector_address(compose: dict) -> tuple[str, str]:
+    """(service, port) of the OTLP endpoint every Shardline service exports to."""
+    endpoints = {s["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] for s in shardline_services(compose).values()}
+    assert len(endpoints) == 1, f"the services export to different collectors: {endpoints}"
+    host, port = ADDRESS.search(endpoints.pop()).groups()
+    return host, port
+
+
+def _mounted(service: dict, target: str) -> Path:
+    """The repo file or folder a service mounts at `target`."""
+    for volume in service.get("volumes", []):
+        source, mount = volume.split(":")[:2]
+        if mount == target:
+            path = ROOT / source
+            assert path.exists(), f"{source} is mounted but not in the repo"
+            return path
+    raise AssertionError(f"nothing is mounted at {target}")
+
+
+def test_the_observability_wiring_points_at_services_that_exist():
+    compose = load_compose()
+    services = compose["services"]
+
+    def exposes(name: str, port: str) -> bool:
+        s = services[name]
+        return port in map(str, s.get("expose", [])) or any(str(p).split(":")[-1] == port for p in s.get("ports", []))
+
+    # Shardline -> collector: a service that receives OTLP/gRPC on that port.
+    host, port = _collector_address(compose)
+    assert host in services and exposes(host, port)
+    collector = yaml.safe_load(_mounted(services[host], "/etc/otelcol/config.yaml").read_text())
+    assert collector["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].endswith(f":{port}")
+    # Collector -> its exporters; every traces pipeline uses defined parts.
+    for name, exporter in collector["exporters"].items():
+        target, target_port = ADDRESS.search(exporter["endpoint"]).groups()
+        assert target in services and exposes(target, target_port), f"{name} -> {exporter['endpoint']}"
+    for pipeline in collector["service"]["pipelines"].values():
+        for kind in ("receivers", "processors", "exporters"):
+            assert set(pipeline.get(kind, [])) <= set(collector.get(kind) or {}), kind
+    # Prometheus -> the router's metrics port.
+    routers = {n: s for n, s in shardline_services(compose).items() if s["command"][1] == "router"}
+    prometheus = yaml.safe_load(_mounted(services["prometheus"], "/etc/prometheus/prometheus.yml").read_text())
+    targets = [t for job in prometheus["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
+    assert targets
+    for target in targets:
+        name, target_port = target.split(":")
+        assert name in routers and routers[name]["environment"]["SHARDLINE_METRICS_PORT"] == target_port
+        assert exposes(name, target_port)
+    # Grafana -> its data sources; the dashboard asks only for metrics the router serves.
+    provisioning = _mounted(services["grafana"], "/etc/grafana/provisioning")
+    sources = yaml.safe_load((provisioning / "datasources" / "datasources.yaml").read_text())["datasources"]
+    for source in sources:
+        target, target_port = ADDRESS.search(source["url"].split("//")[1]).groups()
+        assert target in services and exposes(target, target_port), source["url"]
+    dashboard = (_mounted(services["grafana"], "/var/lib/grafana/dashboards") / "shardline.json").read_text()
+    served = _served_metric_names()
+    asked = set(re.findall(r"shardline:[a-z_]+", dashboard))
+    assert asked and asked <= served, f"the dashboard asks for metrics the router does not serve: {asked - served}"
+
+
+def _served_metric_names() -> set[str]:
+    """Every sample name the router's registry can produce (families with their suffixes)."""
+    from router.metrics import Metrics
+    metrics = Metrics()
+    metrics.watch(SimpleNamespace(failures=0, recoveries=0, engine=None))
+    names = set()
+    for family in metrics.registry.collect():
+        names |= {family.name, family.name + "_total", family.name + "_bucket", family.name + "_count",
+                  family.name + "_sum"}
+    return names
