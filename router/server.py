@@ -66,6 +66,7 @@ class GenerationService:
     def __init__(self, replica: Replica, max_waiting: int, tracing: Tracing | None = None):
         self.replica, self.max_waiting, self.tracing = replica, max_waiting, tracing
         self._ids = itertools.count(1)
+        self._running: dict[str, Sequence] = {}   # request_id -> its sequence, until its stream ends
         # One thread: a burst of long prompts queues here instead of taking every core.
         self._text_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
@@ -177,6 +178,9 @@ class GenerationService:
         if len(scheduler.waiting) >= self.max_waiting:
             raise InvalidRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  f"too many waiting requests ({self.max_waiting}); retry later")
+        if req.request_id in self._running:
+            raise InvalidRequest(grpc.StatusCode.ALREADY_EXISTS,
+                                 f"a request with request_id {req.request_id!r} is already running")
         return Sequence(seq_id=next(self._ids), request_id=req.request_id or uuid.uuid4().hex,
                         prompt_ids=ids, max_new_tokens=req.max_new_tokens, sampling=self._sampling(req),
                         cache_salt=req.cache_salt, priority=req.priority,
@@ -199,9 +203,10 @@ class GenerationService:
         seq.span = span
         if span is not None:
             span.set_attribute("gen_ai.response.id", seq.request_id)
+        self._running[seq.request_id] = seq  # no await since _accept checked the id is free
         engine = self.replica.engine
-        engine.submit(seq, list(request.stop))
         try:
+            engine.submit(seq, list(request.stop))
             while True:
                 out = await seq.outputs.get()
                 if out.failure is not None:
@@ -220,6 +225,16 @@ class GenerationService:
         finally:
             # Client cancelled, deadline passed or the stream broke: free the request's pages.
             engine.cancel(seq)
+            del self._running[seq.request_id]
+
+    async def Cancel(self, request, context):
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        seq = self._running.get(request.request_id)
+        if seq is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no running request has request_id {request.request_id!r}")
+        self.replica.engine.cancel(seq)
+        return pb.CancelResponse()
 
     async def Stats(self, request, context):
         if isinstance(request, Malformed):
@@ -269,6 +284,9 @@ def add_services(server: grpc.aio.Server, service: GenerationService,
         "Generate": grpc.unary_stream_rpc_method_handler(
             service.Generate, request_deserializer=_parser(pb.GenerateRequest),
             response_serializer=pb.GenerateResponse.SerializeToString),
+        "Cancel": grpc.unary_unary_rpc_method_handler(
+            service.Cancel, request_deserializer=_parser(pb.CancelRequest),
+            response_serializer=pb.CancelResponse.SerializeToString),
         "Stats": grpc.unary_unary_rpc_method_handler(
             service.Stats, request_deserializer=_parser(pb.StatsRequest),
             response_serializer=pb.StatsResponse.SerializeToString),

@@ -134,9 +134,6 @@ def test_cancel_mid_prefill_returns_every_page(smollm2_server):
     assert st.pages_free + st.pages_evictable == st.pages_total and st.requests_running == 0
     # The prefill step was in flight when the cancel came; pages came back only after it finished.
     assert st.steps == steps_before
-    with pytest.raises(grpc.RpcError) as err:
-        next(call)
-    assert err.value.code() == grpc.StatusCode.CANCELLED
 
 
 @pytest.mark.smollm2

@@ -16,11 +16,14 @@ PAGE = 16
 def reference(tiny_models):
     ref = hf_model(tiny_models["qwen3"])
     rng = random.Random(11)
-    prompts = [[rng.randrange(ref.config.vocab_size) for _ in range(n)] for n in (5, 70, 720)]
+    # 330 tokens: two chunks of 300, five of 64; every prompt runs twice, so with the cache on
+    # the second round starts from cached pages at every chunk size.
+    prompts = [[rng.randrange(ref.config.vocab_size) for _ in range(n)] for n in (5, 70, 330)]
     return ref, prompts, [hf_greedy(ref, p, 10) for p in prompts]
 
 
-@pytest.mark.parametrize("chunk,cache", [(1, "on"), (7, "on"), (64, "off"), (300, "on")])
+@pytest.mark.parametrize("cache", ["on", "off"])
+@pytest.mark.parametrize("chunk", [1, 7, 64, 300])
 def test_tiny_greedy_tokens_do_not_depend_on_chunking(tiny_models, reference, chunk, cache):
     _, prompts, wants = reference
     server = Server("--model", str(tiny_models["qwen3"]), "--page-size", str(PAGE), "--chunk-size", str(chunk),
@@ -32,17 +35,28 @@ def test_tiny_greedy_tokens_do_not_depend_on_chunking(tiny_models, reference, ch
         assert server.stop() == 0
 
 
-@pytest.mark.smollm2
-@pytest.mark.parametrize("chunk", [7, 300])
-def test_smollm2_greedy_tokens_do_not_depend_on_chunking(chunk, tmp_path):
+@pytest.fixture(scope="module")
+def smollm2_reference(tmp_path_factory):
+    """A prompt of about 380 tokens (two chunks of 300, dozens of 7) and transformers' greedy tokens."""
     tok = smollm2_tokenizer()
-    text = " ".join(f"Step {i}: mix {i} grams of flour with {i + 2} eggs." for i in range(45 if chunk == 300 else 12))
-    ids = tok.encode(text, add_special_tokens=False)
-    want, margins = hf_greedy(smollm2_hf_model(tmp_path), ids, 12)
-    server = Server("--chunk-size", str(chunk), "--weights", "dequantized")
+    ids = tok.encode(" ".join(f"Step {i}: mix {i} grams of flour with {i + 2} eggs." for i in range(24)),
+                     add_special_tokens=False)
+    assert 300 < len(ids) < 450
+    return ids, hf_greedy(smollm2_hf_model(tmp_path_factory.mktemp("hf")), ids, 12)
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("cache", ["on", "off"])
+@pytest.mark.parametrize("chunk", [7, 300])
+def test_smollm2_greedy_tokens_do_not_depend_on_chunking(smollm2_reference, chunk, cache):
+    ids, (want, margins) = smollm2_reference
+    server = Server("--chunk-size", str(chunk), "--prefix-cache", cache, "--weights", "dequantized")
     try:
-        got, _, _ = server.generate(prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=12, ignore_eos=True)
-        assert_greedy_match(got, want, margins)
+        for _ in range(2):  # the second request starts from the first one's cached pages (cache on)
+            got, _, last = server.generate(prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=12,
+                                           ignore_eos=True)
+            assert_greedy_match(got, want, margins)
+        assert (last.usage.cached_prompt_tokens > 0) == (cache == "on")
     finally:
         assert server.stop() == 0
 
@@ -66,33 +80,49 @@ def _wait_for(server, predicate, timeout=30):
     raise AssertionError(f"never reached: {server.stats()}")
 
 
-def _cancelled(call):
-    with pytest.raises(grpc.RpcError) as err:
-        for _ in call:
-            pass
-    return err.value.code() == grpc.StatusCode.CANCELLED
+def _ended_by_cancel(call) -> list[pb.GenerateResponse]:
+    """The rest of a stream that a Cancel ends: status OK, exactly one last message that says
+    cancelled, whose usage counts every token the stream carried."""
+    replies = list(call)  # raises unless the stream ends OK
+    assert [r.finish_reason for r in replies].count("cancelled") == 1 and replies[-1].finish_reason == "cancelled"
+    assert all(not r.finish_reason for r in replies[:-1])
+    return replies
 
 
-def test_cancel_in_every_phase_returns_every_page(one_at_a_time):
-    server = one_at_a_time
+def test_cancel_in_every_phase_ends_the_stream_once_and_returns_every_page(one_at_a_time):
+    server, stub = one_at_a_time, one_at_a_time.stub
     long_prompt = pb.PromptTokens(ids=[(7 * i) % 30000 + 50 for i in range(1500)])
-    prefilling = server.stub.Generate(pb.GenerateRequest(prompt_token_ids=long_prompt, max_new_tokens=5), timeout=60)
+    prefilling = stub.Generate(pb.GenerateRequest(request_id="prefilling", prompt_token_ids=long_prompt,
+                                                  max_new_tokens=5), timeout=60)
     _wait_for(server, lambda st: st.requests_prefilling == 1)
-    waiting = server.stub.Generate(pb.GenerateRequest(prompt="hello", max_new_tokens=5), timeout=60)
+    waiting = stub.Generate(pb.GenerateRequest(request_id="waiting", prompt="hello", max_new_tokens=5), timeout=60)
     _wait_for(server, lambda st: st.requests_waiting == 1)
-    waiting.cancel()                   # cancelled while waiting
-    _wait_for(server, lambda st: st.requests_waiting == 0)
+    with pytest.raises(grpc.RpcError) as err:  # ids name one running request
+        next(stub.Generate(pb.GenerateRequest(request_id="waiting", prompt="again", max_new_tokens=5), timeout=60))
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+
+    stub.Cancel(pb.CancelRequest(request_id="waiting"), timeout=10)         # while waiting
+    (last,) = _ended_by_cancel(waiting)
+    assert last.usage.prompt_tokens > 0 and last.usage.completion_tokens == 0 and not last.token_ids
     st = server.stats()
-    assert st.requests_prefilling == 1 and st.pages_referenced > 0
-    prefilling.cancel()                # cancelled between chunks
+    assert st.requests_waiting == 0 and st.requests_prefilling == 1 and st.pages_referenced > 0
+    stub.Cancel(pb.CancelRequest(request_id="prefilling"), timeout=10)      # between chunks
+    (last,) = _ended_by_cancel(prefilling)
+    assert last.usage.prompt_tokens == 1500 and last.usage.completion_tokens == 0
     st = server.wait_idle()
     assert st.pages_referenced == 0 and st.pages_free + st.pages_evictable == st.pages_total
-    decoding = server.stub.Generate(pb.GenerateRequest(prompt="hi", max_new_tokens=1000, ignore_eos=True), timeout=60)
-    next(decoding)
+
+    decoding = stub.Generate(pb.GenerateRequest(request_id="decoding", prompt="hi", max_new_tokens=1000,
+                                                ignore_eos=True), timeout=60)
+    first = next(decoding)
     _wait_for(server, lambda st: st.requests_decoding == 1)
-    decoding.cancel()                  # cancelled while decoding
+    stub.Cancel(pb.CancelRequest(request_id="decoding"), timeout=10)        # while decoding
+    replies = [first, *_ended_by_cancel(decoding)]
+    assert replies[-1].usage.completion_tokens == sum(len(r.token_ids) for r in replies) < 1000
     st = server.wait_idle()
     assert st.pages_referenced == 0 and st.pages_free + st.pages_evictable == st.pages_total
-    assert all(_cancelled(c) for c in (waiting, prefilling, decoding))
+    with pytest.raises(grpc.RpcError) as err:  # its stream has ended: nothing runs under that id
+        stub.Cancel(pb.CancelRequest(request_id="decoding"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
     tokens, _, last = server.generate(prompt="still alive?", max_new_tokens=3, ignore_eos=True)
     assert len(tokens) == 3

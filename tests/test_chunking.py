@@ -30,6 +30,17 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at):
     arrivals = {s: a for s, (_, _, a) in zip(seqs, reqs)}
     last_ran = {"decode": 0, "continue": 0}
     steps = 0
+    # Admit may have waiting work it cannot run (batch full, no pages), so its bound is on being
+    # asked: the rotation offers it a step at least every 3 steps, and takes the step it offers.
+    asked = []
+    real_admit = sched._admit
+
+    def admit():
+        step = real_admit()
+        asked.append(step)
+        return step
+    sched._admit = admit
+    last_asked = 0
     for t in range(400):
         for s in seqs:
             if arrivals[s] == t and sched.can_ever_fit(s.max_tokens):
@@ -40,11 +51,16 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at):
         before = {s: s.num_computed for s in sched.running}
         step = sched.schedule()
         if step is None:
+            asked.clear()
             assert not sched.has_work() or not (sched.decoding or sched.prefilling)
             if not sched.has_work() and t > 3:
                 break
             continue
         assert len(set(step.seqs)) == len(step.seqs), "a request twice in one step"
+        if asked:
+            assert asked[-1] is None or step is asked[-1], "admit offered a step that did not run"
+        last_asked = steps + 1 if asked else last_asked
+        asked.clear()
         if step.phase != "decode":
             assert sum(len(i) for i in step.inputs) <= budget or len(step.seqs) == 1
             assert all(len(i) <= chunk for i in step.inputs)
@@ -53,6 +69,10 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at):
             if step.phase == phase or not had[phase]:
                 last_ran[phase] = steps
             assert steps - last_ran[phase] < 3, f"{phase} starved"
+        if sched.waiting or step.phase == "admit":
+            assert steps - last_asked < 3, "admit not asked for 3 steps while requests waited"
+        else:
+            last_asked = steps
         sched.complete(step)
         for seq, inputs, emit in zip(step.seqs, step.inputs, step.emits):
             assert seq.num_computed == before.get(seq, seq.cached_prompt_tokens) + len(inputs)
