@@ -96,6 +96,27 @@ def _router_flags(p):
     _add(p, "slru-protected-ratio", 0.5, _number(float, 0, 1),
          "SLRU: share of the pool the protected segment may hold")
     _add(p, "metrics-port", 0, _number(int, 0, 65535), "port of the Prometheus endpoint /metrics (0: none)")
+    _add(p, "api-keys-file", "", help="Generate, Cancel, Stats and Info require 'authorization: Bearer KEY' "
+         "with a key from this file (one per line, optionally 'KEY tenant'); empty: open to all")
+    _add(p, "tenant-max-requests", 0, SIZE, "a tenant's requests in flight before RESOURCE_EXHAUSTED (0: no limit)")
+    _add(p, "tenant-max-waiting", 0, SIZE, "a tenant's queued requests before RESOURCE_EXHAUSTED (0: no limit)")
+    _add(p, "prefix-cache-sharing", "tenant", help="tenant: each tenant's cached pages are its own; all: "
+         "tenants with identical prompts and salts share pages (a timing side channel between them)",
+         choices=["tenant", "all"])
+
+
+def _public_tls_flags(p):
+    _add(p, "tls-cert-file", "", help="serve the public API over TLS with this certificate (chain), PEM; "
+         "re-read when it changes")
+    _add(p, "tls-key-file", "", help="the private key of --tls-cert-file, PEM")
+    _add(p, "tls-client-ca-file", "", help="with TLS: accept only clients whose certificate this CA signed")
+
+
+def _shard_tls_flags(p):
+    _add(p, "shard-tls-ca-file", "", help="mutual TLS between router and shards (TCP only; unix sockets stay "
+         "plaintext, owner-only): the CA that signs both sides' certificates, PEM")
+    _add(p, "shard-tls-cert-file", "", help="this side's certificate for router <-> shard mutual TLS, PEM")
+    _add(p, "shard-tls-key-file", "", help="its private key, PEM")
 
 
 def _telemetry_flags(p):
@@ -118,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     _router_flags(router)
     _drain_flags(router)
     _telemetry_flags(router)
+    _public_tls_flags(router)
+    _shard_tls_flags(router)
     _add(router, "shards", "", help="comma-separated shard addresses (host:port or unix:PATH)")
 
     shard = sub.add_parser("shard", help="run one shard alone")
@@ -125,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     _shard_flags(shard)
     _drain_flags(shard)
     _telemetry_flags(shard)
+    _shard_tls_flags(shard)
     _add(shard, "listen", "127.0.0.1:50061", help="address the shard listens on")
     _parallel_flags(shard)
     _add(shard, "tp-rank", 0, SIZE, "this shard's tensor-parallel rank")
@@ -134,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("health", help="exit 0 when the service at --target reports SERVING")
     check.add_argument("--target", default="127.0.0.1:50051")
     check.add_argument("--timeout", type=SECONDS, default=3.0)
+    check.add_argument("--tls-ca-file", default="", help="check over TLS, trusting this CA (PEM)")
+    check.add_argument("--tls-cert-file", default="", help="and present this certificate (mutual TLS)")
+    check.add_argument("--tls-key-file", default="", help="the certificate's private key")
 
     gen = sub.add_parser("generate", help="stream a completion from a running server")
     gen.add_argument("prompt")
@@ -147,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--wait", type=_number(float, 0), default=0,
                      help="seconds to wait for the server to come up")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--api-key", default=os.environ.get("SHARDLINE_API_KEY", ""),
+                     help="sent as 'authorization: Bearer KEY' (env SHARDLINE_API_KEY)")
     return parser
 
 
@@ -183,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve_shard(args)
     if args.command == "health":
         from common.process import healthy
-        return 0 if healthy(args.target, args.timeout) else 1
+        from common.tls import channel_credentials
+        credentials = (channel_credentials(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
+                       if args.tls_ca_file else None)
+        return 0 if healthy(args.target, args.timeout, credentials) else 1
     from router.client import generate
     return generate(args)
 

@@ -125,7 +125,8 @@ def serve(args) -> int:
          *_flags(args, ["host", "port", "num-pages", "max-batch", "max-batch-tokens", "max-waiting",
                         "shard-timeout", "step-timeout-s", "drain-timeout-s", "prefix-cache", "eviction",
                         "slru-protected-ratio", "chunk-size", "priority-aging-s", "metrics-port",
-                        "otlp-endpoint"])])
+                        "otlp-endpoint", "api-keys-file", "tenant-max-requests", "tenant-max-waiting",
+                        "prefix-cache-sharing"])])
     target = HealthProbe(f"{args.host}:{args.port}")
     ready, restarts, code = False, 0, 0
     try:

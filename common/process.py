@@ -84,8 +84,9 @@ FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconne
 class HealthProbe:
     """Asks the gRPC health service at `target`, over one channel kept open between probes."""
 
-    def __init__(self, target: str):
-        self.channel = grpc.insecure_channel(target, options=FAST_RECONNECT)
+    def __init__(self, target: str, credentials: grpc.ChannelCredentials | None = None):
+        self.channel = (grpc.secure_channel(target, credentials, options=FAST_RECONNECT) if credentials
+                        else grpc.insecure_channel(target, options=FAST_RECONNECT))
         self.stub = health_pb2_grpc.HealthStub(self.channel)
 
     def serving(self, timeout: float = 1.0) -> bool:
@@ -99,9 +100,9 @@ class HealthProbe:
         self.channel.close()
 
 
-def healthy(target: str, timeout: float = 1.0) -> bool:
+def healthy(target: str, timeout: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> bool:
     """Whether the gRPC health service at `target` answers SERVING within `timeout`."""
-    probe = HealthProbe(target)
+    probe = HealthProbe(target, credentials)
     try:
         return probe.serving(timeout)
     finally:

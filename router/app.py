@@ -18,7 +18,9 @@ from grpc_health.v1 import health, health_pb2
 from common.model_source import resolve_model
 from common.process import exit_soon
 from common.telemetry import setup_tracing
+from common.tls import ShardTls, server_credentials
 from common.tokenizer_files import tokenizer_folder
+from router.auth import ApiKeys
 from router.metrics import Metrics
 from router.replica import Replica
 from router.server import SERVICE, GenerationService, add_services
@@ -48,7 +50,9 @@ async def serve_router(args) -> int:
             listening = True
             print(f"router listening {address}", flush=True)
 
-    shards = ShardGroup(args.shards, step_timeout_s=args.step_timeout_s)
+    shard_tls = ShardTls.from_args(args)
+    shards = ShardGroup(args.shards, step_timeout_s=args.step_timeout_s,
+                        credentials=shard_tls.channel() if shard_tls else None)
     tracer = setup_tracing(args.otlp_endpoint, "router", f"router:{args.port}")
     tracing = Tracing(tracer, source.name) if tracer is not None else None
     metrics = Metrics() if args.metrics_port else None
@@ -57,8 +61,19 @@ async def serve_router(args) -> int:
         metrics.watch(replica)
         metrics.serve(args.metrics_port, args.host)
         print(f"router metrics http://{args.host}:{args.metrics_port}/metrics", flush=True)
-    add_services(server, GenerationService(replica, args.max_waiting, tracing), health_servicer)
-    if server.add_insecure_port(address) == 0:
+    try:
+        keys = ApiKeys.load(args.api_keys_file) if args.api_keys_file else None
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--api-keys-file: {e}") from None
+    add_services(server, GenerationService(replica, args.max_waiting, tracing, keys, args.tenant_max_requests,
+                                           args.tenant_max_waiting, args.prefix_cache_sharing == "all"),
+                 health_servicer)
+    if bool(args.tls_cert_file) != bool(args.tls_key_file) or (args.tls_client_ca_file and not args.tls_cert_file):
+        raise SystemExit("--tls-cert-file and --tls-key-file go together (and --tls-client-ca-file needs them)")
+    port = (server.add_secure_port(address, server_credentials(args.tls_cert_file, args.tls_key_file,
+                                                                args.tls_client_ca_file))
+            if args.tls_cert_file else server.add_insecure_port(address))
+    if port == 0:
         raise SystemExit(f"cannot listen on {address}")
 
     stop = asyncio.Event()

@@ -23,8 +23,9 @@ def generate(args) -> int:
     with grpc.insecure_channel(args.target) as channel:
         try:
             # wait_for_ready: a server that is still starting is waited for, up to --wait seconds.
+            metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
             stream = pb_grpc.GenerationStub(channel).Generate(req, wait_for_ready=args.wait > 0,
-                                                              timeout=args.wait + 600)
+                                                              timeout=args.wait + 600, metadata=metadata)
             for msg in stream:
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()

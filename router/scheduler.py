@@ -106,7 +106,7 @@ class Scheduler:
         while self.waiting and len(self.prefilling) + len(self.decoding) < self.max_batch:
             seq = self._most_urgent()
             if seq.prompt_hashes is None:
-                seq.prompt_hashes = pages.prompt_hashes(seq.prompt_ids, seq.cache_salt)
+                seq.prompt_hashes = pages.prompt_hashes(seq.prompt_ids, seq.cache_namespace)
             # Scoring the prompt needs its logits at every position: nothing of it is reused.
             hits = [] if seq.prompt_logprobs is not None else pages.lookup(seq.prompt_hashes)
             cached = len(hits) * pages.page_size
@@ -179,7 +179,7 @@ class Scheduler:
             if i < len(seq.prompt_hashes):
                 h = seq.prompt_hashes[i]
             else:
-                parent = seq.page_hashes[-1] if i else pages.root_hash(seq.cache_salt)
+                parent = seq.page_hashes[-1] if i else pages.root_hash(seq.cache_namespace)
                 h = pages.chain(parent, tokens[i * ps:(i + 1) * ps])
             pages.publish(seq.block_table[i], h, seq.block_table[i - 1] if i else None)
             seq.page_hashes.append(h)

@@ -61,7 +61,8 @@ class Sequence:
     num_computed: int = 0         # tokens whose K/V is written on every shard
     cancelled: bool = False
     cached_prompt_tokens: int = 0
-    cache_salt: str = ""
+    cache_namespace: str = ""     # cached pages are shared only within one (router/auth.py)
+    tenant: str = ""
     priority: int = 0
     logprobs: int | None = None          # alternatives to report per sampled token (None: no logprobs)
     prompt_logprobs: int | None = None   # likewise per prompt token; the prompt is then computed whole

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace import Status, StatusCode
 
 from protos import generation_pb2 as pb
+from router.auth import NO_TENANT, ApiKeys, cache_namespace
 from router.replica import Replica
 from router.sequence import Sampling, Sequence
 from router.tracing import Tracing, request_attributes
@@ -63,12 +64,31 @@ def _parser(cls):
 
 
 class GenerationService:
-    def __init__(self, replica: Replica, max_waiting: int, tracing: Tracing | None = None):
+    """`keys`: API keys (None: open to all). `tenant_max_requests` / `tenant_max_waiting`: a
+    tenant's streams in flight / requests queued (0: no limit). `share_cache`: tenants share
+    cached prefix pages (else each tenant's pages are its own)."""
+
+    def __init__(self, replica: Replica, max_waiting: int, tracing: Tracing | None = None,
+                 keys: ApiKeys | None = None, tenant_max_requests: int = 0, tenant_max_waiting: int = 0,
+                 share_cache: bool = False):
         self.replica, self.max_waiting, self.tracing = replica, max_waiting, tracing
+        self.keys, self.share_cache = keys, share_cache
+        self.tenant_max_requests, self.tenant_max_waiting = tenant_max_requests, tenant_max_waiting
         self._ids = itertools.count(1)
-        self._running: dict[str, Sequence] = {}   # request_id -> its sequence, until its stream ends
+        # (tenant, request_id) -> its sequence, until its stream ends
+        self._running: dict[tuple[str, str], Sequence] = {}
         # One thread: a burst of long prompts queues here instead of taking every core.
         self._text_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+    async def _tenant(self, context) -> str:
+        """The caller's tenant; aborts UNAUTHENTICATED without a valid key."""
+        if self.keys is None:
+            return NO_TENANT
+        tenant = self.keys.tenant(context.invocation_metadata())
+        if tenant is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "a valid API key is required: send 'authorization: Bearer <key>'")
+        return tenant
 
     # -- validation ---------------------------------------------------------------------------
     def _check_cheap(self, req: pb.GenerateRequest, info: pb.InfoResponse) -> None:
@@ -152,7 +172,7 @@ class GenerationService:
                                   f"the shard group is not serving: {replica.down_reason}")
         return None
 
-    async def _accept(self, req) -> Sequence:
+    async def _accept(self, req, tenant: str) -> Sequence:
         if isinstance(req, Malformed):
             raise _invalid(req.message)
         if error := self._unavailable():
@@ -178,23 +198,33 @@ class GenerationService:
         if len(scheduler.waiting) >= self.max_waiting:
             raise InvalidRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  f"too many waiting requests ({self.max_waiting}); retry later")
-        if req.request_id in self._running:
+        if (tenant, req.request_id) in self._running:
             raise InvalidRequest(grpc.StatusCode.ALREADY_EXISTS,
                                  f"a request with request_id {req.request_id!r} is already running")
+        if self.tenant_max_requests and sum(t == tenant for t, _ in self._running) >= self.tenant_max_requests:
+            raise InvalidRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 f"this tenant already has {self.tenant_max_requests} requests in flight, "
+                                 "its limit; retry later")
+        if self.tenant_max_waiting and sum(s.tenant == tenant for s in scheduler.waiting) >= self.tenant_max_waiting:
+            raise InvalidRequest(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 f"this tenant already has {self.tenant_max_waiting} requests waiting, "
+                                 "its limit; retry later")
         return Sequence(seq_id=next(self._ids), request_id=req.request_id or uuid.uuid4().hex,
                         prompt_ids=ids, max_new_tokens=req.max_new_tokens, sampling=self._sampling(req),
-                        cache_salt=req.cache_salt, priority=req.priority,
+                        cache_namespace=cache_namespace(None if self.share_cache else tenant, req.cache_salt),
+                        tenant=tenant, priority=req.priority,
                         logprobs=req.logprobs if req.HasField("logprobs") else None,
                         prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
                         stop_token_ids=frozenset() if req.ignore_eos else self.replica.eos_ids)
 
     # -- RPCs -----------------------------------------------------------------------------------
     async def Generate(self, request, context):
+        tenant = await self._tenant(context)
         span = None
         if self.tracing is not None:
             span = self.tracing.request_span(context.invocation_metadata(), *request_attributes(request))
         try:
-            seq = await self._accept(request)
+            seq = await self._accept(request, tenant)
         except InvalidRequest as e:
             if span is not None:
                 span.set_status(Status(StatusCode.ERROR, f"{e.code.name}: {e}"))
@@ -203,7 +233,7 @@ class GenerationService:
         seq.span = span
         if span is not None:
             span.set_attribute("gen_ai.response.id", seq.request_id)
-        self._running[seq.request_id] = seq  # no await since _accept checked the id is free
+        self._running[tenant, seq.request_id] = seq  # no await since _accept checked the id is free
         engine = self.replica.engine
         try:
             engine.submit(seq, list(request.stop))
@@ -225,18 +255,20 @@ class GenerationService:
         finally:
             # Client cancelled, deadline passed or the stream broke: free the request's pages.
             engine.cancel(seq)
-            del self._running[seq.request_id]
+            del self._running[tenant, seq.request_id]
 
     async def Cancel(self, request, context):
+        tenant = await self._tenant(context)
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        seq = self._running.get(request.request_id)
+        seq = self._running.get((tenant, request.request_id))  # a tenant sees only its own requests
         if seq is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no running request has request_id {request.request_id!r}")
         self.replica.engine.cancel(seq)
         return pb.CancelResponse()
 
     async def Stats(self, request, context):
+        await self._tenant(context)
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         replica, engine = self.replica, self.replica.engine
@@ -261,6 +293,7 @@ class GenerationService:
         return st
 
     async def Info(self, request, context):
+        await self._tenant(context)
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         if self.replica.info is None:

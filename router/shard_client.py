@@ -21,11 +21,14 @@ class ShardError(RuntimeError):
 
 
 class ShardClient:
-    def __init__(self, address: str):
+    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None):
+        """`credentials`: mutual TLS to a shard on TCP (a unix socket stays plaintext)."""
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
-            *FAST_RECONNECT])
+        options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
+                   *FAST_RECONNECT]
+        self.channel = (grpc.aio.secure_channel(address, credentials, options=options)
+                        if credentials is not None and not address.startswith("unix:")
+                        else grpc.aio.insecure_channel(address, options=options))
         self.stub = shard_pb2_grpc.ShardStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self._stream = None
@@ -95,8 +98,9 @@ class ShardGroup:
     """Every shard of a replica receives the same plan; a step is done when all have answered.
     Only the last stage's TP rank 0 returns sampled tokens."""
 
-    def __init__(self, addresses: list[str], step_timeout_s: float = 20.0):
-        self.shards = [ShardClient(a) for a in addresses]
+    def __init__(self, addresses: list[str], step_timeout_s: float = 20.0,
+                 credentials: grpc.ChannelCredentials | None = None):
+        self.shards = [ShardClient(a, credentials) for a in addresses]
         self.sampler = len(self.shards) - 1
         self.step_timeout_s = step_timeout_s
         self.probe_timeout_s, _ = hang_detection_s(step_timeout_s)

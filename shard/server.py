@@ -28,6 +28,7 @@ from opentelemetry import propagate, trace
 from common.model_source import resolve_model
 from common.process import exit_soon
 from common.telemetry import setup_tracing
+from common.tls import ShardTls
 from kernels.linear import use_onednn
 from kernels.quantized import quantize, weight_format
 from protos import shard_pb2, shard_pb2_grpc
@@ -233,7 +234,9 @@ def serve_shard(args) -> int:
     shard_pb2_grpc.add_ShardServicer_to_server(service, server)
     health_servicer = health.HealthServicer()  # for orchestrators: SERVING once the weights are in
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if server.add_insecure_port(args.listen) == 0:
+    tls = ShardTls.from_args(args)
+    secure = tls is not None and not args.listen.startswith("unix:")
+    if (server.add_secure_port(args.listen, tls.server()) if secure else server.add_insecure_port(args.listen)) == 0:
         raise SystemExit(f"cannot listen on {args.listen}")
     if args.listen.startswith("unix:"):  # the step stream writes KV: only this user may drive it
         os.chmod(args.listen[len("unix:"):], 0o600)

@@ -1,0 +1,87 @@
+"""TLS for the public API and mutual TLS between router and shards, from PEM files.
+
+Server credentials are dynamic: gRPC asks for the certificate configuration at each handshake,
+and it is re-read when a file's modification time or size changed, so certificates rotate
+without a restart (a file caught half-written keeps the previous configuration until it parses).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+def _read(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+def _stamp(paths: list[str]) -> list[tuple[int, int]]:
+    out = []
+    for p in paths:
+        st = os.stat(p)
+        out.append((st.st_mtime_ns, st.st_size))
+    return out
+
+
+def server_credentials(cert_file: str, key_file: str, client_ca_file: str = "") -> grpc.ServerCredentials:
+    """TLS with the key pair in `cert_file`/`key_file`; with `client_ca_file`, only clients
+    presenting a certificate that CA signed get through."""
+    paths = [p for p in (cert_file, key_file, client_ca_file) if p]
+
+    def load() -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration(
+            [(_read(key_file), _read(cert_file))], root_certificates=_read(client_ca_file) if client_ca_file else None)
+
+    state = {"stamp": _stamp(paths)}
+
+    def fetch():  # None: keep the configuration in use
+        try:
+            stamp = _stamp(paths)
+            if stamp == state["stamp"]:
+                return None
+            config = load()
+        except (OSError, ValueError) as e:
+            log.warning("TLS files changed but could not be read (%s); keeping the previous ones", e)
+            return None
+        state["stamp"] = stamp
+        log.info("TLS certificates reloaded from %s", cert_file)
+        return config
+
+    return grpc.dynamic_ssl_server_credentials(load(), fetch, require_client_authentication=bool(client_ca_file))
+
+
+def channel_credentials(ca_file: str, cert_file: str = "", key_file: str = "") -> grpc.ChannelCredentials:
+    """A client that trusts `ca_file` and, for mutual TLS, presents `cert_file`/`key_file`."""
+    return grpc.ssl_channel_credentials(root_certificates=_read(ca_file),
+                                        private_key=_read(key_file) if key_file else None,
+                                        certificate_chain=_read(cert_file) if cert_file else None)
+
+
+@dataclass(frozen=True)
+class ShardTls:
+    """The router <-> shard mutual TLS files (`--shard-tls-*`); every field set, or none."""
+
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+
+    @classmethod
+    def from_args(cls, args) -> "ShardTls | None":
+        files = cls(args.shard_tls_ca_file, args.shard_tls_cert_file, args.shard_tls_key_file)
+        given = [bool(f) for f in (files.ca_file, files.cert_file, files.key_file)]
+        if not any(given):
+            return None
+        if not all(given):
+            raise SystemExit("--shard-tls-ca-file, --shard-tls-cert-file and --shard-tls-key-file go together")
+        return files
+
+    def server(self) -> grpc.ServerCredentials:
+        return server_credentials(self.cert_file, self.key_file, self.ca_file)
+
+    def channel(self) -> grpc.ChannelCredentials:
+        return channel_credentials(self.ca_file, self.cert_file, self.key_file)
