@@ -162,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--tls-cert-file", default="", help="and present this certificate (mutual TLS)")
     check.add_argument("--tls-key-file", default="", help="the certificate's private key")
 
+    certs = sub.add_parser("certs", help="make a local CA and router/shard certificates for mutual TLS")
+    certs.add_argument("--out", default="certs", help="folder to write them into (kept files stay)")
+    certs.add_argument("--names", default="localhost",
+                       help="comma-separated host names the shards are reached by (their certificate names them)")
+
     gen = sub.add_parser("generate", help="stream a completion from a running server")
     gen.add_argument("prompt")
     _add(gen, "target", "127.0.0.1:50051", help="router address")
@@ -210,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("shard: --dist-init tcp://HOST:PORT is required with --tp or --pp above 1")
         from shard.server import serve_shard
         return serve_shard(args)
+    if args.command == "certs":
+        from pathlib import Path
+        from common.certs import make_certs
+        for path in make_certs(Path(args.out), [n for n in args.names.split(",") if n]):
+            print(f"wrote {path}")
+        return 0
     if args.command == "health":
         from common.process import healthy
         from common.tls import channel_credentials

@@ -28,16 +28,19 @@ def load_compose() -> dict:
 
 
 def shardline_services(compose: dict) -> dict:
-    """The router and shards of the default profile (not the observability stack, not CUDA)."""
+    """The router and shards of the default profile (not the one-shot certs, the observability
+    stack or CUDA)."""
     return {n: s for n, s in compose["services"].items()
-            if "profiles" not in s and str(s.get("image", "")).startswith("shardline")}
+            if "profiles" not in s and str(s.get("image", "")).startswith("shardline")
+            and s["command"][1] in ("router", "shard")}
 
 
 class Loopback:
-    """Maps each (service, container port) to a free loopback port, and rewrites addresses."""
+    """Maps each (service, container port) to a free loopback port, and rewrites addresses and
+    the container paths in `paths` (prefix -> local path)."""
 
-    def __init__(self, services: dict):
-        self.services, self.ports = services, {}
+    def __init__(self, services: dict, paths: dict[str, str] | None = None):
+        self.services, self.ports, self.paths = services, {}, paths or {}
 
     def port(self, service: str, port: str) -> int:
         return self.ports.setdefault((service, port), free_port())
@@ -47,6 +50,9 @@ class Loopback:
             return "127.0.0.1"
         if key in ("SHARDLINE_PORT", "SHARDLINE_METRICS_PORT"):
             return str(self.port(service, value))
+        for prefix, local in self.paths.items():
+            if value == prefix or value.startswith(prefix + "/"):
+                return local + value[len(prefix):]
 
         def swap(m):
             host, port = m.group(1), m.group(2)
@@ -75,6 +81,19 @@ def _wait_healthy(loop: Loopback, name: str, service: dict, proc, timeout=180):
 def test_compose_file_shape():
     compose = load_compose()
     services = shardline_services(compose)
+    networks = compose["networks"]
+    for name, s in services.items():  # shards reach only the internal network; the router both
+        internal = [n for n in s["networks"] if networks[n] and networks[n].get("internal")]
+        assert internal, f"{name} is on no internal network"
+        if s["command"][1] == "shard":
+            assert internal == s["networks"], f"{name} must be on internal networks only"
+        else:
+            assert set(s["networks"]) - set(internal), "the router must also be reachable from outside"
+        tls = [k for k in s["environment"] if k.startswith("SHARDLINE_SHARD_TLS_")]
+        assert len(tls) == 3, f"{name}: mutual TLS between router and shards must be on"
+    certs = compose["services"]["certs"]
+    assert certs["command"][1] == "certs" and certs["restart"] == "no"
+    assert all(s["depends_on"] for s in services.values())
     shards = [n for n, s in services.items() if s["command"][1] == "shard"]
     routers = [n for n, s in services.items() if s["command"][1] == "router"]
     assert len(routers) == 1 and len(shards) == 2
@@ -88,11 +107,19 @@ def test_compose_file_shape():
 
 
 @pytest.mark.smollm2
-def test_compose_services_serve_a_request_on_loopback():
+def test_compose_services_serve_a_request_on_loopback(tmp_path):
     compose = load_compose()
     services = shardline_services(compose)
-    loop = Loopback(compose["services"])
-    order = sorted(services, key=lambda n: bool(services[n].get("depends_on")))  # shards first
+    # The certs service's command makes the certificates; the API keys secret is a test file.
+    certs, keys = tmp_path / "certs", tmp_path / "api-keys.txt"
+    key = "compose-test-key-0123456789"
+    keys.write_text(f"{key} compose\n")
+    router_env = next(s for s in services.values() if s["command"][1] == "router")["environment"]
+    loop = Loopback(compose["services"], {"/certs": str(certs), router_env["SHARDLINE_API_KEYS_FILE"]: str(keys)})
+    subprocess.run([sys.executable, "-m", "common.cli", *loop.command("certs", compose["services"]["certs"]["command"])],
+                   cwd=ROOT, check=True, capture_output=True)
+    auth = [("authorization", f"Bearer {key}")]
+    order = sorted(services, key=lambda n: "router" in services[n]["command"])  # shards first
     procs = {}
     # The test's own OTLP receiver stands in for the collector, on the port its address maps to.
     collector = _collector_address(compose)
@@ -101,7 +128,8 @@ def test_compose_services_serve_a_request_on_loopback():
         for name in order:
             service = services[name]
             for dep in service.get("depends_on", {}):
-                _wait_healthy(loop, dep, services[dep], procs[dep])
+                if dep in services:
+                    _wait_healthy(loop, dep, services[dep], procs[dep])
             env = {k: loop.rewrite(name, k, str(v)) for k, v in service["environment"].items()}
             procs[name] = spawn_service(loop.command(name, service["command"]), cwd=ROOT, env={**os.environ, **env},
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -110,10 +138,13 @@ def test_compose_services_serve_a_request_on_loopback():
         port = loop.port(router, str(services[router]["environment"]["SHARDLINE_PORT"]))
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.GenerationStub(channel)
-            info = stub.Info(pb.InfoRequest())
+            info = stub.Info(pb.InfoRequest(), metadata=auth)
             assert info.tensor_parallel == 2
             replies = list(stub.Generate(pb.GenerateRequest(prompt="The capital of France is", max_new_tokens=4),
-                                         timeout=120))
+                                         metadata=auth, timeout=120))
+            with pytest.raises(grpc.RpcError) as err:  # no key, no service
+                stub.Info(pb.InfoRequest(), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "Paris" in "".join(m.text for m in replies)
         # Every service exports its spans where the compose file says, and the router's metrics
         # endpoint is where Prometheus scrapes it.
@@ -202,3 +233,13 @@ def _served_metric_names() -> set[str]:
         names |= {family.name, family.name + "_total", family.name + "_bucket", family.name + "_count",
                   family.name + "_sum"}
     return names
+
+
+def test_no_secret_or_private_key_is_in_the_repo():
+    compose = load_compose()
+    for name, secret in compose.get("secrets", {}).items():
+        ignored = subprocess.run(["git", "check-ignore", "-q", secret["file"]], cwd=ROOT)
+        assert ignored.returncode == 0, f"secret {name} ({secret['file']}) is not git-ignored"
+    tracked = subprocess.run(["git", "grep", "-l", "-e", "BEGIN [A-Z ]*PRIVATE KEY", "--", "."], cwd=ROOT,
+                             capture_output=True, text=True)
+    assert tracked.returncode == 1 and not tracked.stdout, f"private keys in the repo: {tracked.stdout}"
