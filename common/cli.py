@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--api-key", default=os.environ.get("SHARDLINE_API_KEY", ""),
                      help="sent as 'authorization: Bearer KEY' (env SHARDLINE_API_KEY)")
+    gen.add_argument("--tls-ca-file", default="", help="connect over TLS, trusting this CA (PEM)")
+    gen.add_argument("--tls-cert-file", default="", help="and present this client certificate")
+    gen.add_argument("--tls-key-file", default="", help="the client certificate's private key")
     return parser
 
 

@@ -91,6 +91,8 @@ def test_compose_file_shape():
             assert set(s["networks"]) - set(internal), "the router must also be reachable from outside"
         tls = [k for k in s["environment"] if k.startswith("SHARDLINE_SHARD_TLS_")]
         assert len(tls) == 3, f"{name}: mutual TLS between router and shards must be on"
+        if s["command"][1] == "router":
+            assert s["environment"]["SHARDLINE_TLS_CERT_FILE"], "the public API must be TLS (API keys cross it)"
     certs = compose["services"]["certs"]
     assert certs["command"][1] == "certs" and certs["restart"] == "no"
     assert all(s["depends_on"] for s in services.values())
@@ -136,7 +138,8 @@ def test_compose_services_serve_a_request_on_loopback(tmp_path):
         router = next(n for n in order if services[n]["command"][1] == "router")
         _wait_healthy(loop, router, services[router], procs[router])
         port = loop.port(router, str(services[router]["environment"]["SHARDLINE_PORT"]))
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        ca = (certs / "ca.crt").read_bytes()  # the public API is TLS too, with the same local CA
+        with grpc.secure_channel(f"127.0.0.1:{port}", grpc.ssl_channel_credentials(ca)) as channel:
             stub = pb_grpc.GenerationStub(channel)
             info = stub.Info(pb.InfoRequest(), metadata=auth)
             assert info.tensor_parallel == 2

@@ -3,6 +3,7 @@ time (trustme): real router and shard processes on loopback TCP."""
 import os
 import random
 import subprocess
+import sys
 import threading
 import time
 
@@ -133,6 +134,11 @@ def test_streaming_over_tls_and_mutual_tls_matches_transformers(secure_shard, pk
         with grpc.secure_channel(target, _creds(pki["client"], public["ca"])) as channel:
             tokens = [t for m in pb_grpc.GenerationStub(channel).Generate(request, timeout=60) for t in m.token_ids]
         assert_greedy_match(tokens, want, margins)
+        cli = subprocess.run([sys.executable, "-m", "common.cli", "generate", "--target", target, "--raw", "Hi",
+                              "--max-new-tokens", "2", "--tls-ca-file", public["ca"], "--tls-cert-file",
+                              pki["client"]["cert"], "--tls-key-file", pki["client"]["key"]],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 0 and "[length: " in cli.stderr, cli.stderr
         for credentials in (_creds(None, public["ca"], present=False), _creds(pki["impostor"], public["ca"])):
             with grpc.secure_channel(target, credentials) as channel:
                 with pytest.raises(grpc.RpcError) as err:
