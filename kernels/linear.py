@@ -26,11 +26,15 @@ class OneDnnLinear(nn.Module):
         self._forward_hooks = linear._forward_hooks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).contiguous().to_mkldnn()
-        y = torch._C._nn.mkldnn_linear(rows, self.weight, None).to_dense()
+        y = onednn_linear(x.reshape(-1, self.in_features), self.weight)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def onednn_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows [n, K] (fp32) times a weight already in oneDNN's layout (`w.to_mkldnn()`) -> [n, N]."""
+    return torch._C._nn.mkldnn_linear(rows.float().contiguous().to_mkldnn(), weight, None).to_dense()
 
 
 def use_onednn(model: nn.Module) -> int:
