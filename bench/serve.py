@@ -62,19 +62,24 @@ class Serve(ServeProcess):
                 for role, pid in self.roles().items()}
 
     def cpu_s(self) -> float:  # utime + stime of the whole tree
-        ticks = 0
-        for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
-            try:
-                fields = _stat(pid)
-                ticks += int(fields[11]) + int(fields[12])
-            except OSError:
-                pass
-        return ticks / os.sysconf("SC_CLK_TCK")
+        return tree_cpu_s([self.proc.pid])
 
     def stop(self, timeout: float = 60) -> int:
         code = super().stop(timeout)
         self.channel.close()
         return code
+
+
+def tree_cpu_s(pids: list[int]) -> float:
+    """utime + stime of these processes and all their descendants, in seconds."""
+    ticks = 0
+    for pid in [*pids, *(d for p in pids for d in _descendants(p))]:
+        try:
+            fields = _stat(pid)
+            ticks += int(fields[11]) + int(fields[12])
+        except OSError:
+            pass
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 class CpuMeter:

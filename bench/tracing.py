@@ -9,28 +9,11 @@ up together but only one is under load at a time. Writes bench/out/tracing-<time
 from __future__ import annotations
 
 import argparse
-import asyncio
-import statistics
 
 from bench.common import machine, save
-from bench.load import _scenario, run_scenario
 from bench.otlp_receiver import OtlpReceiver
-from bench.serve import CpuMeter, Serve
-
-
-def plot(result: dict, png) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, color in (("off", "tab:gray"), ("on", "tab:blue")):
-        runs = result[mode]["runs"]
-        ax.plot(range(1, len(runs) + 1), runs, "o-", color=color, label=f"tracing {mode}")
-    ax.set_xlabel("repeat")
-    ax.set_ylabel("tokens/s")
-    ax.set_title(f"{result['streams']} streams, on/off = {result['on_over_off']:.3f}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
+from bench.serve import Serve
+from bench.turns import plot_turns, take_turns
 
 
 def main() -> None:
@@ -47,26 +30,16 @@ def main() -> None:
                    "on": Serve("--max-batch", str(args.streams), "--otlp-endpoint", receiver.endpoint, *extra,
                                env={"OTEL_TRACES_SAMPLER": "always_on"})}
         try:
-            meters = {mode: CpuMeter(s) for mode, s in servers.items()}
-            for s in servers.values():
-                asyncio.run(_scenario(s.target, args.streams, 8))  # warm-up
-            runs = {"off": [], "on": []}
-            for _ in range(args.repeats):
-                for mode, s in servers.items():
-                    steps0 = s.stats().steps
-                    runs[mode].append(run_scenario(s.stub, s.target, args.streams, args.max_new_tokens, steps0,
-                                                   meters[mode])["tok_s"])
-                    print(f"tracing {mode}: {runs[mode][-1]:.1f} tok/s", flush=True)
+            result.update(take_turns(servers, args.streams, args.max_new_tokens, args.repeats))
         finally:
             for s in servers.values():
                 s.stop()
         spans = receiver.spans()
-    for mode in runs:
-        result[mode] = {"runs": runs[mode], "tok_s": statistics.median(runs[mode])}
     result["on_over_off"] = result["on"]["tok_s"] / result["off"]["tok_s"]
     result["spans_received"] = {name: sum(1 for s in spans if s.name == name) for name in {s.name for s in spans}}
     print(f"on/off {result['on_over_off']:.3f}; spans received: {result['spans_received']}")
-    save("tracing", result, plot)
+    save("tracing", result, lambda r, png: plot_turns(
+        r, ["off", "on"], f"tracing, {r['streams']} streams: on/off = {r['on_over_off']:.3f}", png))
 
 
 if __name__ == "__main__":
