@@ -119,6 +119,12 @@ def _shard_tls_flags(p):
     _add(p, "shard-tls-key-file", "", help="its private key, PEM")
 
 
+def _client_tls_flags(p):
+    p.add_argument("--tls-ca-file", default="", help="connect over TLS, trusting this CA (PEM)")
+    p.add_argument("--tls-cert-file", default="", help="and present this client certificate (mutual TLS)")
+    p.add_argument("--tls-key-file", default="", help="the client certificate's private key")
+
+
 def _telemetry_flags(p):
     _add(p, "otlp-endpoint", "", help="export traces over OTLP/gRPC to this collector (host:port or URL); "
          "the standard OTEL_EXPORTER_OTLP_* variables work too; empty and unset: no tracing")
@@ -158,9 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("health", help="exit 0 when the service at --target reports SERVING")
     check.add_argument("--target", default="127.0.0.1:50051")
     check.add_argument("--timeout", type=SECONDS, default=3.0)
-    check.add_argument("--tls-ca-file", default="", help="check over TLS, trusting this CA (PEM)")
-    check.add_argument("--tls-cert-file", default="", help="and present this certificate (mutual TLS)")
-    check.add_argument("--tls-key-file", default="", help="the certificate's private key")
+    _client_tls_flags(check)
 
     certs = sub.add_parser("certs", help="make a local CA and router/shard certificates for mutual TLS")
     certs.add_argument("--out", default="certs", help="folder to write them into (kept files stay)")
@@ -181,9 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--api-key", default=os.environ.get("SHARDLINE_API_KEY", ""),
                      help="sent as 'authorization: Bearer KEY' (env SHARDLINE_API_KEY)")
-    gen.add_argument("--tls-ca-file", default="", help="connect over TLS, trusting this CA (PEM)")
-    gen.add_argument("--tls-cert-file", default="", help="and present this client certificate")
-    gen.add_argument("--tls-key-file", default="", help="the client certificate's private key")
+    _client_tls_flags(gen)
     return parser
 
 
@@ -226,10 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "health":
         from common.process import healthy
-        from common.tls import channel_credentials
-        credentials = (channel_credentials(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
-                       if args.tls_ca_file else None)
-        return 0 if healthy(args.target, args.timeout, credentials) else 1
+        from common.tls import client_credentials
+        return 0 if healthy(args.target, args.timeout, client_credentials(args)) else 1
     from router.client import generate
     return generate(args)
 

@@ -62,6 +62,12 @@ def channel_credentials(ca_file: str, cert_file: str = "", key_file: str = "") -
                                         certificate_chain=_read(cert_file) if cert_file else None)
 
 
+def client_credentials(args) -> grpc.ChannelCredentials | None:
+    """A command-line client's credentials (`--tls-ca-file`, optional `--tls-cert-file` and
+    `--tls-key-file`), or None for plaintext."""
+    return channel_credentials(args.tls_ca_file, args.tls_cert_file, args.tls_key_file) if args.tls_ca_file else None
+
+
 @dataclass(frozen=True)
 class ShardTls:
     """The router <-> shard mutual TLS files (`--shard-tls-*`); every field set, or none."""

@@ -5,7 +5,7 @@ import sys
 
 import grpc
 
-from common.tls import channel_credentials
+from common.tls import client_credentials
 from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 
 
@@ -21,9 +21,8 @@ def generate(args) -> int:
         req.sampling.top_p = args.top_p
     if args.seed is not None:
         req.sampling.seed = args.seed
-    channel = (grpc.secure_channel(args.target, channel_credentials(args.tls_ca_file, args.tls_cert_file,
-                                                                      args.tls_key_file))
-               if args.tls_ca_file else grpc.insecure_channel(args.target))
+    credentials = client_credentials(args)
+    channel = grpc.secure_channel(args.target, credentials) if credentials else grpc.insecure_channel(args.target)
     with channel:
         try:
             # wait_for_ready: a server that is still starting is waited for, up to --wait seconds.

@@ -25,6 +25,7 @@ ENDED_OK = {"stop", "eos", "length"}
 class Tracing(RequestEvents):
     def __init__(self, tracer, model: str):
         self.tracer, self.model = tracer, model
+        self._step: trace.Span | None = None  # the step in flight (the engine runs one at a time)
 
     def request_span(self, metadata, operation: str, attributes: dict) -> trace.Span:
         """Starts a request's span, continuing the trace context of the call's metadata."""

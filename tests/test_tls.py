@@ -12,6 +12,7 @@ import pytest
 import trustme
 
 from common.process import free_port, spawn_service
+from common.tls import channel_credentials
 from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc, shard_pb2, shard_pb2_grpc
 from tests.support import ROOT, assert_greedy_match, hf_greedy, hf_model, wait_for
 
@@ -29,10 +30,7 @@ def _files(tmp, name: str, ca: trustme.CA, client: bool = False) -> dict:
 
 
 def _creds(files: dict | None, ca: str, present: bool = True) -> grpc.ChannelCredentials:
-    read = lambda p: open(p, "rb").read()  # noqa: E731
-    if not present:
-        return grpc.ssl_channel_credentials(root_certificates=read(ca))
-    return grpc.ssl_channel_credentials(read(ca), read(files["key"]), read(files["cert"]))
+    return channel_credentials(ca, files["cert"], files["key"]) if present else channel_credentials(ca)
 
 
 @pytest.fixture(scope="module")
@@ -104,19 +102,15 @@ class Router:
 
 
 def test_a_router_with_a_foreign_certificate_gets_no_shard(secure_shard, pki, tiny_models):
-    router = Router(tiny_models["llama"], secure_shard, {**pki["impostor"], "ca": pki["shard"]["ca"]})
-    try:
-        wait_for(lambda: "shard group not ready" in router.read(), 60, "the router to report the refused shard")
-        assert "router listening" not in router.read()
-    finally:
-        router.stop()
-    # and a router that does not trust the shard's CA refuses the shard
-    router = Router(tiny_models["llama"], secure_shard, {**pki["router"], "ca": pki["impostor"]["ca"]})
-    try:
-        wait_for(lambda: "shard group not ready" in router.read(), 60, "the router to refuse the shard")
-        assert "router listening" not in router.read()
-    finally:
-        router.stop()
+    # a router presenting another CA's certificate (the shard refuses it), and a router that
+    # does not trust the shard's CA (it refuses the shard)
+    for mtls in ({**pki["impostor"], "ca": pki["shard"]["ca"]}, {**pki["router"], "ca": pki["impostor"]["ca"]}):
+        router = Router(tiny_models["llama"], secure_shard, mtls)
+        try:
+            wait_for(lambda: "shard group not ready" in router.read(), 60, "the router to report the refused shard")
+            assert "router listening" not in router.read()
+        finally:
+            router.stop()
 
 
 def test_streaming_over_tls_and_mutual_tls_matches_transformers(secure_shard, pki, tiny_models):
