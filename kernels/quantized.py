@@ -22,6 +22,7 @@ any TP slicing: `quantize` swaps the tagged modules in place and carries over th
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
 
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import native
 from kernels.linear import OneDnnLinear, onednn_linear
 
 GROUP = 32
@@ -152,75 +154,109 @@ def crossover(key: tuple, quantized, dense, in_features: int) -> int:
     return _CROSSOVERS[key]
 
 
-class Int4Linear(nn.Module):
-    def __init__(self, linear: nn.Linear, dense_copy: bool = False):
+def _native_operands(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int):
+    """The codes, scale and lo of `native.quantized_linear` (layouts in kernels/native.cpp)."""
+    n, k = codes.shape
+    if bits == 4:
+        c = codes.to(torch.uint8).view(n, k // GROUP, 2, 16)
+        return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous(), scale.half(), lo.half()
+    return (codes - 128).to(torch.int8).view(torch.uint8), scale.float().contiguous(), (lo + 128 * scale).float()
+
+
+def kernel_for(bits: int) -> str:
+    """'native' or 'torch': whichever kernel multiplies one row by a `bits`-bit weight faster on
+    this machine (decode's usual case), measured on an 8192x576 layer by the first process that
+    asks and kept beside the built kernels, so that every process on the machine computes the
+    same numbers (the two differ by their activations' rounding: int8 or bf16)."""
+    if not native.available():
+        return "torch"
+    path = native.build_folder() / f"kernel-int{bits}.txt"
+    if not path.is_file():
+        n, k = 8192, 576
+        codes = torch.randint(0, 16 if bits == 4 else 255, (n, k), dtype=torch.int32)
+        scale, lo = torch.rand(n, k // GROUP) / 100, torch.randn(n, k // GROUP) / 10
+        torch_ops = _torch_operands(codes, scale, lo, bits)
+        native_ops = _native_operands(codes, scale, lo, bits)
+        with torch.inference_mode():
+            x = torch.randn(1, k)
+            times = {"torch": _median_ms(lambda r: _torch_multiply(torch_ops, r), x, runs=21),
+                     "native": _median_ms(lambda r: native.ops().quantized_linear(r, *native_ops, bits), x, runs=21)}
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(min(times, key=times.get))
+        try:
+            os.link(tmp, path)  # the first process to finish decides; the others read its answer
+        except FileExistsError:
+            pass
+        tmp.unlink()
+    return path.read_text().strip()
+
+
+def _torch_operands(codes, scale, lo, bits: int) -> list:
+    """torch's int4 kernel computes with w = (code - 8) * scale + zero; an 8-bit layer multiplies
+    as two int4 halves: code = 16 * high + low, so w = [(high - 8) * 16 scale + (lo + 128 scale)] +
+    [(low - 8) * scale + 8 scale]."""
+    if bits == 4:
+        return [_int4_operands(codes, scale, lo + 8 * scale)]
+    return [_int4_operands(codes >> 4, 16 * scale, lo + 128 * scale), _int4_operands(codes & 15, scale, 8 * scale)]
+
+
+def _torch_multiply(operands: list, rows: torch.Tensor) -> torch.Tensor:
+    rows = rows.bfloat16()
+    out = [torch._weight_int4pack_mm_for_cpu(rows, packed, GROUP, scales_zeros) for packed, scales_zeros in operands]
+    return out[0].float() if len(out) == 1 else out[0].float() + out[1].float()
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer on `bits`-bit codes in groups of 32 (w = lo + scale * code).
+
+    Two kernels can multiply it: torch's int4 CPU kernel (bf16 activations; 8 bits as two int4
+    halves) and Shardline's own (kernels/native.cpp: int8 activations, integer dot products).
+    `kernel_for` says which, per machine; only that kernel's operands are kept. Above the rows where a dense copy measures faster (`crossover`), the copy multiplies:
+    8-bit layers always keep one, 4-bit ones when asked (for prefill, `dense_copy`).
+    `keep_rows`: keep what `rows` needs to look up weight rows (a tied embedding's)."""
+
+    def __init__(self, linear: nn.Linear, bits: int, dense_copy: bool = False, keep_rows: bool = False):
         super().__init__()
+        self.bits = bits
         self.out_features, self.in_features = linear.weight.shape
-        codes, scale, lo, self.exact = grid_groups(linear.weight.detach(), 16)
-        packed, scales_zeros = _int4_operands(codes, scale, lo + 8 * scale)
-        self.register_buffer("packed", packed, persistent=False)
-        self.register_buffer("scales_zeros", scales_zeros, persistent=False)
-        self.dense = DenseCopy(_weights(codes, scale, lo)) if dense_copy else None
+        codes, scale, lo, self.exact = grid_groups(linear.weight.detach(), 1 << bits if bits == 4 else 255)
+        self.kernel = kernel_for(bits)
+        self.operands = (_native_operands if self.kernel == "native" else _torch_operands)(codes, scale, lo, bits)
+        if keep_rows:  # rows as the kept kernel's operands hold them, or the codes as well
+            self.rows_from = self.operands if self.kernel == "native" else (codes.to(torch.uint8), scale, lo)
+        self.dense = DenseCopy(_weights(codes, scale, lo)) if dense_copy or bits == 8 else None
         self.bias = None if linear.bias is None else linear.bias.detach()
         self._forward_hooks = linear._forward_hooks
         self.max_rows = 1 << 30 if self.dense is None else crossover(
-            ("int4", self.dense.kind, *linear.weight.shape), self._quantized, self.dense, self.in_features)
+            (bits, *linear.weight.shape, self.kernel, self.dense.kind), functools.partial(self._multiply, self.kernel, self.operands),
+            self.dense, self.in_features)
 
-    def _quantized(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(rows.bfloat16(), self.packed, GROUP, self.scales_zeros).float()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        y = (self._quantized(rows) if rows.shape[0] <= self.max_rows else self.dense(rows)).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
-
-
-class Int8Linear(nn.Module):
-    """8-bit codes in groups of 32, multiplied as two int4 halves: code = 16 * high + low, so
-    w = lo + scale * code = [(high - 8) * 16 scale + (lo + 128 scale)] + [(low - 8) * scale + 8 scale].
-    Above the rows where a dense copy of the weights measures faster (`crossover`), the copy
-    multiplies. `keep_rows`: also keep the codes, to look rows up (a tied embedding's)."""
-
-    def __init__(self, linear: nn.Linear, keep_rows: bool = False):
-        super().__init__()
-        self.out_features, self.in_features = linear.weight.shape
-        codes, scale, lo, self.exact = grid_groups(linear.weight.detach(), 255)
-        for name, part in [("high", _int4_operands(codes >> 4, 16 * scale, lo + 128 * scale)),
-                           ("low", _int4_operands(codes & 15, scale, 8 * scale))]:
-            self.register_buffer(f"{name}_packed", part[0], persistent=False)
-            self.register_buffer(f"{name}_scales_zeros", part[1], persistent=False)
-        self.dense = DenseCopy(_weights(codes, scale, lo))
-        for name, t in [("codes", codes.to(torch.uint8)), ("scale", scale), ("lo", lo)]:
-            self.register_buffer(name, t if keep_rows else None, persistent=False)
-        self.bias = None if linear.bias is None else linear.bias.detach()
-        self._forward_hooks = linear._forward_hooks
-        self.max_rows = crossover(("int8", self.dense.kind, *linear.weight.shape), self._quantized, self.dense,
-                                  self.in_features)
-
-    def _quantized(self, rows: torch.Tensor) -> torch.Tensor:
-        rows = rows.bfloat16()
-        return (torch._weight_int4pack_mm_for_cpu(rows, self.high_packed, GROUP, self.high_scales_zeros).float()
-                + torch._weight_int4pack_mm_for_cpu(rows, self.low_packed, GROUP, self.low_scales_zeros).float())
+    def _multiply(self, kernel: str, operands, rows: torch.Tensor) -> torch.Tensor:
+        if kernel == "native":
+            return native.ops().quantized_linear(rows.float(), *operands, self.bits)
+        return _torch_multiply(operands, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        y = (self._quantized(rows) if rows.shape[0] <= self.max_rows else self.dense(rows)).to(x.dtype)
+        y = (self._multiply(self.kernel, self.operands, rows) if rows.shape[0] <= self.max_rows
+             else self.dense(rows)).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
     def rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The weights' rows `tokens`, fp32 (needs keep_rows)."""
-        return _weights(self.codes.index_select(0, tokens).float(), self.scale.index_select(0, tokens),
-                        self.lo.index_select(0, tokens))
+        """The weights' rows `tokens`, fp32 (needs keep_rows; 8-bit codes only)."""
+        codes, scale, lo = self.rows_from
+        if codes.dtype == torch.uint8 and self.kernel == "native":
+            codes = codes.view(torch.int8)
+        return _weights(codes.index_select(0, tokens).float(), scale.index_select(0, tokens).float(),
+                        lo.index_select(0, tokens).float())
 
 
 class Int8Embedding(nn.Module):
-    """An embedding that reads its rows from an `Int8Linear`'s codes (a tied LM head's)."""
+    """An embedding that reads its rows from an 8-bit `QuantizedLinear`'s codes (a tied LM head's)."""
 
-    def __init__(self, table: Int8Linear, dtype: torch.dtype):
+    def __init__(self, table: QuantizedLinear, dtype: torch.dtype):
         super().__init__()
         self.table, self.dtype = table, dtype
 
@@ -239,20 +275,20 @@ def quantize(model: nn.Module, dense_copy: bool = False) -> None:
         if bits is None:
             continue
         parent_name, _, attr = name.rpartition(".")
-        new = Int4Linear(linear, dense_copy) if bits == 4 else Int8Linear(linear, keep_rows=tied and linear is head)
+        new = QuantizedLinear(linear, bits, dense_copy=dense_copy, keep_rows=tied and linear is head and bits == 8)
         setattr(model.get_submodule(parent_name), attr, new)
-    if tied and isinstance(model.lm_head, Int8Linear):
+    if tied and isinstance(model.lm_head, QuantizedLinear) and model.lm_head.bits == 8:
         model.embed = Int8Embedding(model.lm_head, embed.weight.dtype)
 
 
 def weight_format(module: nn.Module) -> str:
     """How a layer's weights are held, in words, for `Info`."""
-    if isinstance(module, Int4Linear):
+    if isinstance(module, QuantizedLinear):
+        kernel = "Shardline's kernel" if module.kernel == "native" else "torch's int4 kernel"
+        if module.bits == 8 and module.kernel == "torch":
+            kernel += " as two int4 halves"
         copy = f", {module.dense.kind} copy above {module.max_rows} rows" if module.dense is not None else ""
-        return f"int4 g{GROUP}, bf16 scales ({module.exact:.0%} of groups exact){copy}"
-    if isinstance(module, Int8Linear):
-        return (f"int8 g{GROUP} as two int4 halves ({module.exact:.0%} of groups exact), "
-                f"{module.dense.kind} copy above {module.max_rows} rows")
+        return f"int{module.bits} g{GROUP} ({module.exact:.0%} of groups exact), {kernel}{copy}"
     if isinstance(module, Int8Embedding):
         return "the LM head's int8 codes"
     if isinstance(module, OneDnnLinear):

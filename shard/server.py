@@ -29,6 +29,7 @@ from common.model_source import resolve_model
 from common.process import exit_soon
 from common.telemetry import setup_tracing
 from common.tls import ShardTls
+from kernels import native
 from kernels.linear import use_onednn
 from kernels.quantized import quantize, weight_format
 from protos import shard_pb2, shard_pb2_grpc
@@ -194,6 +195,8 @@ def serve_shard(args) -> int:
     model = build_model(source, dtype, device)
     full = model.cfg
     if device.type == "cpu":
+        log.info("decode attention and quantized layers %s Shardline's CPU kernels",
+                 "may use" if native.available() else "use torch's kernels: could not build")
         mark_quantized(model, source, args.weights, "" if args.quantize == "none" else args.quantize)
     elif args.quantize != "none" or (args.weights == "native" and source.kind == "gguf"):
         log.warning("quantized weights have CPU kernels only: serving every weight in %s", args.dtype)

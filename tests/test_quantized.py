@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize as gguf_quantize
 
-from kernels.quantized import GROUP, Int4Linear, Int8Embedding, Int8Linear, crossover, grid_groups, quantize
+from kernels import native
+from kernels.quantized import (GROUP, Int8Embedding, QuantizedLinear, _native_operands, _torch_operands, crossover, grid_groups,
+                               quantize)
 from shard.config import ModelConfig
 from shard.model import Transformer
 
@@ -64,16 +66,20 @@ def test_quantized_layers_compute_their_weights(rows):
     q4 = _gguf_roundtrip(dense.weight.detach(), GGMLQuantizationType.Q4_1)
     q8 = _gguf_roundtrip(dense.weight.detach(), GGMLQuantizationType.Q8_0)
     x = torch.randn(1, rows, 256)
-    for layer, w in [(Int4Linear(nn_linear(256, 96, weight=q4, bias=dense.bias)), q4),
-                     (Int4Linear(nn_linear(256, 96, weight=q4, bias=dense.bias), dense_copy=True), q4),
-                     (Int8Linear(nn_linear(256, 96, weight=q8, bias=dense.bias)), q8)]:
-        kernels = [0, 1 << 30] if layer.dense is not None else [layer.max_rows]
-        for layer.max_rows in kernels:  # every layer with a dense copy: the copy, then the quantized kernel
-            got = layer(x)
-            assert got.shape == (1, rows, 96) and got.dtype == torch.float32
-            want = _reference(w, x, dense.bias)
-            # bf16 activations and bf16 scales: a few parts in a thousand of the output's scale.
-            assert (got - want).abs().max() <= 1e-2 * want.abs().max(), (type(layer).__name__, layer.max_rows)
+    for layer, w in [(QuantizedLinear(nn_linear(256, 96, weight=q4, bias=dense.bias), 4), q4),
+                     (QuantizedLinear(nn_linear(256, 96, weight=q4, bias=dense.bias), 4, dense_copy=True), q4),
+                     (QuantizedLinear(nn_linear(256, 96, weight=q8, bias=dense.bias), 8), q8)]:
+        codes, scale, lo, _ = grid_groups(w, 16 if layer.bits == 4 else 255)
+        kernels = {"torch": _torch_operands(codes, scale, lo, layer.bits)}
+        if native.available():
+            kernels["native"] = _native_operands(codes, scale, lo, layer.bits)
+        for layer.kernel, layer.operands in kernels.items():  # whichever measured faster here, and the other
+            for layer.max_rows in [0, 1 << 30] if layer.dense is not None else [1 << 30]:  # the dense copy too
+                got = layer(x)
+                assert got.shape == (1, rows, 96) and got.dtype == torch.float32
+                want = _reference(w, x, dense.bias)
+                # bf16 (torch) or int8 (native) activations, bf16/fp16 scales: parts in a thousand.
+                assert (got - want).abs().max() <= 1e-2 * want.abs().max(), (layer.bits, layer.kernel, layer.max_rows)
 
 
 def test_the_crossover_is_the_last_row_count_before_the_dense_kernel_measures_faster():
@@ -96,10 +102,15 @@ def nn_linear(k, n, weight=None, bias=None):
 
 def test_input_dimension_must_hold_whole_groups():
     with pytest.raises(ValueError, match="divisible by 32"):
-        Int4Linear(torch.nn.Linear(48, 8))
+        QuantizedLinear(torch.nn.Linear(48, 8), 4)
 
 
-def test_quantize_swaps_tagged_layers_keeps_hooks_and_feeds_a_tied_embedding():
+KERNELS = ["torch", "native"] if native.available() else ["torch"]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_quantize_swaps_tagged_layers_keeps_hooks_and_feeds_a_tied_embedding(kernel, monkeypatch):
+    monkeypatch.setattr("kernels.quantized.kernel_for", lambda bits: kernel)
     cfg = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
                       rms_norm_eps=1e-5, max_position=64, tie_word_embeddings=True, eos_token_ids=[0])
@@ -112,9 +123,9 @@ def test_quantize_swaps_tagged_layers_keeps_hooks_and_feeds_a_tied_embedding():
     model.lm_head.quant_bits = 8
     table = model.embed.weight.clone()
     quantize(model)
-    assert isinstance(model.layers[1].attn.wqkv, Int4Linear) and isinstance(model.layers[0].mlp.w2, Int4Linear)
+    assert model.layers[1].attn.wqkv.bits == 4 and model.layers[0].mlp.w2.bits == 4
     assert type(model.layers[0].attn.wo) is torch.nn.Linear  # untagged: left alone
-    assert isinstance(model.lm_head, Int8Linear) and isinstance(model.embed, Int8Embedding)
+    assert model.lm_head.bits == 8 and isinstance(model.embed, Int8Embedding) and model.lm_head.kernel == kernel
     model.layers[0].mlp.w2(torch.randn(3, 128))
     assert calls == [1]
     tokens = torch.tensor([5, 0, 127])

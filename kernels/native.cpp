@@ -1,0 +1,320 @@
+// Shardline's CPU kernels for quantized decode, registered as torch operators (shardline::*).
+//
+// Weights are held in groups of 32 along the input dimension, w = lo + scale * code:
+//   4-bit: codes 0..15, 16 bytes per group; byte j holds code j (low nibble) and code j+16.
+//          scale and lo in fp16, which GGUF's Q4_0 and Q4_1 blocks store: those stay exact.
+//   8-bit: codes as int8 -128..127 (lo includes the +128 shift); scale and lo in fp32, since a
+//          Q8_0 block's shifted lo needs more bits than fp16 has.
+// Activations are quantized to int8 per group of 32 (x ~= dx * xq), as llama.cpp does, so each
+// group's dot product is an integer one (AVX2 maddubs, or AVX-512 VNNI dpbusd where the compiler
+// targets it): y = sum_g scale * dx * dot(code, xq) + lo * dx * sum(xq).
+//
+// Decode attention reads the paged K/V cache [pages, page_size, kv_heads, head_dim] through each
+// sequence's block table with an online softmax, after rotating q and k and writing the new K/V.
+// Everything is fp32 apart from the int8 dot products.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t G = 32;
+constexpr int64_t ROW_TILE = 4;  // activation rows multiplied against one unpacked weight group
+
+struct QuantizedRows {
+  std::vector<int8_t> q;   // [M, K]
+  std::vector<float> d;    // [M, K/32] scale of each group
+  std::vector<float> s;    // [M, K/32] d * sum(q) of each group
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t groups = K / G;
+  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * groups), std::vector<float>(M * groups)};
+  at::parallel_for(0, M * groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xg = x + i * G;
+      float amax = 0.f;
+      for (int j = 0; j < G; ++j) amax = std::max(amax, std::fabs(xg[j]));
+      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int sum = 0;
+      for (int j = 0; j < G; ++j) {
+        const int v = static_cast<int>(std::nearbyint(xg[j] * inv));
+        r.q[i * G + j] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      r.d[i] = d;
+      r.s[i] = d * static_cast<float>(sum);
+    }
+  });
+  return r;
+}
+
+#if defined(__AVX2__)
+// 8 partial int32 sums of a 32-byte group: unsigned codes times signed activations.
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else  // exact while u * s pair sums fit int16: codes up to 128 against |s| <= 127
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+inline __m256i unpack4(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// y[r, n] for rows [r0, r0 + tile) and outputs [n0, n1).
+template <int BITS, typename S>
+void gemm_tile(const QuantizedRows& xq, int64_t r0, int64_t tile, int64_t K, const uint8_t* codes,
+               const S* scale, const S* lo, int64_t n0, int64_t n1, int64_t N, float* y) {
+  const int64_t groups = K / G, row_bytes = BITS == 4 ? K / 2 : K;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wc = codes + n * row_bytes;
+    const S* ws = scale + n * groups;
+    const S* wl = lo + n * groups;
+    float low[ROW_TILE] = {0.f, 0.f, 0.f, 0.f};
+#if defined(__AVX2__)
+    __m256 acc[ROW_TILE] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256i u, sign_src;
+      if constexpr (BITS == 4) {
+        u = unpack4(wc + g * 16);
+      } else {  // signed codes: |code| against xq carrying the code's sign
+        sign_src = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + g * 32));
+        u = _mm256_abs_epi8(sign_src);
+      }
+      const float sw = static_cast<float>(ws[g]), lw = static_cast<float>(wl[g]);
+      for (int64_t t = 0; t < tile; ++t) {
+        const int64_t r = r0 + t;
+        __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + r * K + g * G));
+        if constexpr (BITS == 8) a = _mm256_sign_epi8(a, sign_src);
+        const __m256i p = dot_u8s8(u, a);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sw * xq.d[r * groups + g]), acc[t]);
+        low[t] += lw * xq.s[r * groups + g];
+      }
+    }
+    for (int64_t t = 0; t < tile; ++t) y[(r0 + t) * N + n] = hsum(acc[t]) + low[t];
+#else
+    float acc[ROW_TILE] = {0.f, 0.f, 0.f, 0.f};
+    for (int64_t g = 0; g < groups; ++g) {
+      const float sw = static_cast<float>(ws[g]), lw = static_cast<float>(wl[g]);
+      for (int64_t t = 0; t < tile; ++t) {
+        const int64_t r = r0 + t;
+        const int8_t* a = xq.q.data() + r * K + g * G;
+        int dot = 0;
+        for (int j = 0; j < G; ++j) {
+          int c;
+          if constexpr (BITS == 4) {
+            const uint8_t b = wc[g * 16 + (j & 15)];
+            c = j < 16 ? (b & 15) : (b >> 4);
+          } else {
+            c = static_cast<int8_t>(wc[g * 32 + j]);
+          }
+          dot += c * a[j];
+        }
+        acc[t] += sw * xq.d[r * groups + g] * static_cast<float>(dot);
+        low[t] += lw * xq.s[r * groups + g];
+      }
+    }
+    for (int64_t t = 0; t < tile; ++t) y[(r0 + t) * N + n] = acc[t] + low[t];
+#endif
+  }
+}
+
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                            const at::Tensor& lo, int64_t bits) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, K] float32");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  const auto scale_type = bits == 4 ? at::kHalf : at::kFloat;
+  TORCH_CHECK(scale.scalar_type() == scale_type && lo.scalar_type() == scale_type && scale.is_contiguous() &&
+              lo.is_contiguous(), "scale and lo must be contiguous, fp16 for 4 bits and fp32 for 8");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = scale.size(0);
+  TORCH_CHECK(K % G == 0 && scale.size(1) == K / G && lo.sizes() == scale.sizes(), "shapes disagree");
+  TORCH_CHECK(codes.size(0) == N && codes.size(1) == (bits == 4 ? K / 2 : K) && codes.is_contiguous(),
+              "codes must be [N, K/2] (4-bit) or [N, K] (8-bit) uint8");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const QuantizedRows xq = quantize_rows(xc.data_ptr<float>(), M, K);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t r0 = 0; r0 < M; r0 += ROW_TILE) {
+      const int64_t tile = std::min(ROW_TILE, M - r0);
+      if (bits == 4)
+        gemm_tile<4>(xq, r0, tile, K, c, scale.const_data_ptr<c10::Half>(), lo.const_data_ptr<c10::Half>(), n0, n1,
+                     N, out);
+      else
+        gemm_tile<8>(xq, r0, tile, K, c, scale.const_data_ptr<float>(), lo.const_data_ptr<float>(), n0, n1, N, out);
+    }
+  });
+  return y;
+}
+
+void rms_norm_inplace(float* v, int64_t n, const float* w, double eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += v[i] * v[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
+  for (int64_t i = 0; i < n; ++i) v[i] = v[i] * inv * w[i];
+}
+
+// x[i] * cos[i] + roll(x, half)[i] * sin'[i] (sin' has its first half negated): rotate-half RoPE.
+void rotate(float* x, int64_t d, const float* cos, const float* sin) {
+  float tmp[512];
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) tmp[i] = x[i] * cos[i] + x[i + half] * sin[i];
+  for (int64_t i = half; i < d; ++i) tmp[i] = x[i] * cos[i] + x[i - half] * sin[i];
+  std::copy(tmp, tmp + d, x);
+}
+
+// qkv [B, (heads + 2 kv_heads) * head_dim] of a decode step (one new token per sequence) ->
+// attention output [B, heads * head_dim]. Normalizes q and k per head when q_norm/k_norm are
+// given, rotates them, writes k and v into `slots`, then attends over each sequence's context.
+at::Tensor paged_decode(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                        const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+                        double eps, at::Tensor k_pages, at::Tensor v_pages, const at::Tensor& slots_in,
+                        const at::Tensor& block_tables_in, const at::Tensor& context_lens_in, int64_t heads,
+                        double softmax_scale) {
+  TORCH_CHECK(k_pages.scalar_type() == at::kFloat && k_pages.is_contiguous() && v_pages.is_contiguous(),
+              "KV pages must be contiguous float32");
+  const int64_t page_size = k_pages.size(1), kv_heads = k_pages.size(2), d = k_pages.size(3);
+  TORCH_CHECK(d <= 512 && d % 8 == 0, "head_dim must be a multiple of 8, at most 512");
+  at::Tensor qkv = qkv_in.contiguous().clone();
+  const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  const at::Tensor slots = slots_in.to(at::kLong).contiguous();
+  const at::Tensor tables = block_tables_in.to(at::kLong).contiguous();
+  const at::Tensor lens = context_lens_in.to(at::kLong).contiguous();
+  const int64_t B = qkv.size(0), width = qkv.size(1), group = heads / kv_heads, pages_per_row = tables.size(1);
+  TORCH_CHECK(width == (heads + 2 * kv_heads) * d, "qkv width disagrees with the heads");
+  float* q = qkv.data_ptr<float>();
+  const float* cp = cos.const_data_ptr<float>();
+  const float* sp = sin.const_data_ptr<float>();
+  const float* qn = q_norm ? q_norm->const_data_ptr<float>() : nullptr;
+  const float* kn = k_norm ? k_norm->const_data_ptr<float>() : nullptr;
+  float* kc = k_pages.data_ptr<float>();
+  float* vc = v_pages.data_ptr<float>();
+  const int64_t* sl = slots.const_data_ptr<int64_t>();
+  const int64_t* tb = tables.const_data_ptr<int64_t>();
+  const int64_t* ln = lens.const_data_ptr<int64_t>();
+  const int64_t token_stride = kv_heads * d;
+
+  for (int64_t b = 0; b < B; ++b) {
+    float* row = q + b * width;
+    for (int64_t h = 0; h < heads + kv_heads; ++h) {
+      float* v = row + h * d;
+      if (h < heads && qn) rms_norm_inplace(v, d, qn, eps);
+      if (h >= heads && kn) rms_norm_inplace(v, d, kn, eps);
+      rotate(v, d, cp + b * d, sp + b * d);
+    }
+    std::copy(row + heads * d, row + (heads + kv_heads) * d, kc + sl[b] * token_stride);
+    std::copy(row + (heads + kv_heads) * d, row + width, vc + sl[b] * token_stride);
+  }
+
+  at::Tensor out = at::empty({B, heads * d}, qkv.options());
+  float* o = out.data_ptr<float>();
+  // One task per (sequence, KV head): its q heads read each cached K/V row once, and their dot
+  // products run as independent 8-lane chains (one chain per head would wait on FMA latency).
+  at::parallel_for(0, B * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(group * d);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / kv_heads, kvh = i % kv_heads, n = ln[b];
+      const float* qg = q + b * width + kvh * group * d;  // the group's q heads, one after another
+      const int64_t* table = tb + b * pages_per_row;
+      scores.resize(group * n);
+      // token t lives at page table[t / page_size], offset t % page_size: walked page by page
+      auto row = [&](const float* cache, int64_t t0, int64_t t) {
+        return cache + (table[t0 / page_size] * page_size + (t - t0)) * token_stride + kvh * d;
+      };
+      for (int64_t t0 = 0; t0 < n; t0 += page_size) {
+        for (int64_t t = t0; t < std::min(n, t0 + page_size); ++t) {
+          const float* k = row(kc, t0, t);
+          for (int64_t g = 0; g < group; ++g) {
+            float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            for (int64_t j = 0; j < d; j += 8)
+              for (int l = 0; l < 8; ++l) lanes[l] += qg[g * d + j + l] * k[j + l];
+            scores[g * n + t] = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]) + (lanes[2] + lanes[6]) +
+                                 (lanes[3] + lanes[7])) * static_cast<float>(softmax_scale);
+          }
+        }
+      }
+      std::vector<float> total(group, 0.f);
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * n;
+        const float m = *std::max_element(sg, sg + n);
+        for (int64_t t = 0; t < n; ++t) total[g] += (sg[t] = std::exp(sg[t] - m));
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = 0; t0 < n; t0 += page_size) {
+        for (int64_t t = t0; t < std::min(n, t0 + page_size); ++t) {
+          const float* v = row(vc, t0, t);
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * n + t];
+            float* ag = acc.data() + g * d;
+            for (int64_t j = 0; j < d; ++j) ag[j] += p * v[j];
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* oh = o + b * heads * d + (kvh * group + g) * d;
+        for (int64_t j = 0; j < d; ++j) oh[j] = acc[g * d + j] / total[g];
+      }
+    }
+  });
+  return out;
+}
+
+// silu(gate) * up of [rows, 2 * I] whose first I columns are the gate: -> [rows, I].
+at::Tensor silu_mul(const at::Tensor& x_in) {
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), I = x.size(1) / 2;
+  at::Tensor y = at::empty({M, I}, x.options());
+  const float* p = x.const_data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = p[r * 2 * I + i];
+        out[r * I + i] = g / (1.f + std::exp(-g)) * p[r * 2 * I + I + i];
+      }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(shardline_native, m) {
+  m.def("quantized_linear(Tensor x, Tensor codes, Tensor scale, Tensor lo, int bits) -> Tensor");
+  m.def("paged_decode(Tensor qkv, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, "
+        "Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor slots, Tensor block_tables, Tensor context_lens, "
+        "int heads, float scale) -> Tensor");
+  m.def("silu_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(shardline_native, CPU, m) {
+  m.impl("quantized_linear", quantized_linear);
+  m.impl("paged_decode", paged_decode);
+  m.impl("silu_mul", silu_mul);
+}

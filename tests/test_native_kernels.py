@@ -1,0 +1,73 @@
+"""Shardline's CPU kernels (kernels/native.cpp) against the torch code they stand in for: decode
+attention over pages (with q/k norms and rotation), the MLP's silu-and-multiply. The quantized
+linear kernel is checked with the layers in test_quantized.py."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import native
+from kernels.attention import AttentionBatch, paged_attention
+from shard.model import RMSNorm, Rotary
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="Shardline's kernels could not be built here")
+
+
+def _torch_decode(qkv, cos_sin, norms, k_pages, v_pages, batch, heads, kv_heads, d, scale):
+    x = qkv.view(-1, heads + 2 * kv_heads, d)
+    q, k, v = x[:, :heads], x[:, heads:heads + kv_heads], x[:, heads + kv_heads:]
+    if norms is not None:
+        q, k = norms[0](q), norms[1](k)
+    q, k = Rotary.apply(q, cos_sin), Rotary.apply(k, cos_sin)
+    return paged_attention(q, k, v, k_pages, v_pages, batch, scale).reshape(len(qkv), heads * d)
+
+
+@pytest.mark.parametrize("heads,kv_heads,qk_norm", [(4, 2, False), (6, 3, True), (2, 2, False)])
+def test_paged_decode_matches_the_torch_path(heads, kv_heads, qk_norm):
+    torch.manual_seed(heads + kv_heads)
+    d, page_size, num_pages = 16, 4, 48
+    lens = torch.tensor([1, 4, 5, 13, 30])  # one token, a full page, page + 1, several pages
+    B = len(lens)
+    tables = torch.randperm(num_pages - 1)[:B * 8].view(B, 8)  # scattered pages, wider than needed
+    rotary = Rotary(d, 10000.0, 64)
+    cos_sin = rotary.at(lens - 1, torch.float32)
+    norms = None
+    if qk_norm:
+        norms = (RMSNorm(d, 1e-6), RMSNorm(d, 1e-6))
+        for n in norms:
+            n.weight.data = torch.rand(d) + 0.5
+    qkv = torch.randn(B, (heads + 2 * kv_heads) * d)
+    pools = [torch.randn(num_pages, page_size, kv_heads, d) for _ in range(2)]
+    batch = AttentionBatch.decode(tables, lens - 1, page_size)
+    k_mine, v_mine = (p.clone() for p in pools)
+    k_ref, v_ref = (p.clone() for p in pools)
+    with torch.inference_mode():
+        norm_args = (norms[0].weight, norms[1].weight, 1e-6) if qk_norm else (None, None, 0.0)
+        got = native.ops().paged_decode(qkv, cos_sin[0], cos_sin[1], *norm_args, k_mine, v_mine, batch.slots,
+                                        tables, batch.context_lens, heads, d ** -0.5)
+        want = _torch_decode(qkv, cos_sin, norms, k_ref, v_ref, batch, heads, kv_heads, d, d ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_mine, k_ref, rtol=1e-5, atol=1e-6)  # the new K/V written, only there
+    torch.testing.assert_close(v_mine, v_ref, rtol=0, atol=0)
+    changed = (k_mine != pools[0]).any(-1).any(-1).flatten().nonzero().squeeze(1)
+    assert sorted(changed.tolist()) == sorted(batch.slots.tolist())
+
+
+def test_paged_decode_rejects_a_qkv_width_that_disagrees_with_the_heads():
+    k_pages = torch.zeros(4, 4, 2, 16)
+    with pytest.raises(RuntimeError, match="qkv width"):
+        native.ops().paged_decode(torch.zeros(1, 100), torch.zeros(1, 16), torch.zeros(1, 16), None, None, 0.0,
+                                  k_pages, k_pages.clone(), torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]),
+                                  4, 0.25)
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_silu_mul_is_silu_of_the_gate_times_up(rows):
+    x = torch.randn(rows, 2 * 96) * 4
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(native.ops().silu_mul(x), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+def test_quantized_linear_rejects_codes_of_the_wrong_shape():
+    with pytest.raises(RuntimeError, match="codes must be"):
+        native.ops().quantized_linear(torch.zeros(1, 64), torch.zeros(8, 64, dtype=torch.uint8),
+                                      torch.zeros(8, 2, dtype=torch.half), torch.zeros(8, 2, dtype=torch.half), 4)
