@@ -13,7 +13,8 @@
 // sequence's block table with an online softmax, after rotating q and k and writing the new K/V.
 // Everything is fp32 apart from the int8 dot products.
 
-#include <ATen/core/Tensor.h>
+#include "native.h"
+
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -143,6 +144,10 @@ void gemm_tile(const QuantizedRows& xq, int64_t r0, int64_t tile, int64_t K, con
   }
 }
 
+}  // namespace
+
+namespace shardline {
+
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                             const at::Tensor& lo, int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, K] float32");
@@ -173,6 +178,10 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes, const 
   return y;
 }
 
+}  // namespace shardline
+
+namespace {
+
 void rms_norm_inplace(float* v, int64_t n, const float* w, double eps) {
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
@@ -188,6 +197,16 @@ void rotate(float* x, int64_t d, const float* cos, const float* sin) {
   for (int64_t i = 0; i < half; ++i) tmp[i] = x[i] * cos[i] + x[i + half] * sin[i];
   for (int64_t i = half; i < d; ++i) tmp[i] = x[i] * cos[i] + x[i - half] * sin[i];
   std::copy(tmp, tmp + d, x);
+}
+
+}  // namespace
+
+namespace shardline {
+
+void rms_norm_rows(float* x, int64_t rows, int64_t n, const float* w, double eps) {
+  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rms_norm_inplace(x + r * n, n, w, eps);
+  });
 }
 
 // qkv [B, (heads + 2 kv_heads) * head_dim] of a decode step (one new token per sequence) ->
@@ -303,7 +322,7 @@ at::Tensor silu_mul(const at::Tensor& x_in) {
   return y;
 }
 
-}  // namespace
+}  // namespace shardline
 
 TORCH_LIBRARY(shardline_native, m) {
   m.def("quantized_linear(Tensor x, Tensor codes, Tensor scale, Tensor lo, int bits) -> Tensor");
@@ -314,7 +333,7 @@ TORCH_LIBRARY(shardline_native, m) {
 }
 
 TORCH_LIBRARY_IMPL(shardline_native, CPU, m) {
-  m.impl("quantized_linear", quantized_linear);
-  m.impl("paged_decode", paged_decode);
-  m.impl("silu_mul", silu_mul);
+  m.impl("quantized_linear", shardline::quantized_linear);
+  m.impl("paged_decode", shardline::paged_decode);
+  m.impl("silu_mul", shardline::silu_mul);
 }

@@ -1,4 +1,4 @@
-"""Loads Shardline's CPU kernels (kernels/native.cpp) as torch operators, `torch.ops.shardline_native.*`.
+"""Loads Shardline's CPU kernels (kernels/native.cpp, kernels/decode_layer.cpp) as torch operators, `torch.ops.shardline_native.*`.
 
 The source is compiled on first use for the machine it runs on (`-march=native`: AVX2, and
 AVX-512 VNNI where the CPU has it), into the cache folder beside the converted weights, keyed by
@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("native.cpp")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "native.cpp", HERE / "decode_layer.cpp"]
 # fast-math: lets the compiler reassociate the attention and norm sums into vector lanes and call
 # vectorized exp (attention at batch 16 ran 1.7x faster); no input here is inf or NaN by design.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
@@ -35,7 +36,7 @@ def _cpu_flags() -> str:
 
 def build_folder() -> Path:
     root = Path(os.environ.get("SHARDLINE_CACHE", Path.home() / ".cache" / "shardline"))
-    key = hashlib.sha256(" ".join([SOURCE.read_text(), *FLAGS, _cpu_flags(), torch.__version__]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(" ".join([*(f.read_text() for f in [*SOURCES, HERE / "native.h"]), *FLAGS, _cpu_flags(), torch.__version__]).encode()).hexdigest()[:16]
     return root / "kernels" / key
 
 
@@ -57,7 +58,7 @@ def _load() -> bool:
     folder = build_folder()
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(name="shardline_native", sources=[str(SOURCE)], build_directory=str(folder),
+        cpp_extension.load(name="shardline_native", sources=[str(f) for f in SOURCES], build_directory=str(folder),
                            extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use torch's kernels

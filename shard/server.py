@@ -30,6 +30,7 @@ from common.process import exit_soon
 from common.telemetry import setup_tracing
 from common.tls import ShardTls
 from kernels import native
+from kernels.decode_layer import fuse_decode
 from kernels.linear import use_onednn
 from kernels.quantized import quantize, weight_format
 from protos import shard_pb2, shard_pb2_grpc
@@ -205,6 +206,8 @@ def serve_shard(args) -> int:
         keep_stage(model, layout)
         shard_tensor_parallel(model, layout, group)
     quantize(model, dense_copy=args.dense_prefill == "on")
+    if device.type == "cpu":
+        log.info("%d layers decode as one operator each", fuse_decode(model))
     cfg = model.cfg
     log.info("loaded %s (stage %d/%d, TP rank %d/%d, %d layers) in %.1f s", source.name, layout.pp_stage,
              layout.pp, layout.tp_rank, layout.tp, cfg.num_layers, time.perf_counter() - t0)

@@ -71,3 +71,53 @@ def test_quantized_linear_rejects_codes_of_the_wrong_shape():
     with pytest.raises(RuntimeError, match="codes must be"):
         native.ops().quantized_linear(torch.zeros(1, 64), torch.zeros(8, 64, dtype=torch.uint8),
                                       torch.zeros(8, 2, dtype=torch.half), torch.zeros(8, 2, dtype=torch.half), 4)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch):
+    """Qwen3-like blocks (q/k norms, a qkv bias): the fused layer's output and K/V writes equal the
+    block's own, for every kernel and width a layer may be loaded with; prefill and batches above
+    the layers' dense-copy crossover run the block itself."""
+    from kernels.decode_layer import FusedDecodeBlock, fuse_decode
+    from kernels.quantized import quantize
+    from shard.config import ModelConfig
+    from shard.kv_cache import KVPages
+    from shard.model import Transformer
+
+    monkeypatch.setattr("kernels.quantized.kernel_for", lambda b: kernel)
+    torch.manual_seed(bits)
+    cfg = ModelConfig(architecture="qwen3", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
+                      max_position=64, tie_word_embeddings=False, eos_token_ids=[0], qkv_bias=True, qk_norm=True)
+    model = Transformer(cfg).eval().requires_grad_(False)
+    for p in model.parameters():
+        p.data = torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0)
+    for block in model.layers:
+        for layer in (block.attn.wqkv, block.attn.wo, block.mlp.w13, block.mlp.w2):
+            layer.quant_bits = bits
+    quantize(model)
+    blocks = list(model.layers)
+    assert fuse_decode(model) == 2 and all(isinstance(b, FusedDecodeBlock) for b in model.layers)
+
+    kv = KVPages(cfg, 16, 4, torch.float32, torch.device("cpu"))
+    lens = torch.tensor([3, 9, 1])
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]])
+    batch = AttentionBatch.decode(tables, lens - 1, 4)
+    x = torch.randn(3, 64)
+    cos_sin = model.rotary.at(lens - 1, torch.float32)
+    with torch.inference_mode():
+        for fused, block, pages in zip(model.layers, blocks, kv.layers):
+            before = [p.clone() for p in pages]
+            want = block(x, cos_sin, *pages, batch)
+            written = [p.clone() for p in pages]
+            for p, b in zip(pages, before):
+                p.copy_(b)
+            got = fused(x, cos_sin, *pages, batch)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+            for p, w in zip(pages, written):
+                torch.testing.assert_close(p, w, rtol=1e-5, atol=1e-5)
+        fused = model.layers[0]
+        fused.max_rows = 2  # above the crossover: the block itself, bit for bit
+        torch.testing.assert_close(fused(x, cos_sin, *kv.layers[0], batch),
+                                   blocks[0](x, cos_sin, *kv.layers[0], batch), rtol=0, atol=0)

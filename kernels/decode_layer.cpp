@@ -1,0 +1,72 @@
+// One decoder layer of a decode step as one operator (shardline_native::decode_layer), so that a
+// step costs one Python call per layer rather than some twenty operators each: at one stream on
+// a 2-core EPYC, the operators' dispatch cost more than the layer's arithmetic.
+//
+// The layer is the model's Block: x + attention(norm(x)), then + mlp(norm(.)), with the
+// attention of native.cpp's paged_decode. Its four linear layers arrive as the operands of the
+// kernel each was loaded for (kernels/quantized.py), one of:
+//   0: torch's int4 kernel                 [packed, scales_zeros]
+//   1: torch's int4 kernel, 8 bits as two  [high packed, high scales_zeros, low packed, low scales_zeros]
+//   2: Shardline's 4-bit kernel            [codes, scale, lo]
+//   3: Shardline's 8-bit kernel            [codes, scale, lo]
+
+#include "native.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+namespace {
+
+at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind) {
+  switch (kind) {
+    case 0:
+      return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w[0], 32, w[1]).to(at::kFloat);
+    case 1: {
+      const at::Tensor xb = x.to(at::kBFloat16);
+      return at::_weight_int4pack_mm_for_cpu(xb, w[0], 32, w[1]).to(at::kFloat) +
+             at::_weight_int4pack_mm_for_cpu(xb, w[2], 32, w[3]).to(at::kFloat);
+    }
+    case 2:
+      return shardline::quantized_linear(x, w[0], w[1], w[2], 4);
+    case 3:
+      return shardline::quantized_linear(x, w[0], w[1], w[2], 8);
+  }
+  TORCH_CHECK(false, "unknown linear kind ", kind);
+}
+
+at::Tensor normed(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor h = x.clone();
+  shardline::rms_norm_rows(h.data_ptr<float>(), h.size(0), h.size(1), weight.const_data_ptr<float>(), eps);
+  return h;
+}
+
+at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& attn_norm, const at::Tensor& mlp_norm, double eps,
+                        at::TensorList qkv_w, at::TensorList wo_w, at::TensorList w13_w, at::TensorList w2_w,
+                        at::IntArrayRef kinds, const std::optional<at::Tensor>& qkv_bias, const at::Tensor& cos,
+                        const at::Tensor& sin, const std::optional<at::Tensor>& q_norm,
+                        const std::optional<at::Tensor>& k_norm, double qk_eps, at::Tensor k_pages,
+                        at::Tensor v_pages, const at::Tensor& slots, const at::Tensor& block_tables,
+                        const at::Tensor& context_lens, int64_t heads, double scale) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be [tokens, hidden] float32");
+  TORCH_CHECK(kinds.size() == 4, "one kind per linear layer");
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor qkv = linear(normed(x, attn_norm, eps), qkv_w, kinds[0]);
+  if (qkv_bias) qkv.add_(*qkv_bias);
+  const at::Tensor attended = shardline::paged_decode(qkv, cos, sin, q_norm, k_norm, qk_eps, k_pages, v_pages, slots,
+                                                      block_tables, context_lens, heads, scale);
+  at::Tensor h = linear(attended, wo_w, kinds[1]).add_(x);
+  return linear(shardline::silu_mul(linear(normed(h, mlp_norm, eps), w13_w, kinds[2])), w2_w, kinds[3]).add_(h);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(shardline_native, m) {
+  m.def("decode_layer(Tensor x, Tensor attn_norm, Tensor mlp_norm, float eps, Tensor[] qkv, Tensor[] wo, "
+        "Tensor[] w13, Tensor[] w2, int[] kinds, Tensor? qkv_bias, Tensor cos, Tensor sin, Tensor? q_norm, "
+        "Tensor? k_norm, float qk_eps, Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor slots, Tensor block_tables, "
+        "Tensor context_lens, int heads, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(shardline_native, CPU, m) {
+  m.impl("decode_layer", decode_layer);
+}

@@ -1,0 +1,67 @@
+"""Decode steps through each quantized layer as one operator (kernels/decode_layer.cpp).
+
+Like quantization, this is a transformation of a plain `Transformer`, applied after it:
+`fuse_decode` wraps each block whose four linear layers are quantized (and carry no forward
+hooks: a TP-sliced block all-reduces between them) in a `FusedDecodeBlock`. A decode step's
+block then runs as one call: one Python dispatch per layer instead of some twenty operators,
+which at one stream cost more than the layer's arithmetic. Everything else (prefill, chunks,
+decode graphs, batches above a layer's dense-copy crossover) runs the block as before.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import native
+from kernels.attention import AttentionBatch
+from kernels.quantized import QuantizedLinear
+
+# The operand layouts decode_layer.cpp takes, by (kernel, bits).
+_KINDS = {("torch", 4): 0, ("torch", 8): 1, ("native", 4): 2, ("native", 8): 3}
+
+
+def _operands(layer: QuantizedLinear) -> list[torch.Tensor]:
+    if layer.kernel == "native":
+        return list(layer.operands)
+    return [t for pair in layer.operands for t in pair]
+
+
+class FusedDecodeBlock(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+        attn, mlp = block.attn, block.mlp
+        linears = [attn.wqkv, attn.wo, mlp.w13, mlp.w2]
+        self.kinds = [_KINDS[(layer.kernel, layer.bits)] for layer in linears]
+        self.max_rows = min(layer.max_rows for layer in linears)
+        self.weights = [_operands(layer) for layer in linears]
+        norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm else (None, None, 0.0)
+        self.fixed = (block.attn_norm.weight, block.mlp_norm.weight, block.attn_norm.eps, *self.weights,
+                      self.kinds, attn.wqkv.bias)
+        self.attention = (norms, attn.num_heads, attn.scale)
+
+    def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):
+        if not batch.is_decode or batch.opaque or x.shape[0] > self.max_rows or not native.usable(x):
+            return self.block(x, cos_sin, k_pages, v_pages, batch)
+        norms, heads, scale = self.attention
+        return native.ops().decode_layer(x, *self.fixed, cos_sin[0], cos_sin[1], *norms, k_pages, v_pages,
+                                         batch.slots, batch.block_tables, batch.context_lens, heads, scale)
+
+
+def fusable(block: nn.Module) -> bool:
+    attn, mlp = block.attn, block.mlp
+    linears = [attn.wqkv, attn.wo, mlp.w13, mlp.w2]
+    return (all(isinstance(layer, QuantizedLinear) and not layer._forward_hooks for layer in linears)
+            and all(layer.bias is None for layer in linears[1:]))
+
+
+def fuse_decode(model: nn.Module) -> int:
+    """Wraps every fusable block of `model` in place; returns how many. Nothing without the kernels."""
+    if not native.available():
+        return 0
+    fused = 0
+    for i, block in enumerate(model.layers):
+        if fusable(block):
+            model.layers[i] = FusedDecodeBlock(block)
+            fused += 1
+    return fused
