@@ -68,10 +68,13 @@ def _shard_flags(p):
          "(auto: on CUDA only; on CPU torch.compile pays off little and takes minutes to warm up)",
          choices=["auto", "on", "off"])
     _add(p, "weights", "native", help="native: a GGUF's quantized layers stay quantized (int4 / int8 "
-         "kernels, bf16 activations; CPU only); dequantized: every weight in --dtype, exact",
+         "kernels; CPU only); dequantized: every weight in --dtype, exact",
          choices=["native", "dequantized"])
     _add(p, "quantize", "none", help="quantize dense linear layers at load (a Hugging Face folder, or "
          "a dequantized GGUF): int4 (LM head int8) or int8; CPU only", choices=["none", "int4", "int8"])
+    _add(p, "kv-dtype", "auto", help="dtype of the KV page pool (auto: float16 where quantized weights are "
+         "served, as llama.cpp does, halving attention's memory traffic; else --dtype)",
+         choices=["auto", "float32", "bfloat16", "float16"])
     _add(p, "dense-prefill", "off", help="int4 layers also keep a dense copy for steps of many rows (prefill; "
          "bf16, or fp32 without native bf16): prefill about 2x faster, 2 or 4 more bytes per weight",
          choices=["on", "off"])

@@ -72,7 +72,7 @@ class ShardGroup:
             stage, rank = divmod(n, args.tp)
             self.procs.append(spawn_service(
                 ["shard", *_flags(args, ["model", "page-size", "dtype", "kv-memory-gb", "threads", "device", "decode-graphs",
-                                         "weights", "quantize", "dense-prefill", "tp", "pp", "drain-timeout-s",
+                                         "weights", "quantize", "kv-dtype", "dense-prefill", "tp", "pp", "drain-timeout-s",
                                          "otlp-endpoint"]),
                  "--tp-rank", str(rank), "--pp-stage", str(stage), "--dist-init", f"tcp://127.0.0.1:{dist_port}",
                  "--listen", address]))

@@ -1,5 +1,8 @@
 """Paged attention over KV pages `[num_pages, page_size, kv_heads, head_dim]`.
 
+The pages may hold a narrower dtype than the model computes in (`--kv-dtype`): new K/V are
+rounded to it as they are written, and cached K/V widened back as they are read.
+
 The portable path is plain torch (runs on CPU and CUDA). On CUDA with flash-attn installed, the
 paged-KV entry points of flash-attn are used instead. A slot is `page * page_size + offset`.
 """
@@ -48,22 +51,23 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: t
              slots: torch.Tensor) -> None:
     """Scatters the new tokens' K/V [T, kv_heads, head_dim] into their slots; no other slot changes."""
     kv_heads, head_dim = k_pages.shape[-2:]
-    k_pages.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
-    v_pages.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+    k_pages.view(-1, kv_heads, head_dim).index_copy_(0, slots, k.to(k_pages.dtype))
+    v_pages.view(-1, kv_heads, head_dim).index_copy_(0, slots, v.to(v_pages.dtype))
 
 
-def uses_flash(device: torch.device, dtype: torch.dtype, page_size: int) -> bool:
-    """Whether attention takes flash-attn's paged path: CUDA, fp16/bf16, and pages of a multiple
-    of 256 tokens (what its paged KV needs)."""
+def uses_flash(device: torch.device, dtype: torch.dtype, page_size: int, kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether attention takes flash-attn's paged path: CUDA, fp16/bf16 pages of the model's dtype,
+    and pages of a multiple of 256 tokens (what its paged KV needs)."""
     return (flash_attn_with_kvcache is not None and device.type == "cuda" and page_size % 256 == 0
-            and dtype in (torch.float16, torch.bfloat16))
+            and dtype in (torch.float16, torch.bfloat16) and kv_dtype in (None, dtype))
 
 
-def decode_capturable(device: torch.device, dtype: torch.dtype, page_size: int) -> bool:
+def decode_capturable(device: torch.device, dtype: torch.dtype, page_size: int,
+                      kv_dtype: torch.dtype | None = None) -> bool:
     """Whether decode attention can run inside a captured graph on this device. On CUDA only
     flash-attn's paged decode can (the torch path reads context lengths on the host); on CPU the
     graph is compiled, not captured, and the torch path runs as one opaque operator."""
-    return device.type != "cuda" or uses_flash(device, dtype, page_size)
+    return device.type != "cuda" or uses_flash(device, dtype, page_size, kv_dtype)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
@@ -75,7 +79,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: 
     if batch.opaque:
         return decode_attention(q, k, v, k_pages, v_pages, batch.slots, batch.block_tables, batch.context_lens, scale)
     write_kv(k_pages, v_pages, k, v, batch.slots)
-    if uses_flash(q.device, q.dtype, k_pages.shape[1]):
+    if uses_flash(q.device, q.dtype, k_pages.shape[1], k_pages.dtype):
         return _flash(q, k_pages, v_pages, batch, scale)
     if batch.is_decode:
         return _decode_torch(q, k_pages, v_pages, batch, scale)
@@ -118,11 +122,11 @@ def _merge(out, lse, o, l):
     return (out * w_old[..., None] + o.float() * w_new[..., None]) / total[..., None], m + torch.log(total)
 
 
-def _gathered(pages, table, tokens: int):
+def _gathered(pages, table, tokens: int, dtype: torch.dtype):
     """[1, kv_heads, tokens, head_dim]: the first `tokens` cached positions of one sequence."""
     page_size, kv_heads, head_dim = pages.shape[1:]
     used = table[: (tokens + page_size - 1) // page_size]
-    return pages.index_select(0, used).view(-1, kv_heads, head_dim)[:tokens].transpose(0, 1)[None]
+    return pages.index_select(0, used).view(-1, kv_heads, head_dim)[:tokens].transpose(0, 1)[None].to(dtype)
 
 
 def _decode_blocks(batch: AttentionBatch, page_size: int, dtype: torch.dtype) -> list:
@@ -165,6 +169,7 @@ def _decode_torch(q, k_pages, v_pages, batch: AttentionBatch, scale):
         # for 64 pages of SmolLM2's K)
         k = k_pages.index_select(0, tables.flatten()).view(n, width * page_size, kv_heads, head_dim).transpose(1, 2)
         v = v_pages.index_select(0, tables.flatten()).view(n, width * page_size, kv_heads, head_dim).transpose(1, 2)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         o, l = _attend(qg if rows is None else qg[rows], k, v, scale, bias)
         if out is None:
             out, lse = o.float(), l.float()
@@ -180,6 +185,8 @@ def _prefill_torch(q, k_new, v_new, k_pages, v_pages, batch: AttentionBatch, sca
     attention over its cached context, merged by log-sum-exp. Neither needs a mask, so both run
     in torch's fused kernel (on 4-D inputs; 3-D ones take a slow path) in O(tokens) memory."""
     kv_heads, head_dim = k_pages.shape[2:]
+    if k_pages.dtype != q.dtype:  # as the cache will hold them, so that chunked and whole prompts agree
+        k_new, v_new = k_new.to(k_pages.dtype).to(q.dtype), v_new.to(v_pages.dtype).to(q.dtype)
     outs, offset = [], 0
     for n, start, table in zip(batch.query_lens, batch.start_positions, batch.block_tables_list):
         qs, ks, vs = (t[offset:offset + n].transpose(0, 1)[None] for t in (q, k_new, v_new))
@@ -194,7 +201,8 @@ def _prefill_torch(q, k_new, v_new, k_pages, v_pages, batch: AttentionBatch, sca
             # The cached context, which every new token sees whole: each KV head's q heads
             # stacked as its queries, so the context is neither masked nor repeated.
             q_kv = qs[0].reshape(kv_heads, group * n, head_dim)[None]
-            o, l = _attend(q_kv, _gathered(k_pages, table, start), _gathered(v_pages, table, start), scale)
+            o, l = _attend(q_kv, _gathered(k_pages, table, start, q.dtype), _gathered(v_pages, table, start, q.dtype),
+                           scale)
             out, _ = _merge(out[0].float(), lse[0].float(), o.reshape(heads, n, head_dim), l.reshape(heads, n))
             out = out.to(q.dtype)
         outs.append(out.transpose(0, 1))

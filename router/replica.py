@@ -78,7 +78,7 @@ class Replica:
             shard_kv_pool_bytes=max(i.kv_bytes_per_page for i in infos) * (num_pages + 1),
             decode_graphs=bool(warmups[0].decode_graph_buckets), decode_graph_buckets=warmups[0].decode_graph_buckets,
             decode_graph_capture_s=max(w.capture_s for w in warmups),
-            weight_formats={k: v for i in infos for k, v in i.weight_formats.items()})
+            weight_formats={k: v for i in infos for k, v in i.weight_formats.items()}, kv_dtype=head.kv_dtype)
         eos = set(head.eos_token_ids)
         if self.codec.eos_token_id is not None:
             eos.add(self.codec.eos_token_id)

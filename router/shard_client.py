@@ -111,7 +111,7 @@ class ShardGroup:
             infos = list(await asyncio.gather(*(s.info(timeout) for s in self.shards)))
         except grpc.aio.AioRpcError as e:
             raise ShardError(f"a shard did not answer Info: {e.code().name} {e.details()}") from e
-        for field in ("model", "page_size", "dtype", "vocab_size", "context_length", "tp_size", "pp_size"):
+        for field in ("model", "page_size", "dtype", "kv_dtype", "vocab_size", "context_length", "tp_size", "pp_size"):
             if why := _mismatch(infos, field):
                 raise ShardError(why)
         tp, pp = infos[0].tp_size, infos[0].pp_size

@@ -77,8 +77,10 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: Transformer, page_size: int, dtype: torch.dtype, device: torch.device,
-                 layout: Layout = Layout(), vocab_size: int | None = None, max_position: int | None = None):
+                 layout: Layout = Layout(), vocab_size: int | None = None, max_position: int | None = None,
+                 kv_dtype: torch.dtype | None = None):
         self.model, self.page_size, self.dtype, self.device = model, page_size, dtype, device
+        self.kv_dtype = kv_dtype or dtype
         self.layout = layout
         self.vocab_size = vocab_size or model.cfg.vocab_size
         self.max_position = max_position or model.cfg.max_position
@@ -92,12 +94,12 @@ class ModelRunner:
         decode graphs that read them, captured now when asked for (single-stage replicas only:
         a stage boundary's send/recv stays eager)."""
         self.kv = self.table = self.graphs = None  # let the old pool go before the new one is allocated
-        self.kv = KVPages(self.model.cfg, num_pages, self.page_size, self.dtype, self.device)
+        self.kv = KVPages(self.model.cfg, num_pages, self.page_size, self.kv_dtype, self.device)
         max_pages = -(-self.max_position // self.page_size)
         self.table = SequenceTable(max_seqs, max_pages, self.kv.padding_page, self.device)
         if decode_graphs and self.layout.pp > 1:
             log.warning("decode graphs are off: pipeline stages run decode eagerly")
-        elif decode_graphs and not decode_capturable(self.device, self.dtype, self.page_size):
+        elif decode_graphs and not decode_capturable(self.device, self.dtype, self.page_size, self.kv_dtype):
             log.warning("decode graphs are off: on CUDA they need flash-attn, fp16/bf16 and pages "
                         "of a multiple of 256 tokens")
         elif decode_graphs:

@@ -32,7 +32,7 @@ from common.tls import ShardTls
 from kernels import native
 from kernels.decode_layer import fuse_decode
 from kernels.linear import use_onednn
-from kernels.quantized import quantize, weight_format
+from kernels.quantized import QuantizedLinear, quantize, weight_format
 from protos import shard_pb2, shard_pb2_grpc
 from shard.kv_cache import bytes_per_page
 from shard.parallel import Layout, init_distributed, keep_stage, shard_tensor_parallel
@@ -211,7 +211,9 @@ def serve_shard(args) -> int:
     cfg = model.cfg
     log.info("loaded %s (stage %d/%d, TP rank %d/%d, %d layers) in %.1f s", source.name, layout.pp_stage,
              layout.pp, layout.tp_rank, layout.tp, cfg.num_layers, time.perf_counter() - t0)
-    per_page = bytes_per_page(cfg, args.page_size, dtype)
+    quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
+    kv_dtype = (torch.float16 if quantized else dtype) if args.kv_dtype == "auto" else DTYPES[args.kv_dtype]
+    per_page = bytes_per_page(cfg, args.page_size, kv_dtype)
     weight_bytes = sum(t.numel() * t.element_size() for t in
                        {id(t): t for t in (*model.parameters(), *model.buffers()) if t is not model.rotary.cos
                         and t is not model.rotary.sin}.values())
@@ -220,7 +222,7 @@ def serve_shard(args) -> int:
         page_size=args.page_size, max_pages=max(0, int(args.kv_memory_gb * 2**30 // per_page) - 1),
         tp_rank=layout.tp_rank, tp_size=layout.tp, pp_stage=layout.pp_stage, pp_size=layout.pp,
         dtype=args.dtype, device=str(device), eos_token_ids=full.eos_token_ids,
-        weight_bytes=weight_bytes, kv_bytes_per_page=per_page)
+        weight_bytes=weight_bytes, kv_bytes_per_page=per_page, kv_dtype=str(kv_dtype).removeprefix("torch."))
     decode_graphs = args.decode_graphs == "on" or (args.decode_graphs == "auto" and device.type == "cuda")
     if device.type == "cpu" and dtype == torch.float32 and not decode_graphs:
         log.info("%d linear layers use oneDNN's weight layout", use_onednn(model))
@@ -229,7 +231,8 @@ def serve_shard(args) -> int:
     info.weight_formats.update(formats)
     log.info("weights: %s", ", ".join(f"{k} {v}" for k, v in formats.items()))
     _trim_heap()
-    runner = ModelRunner(model, args.page_size, dtype, device, layout, full.vocab_size, full.max_position)
+    runner = ModelRunner(model, args.page_size, dtype, device, layout, full.vocab_size, full.max_position,
+                         kv_dtype=kv_dtype)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
         ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
     work = MainThreadWork()

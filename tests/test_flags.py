@@ -96,9 +96,10 @@ def _args(**overrides):
     ([_info(vocab_size=1000)], {}, "vocabulary of 1000 tokens"),
     ([_info(tp_size=2), _info(tp_size=2, tp_rank=1, page_size=32)], {}, "disagree on page_size"),
     ([_info(tp_size=2), _info(tp_size=2, tp_rank=1, model="other")], {}, "disagree on model"),
+    ([_info(tp_size=2), _info(tp_size=2, tp_rank=1, kv_dtype="float16")], {}, "disagree on kv_dtype"),
     ([_info(tp_size=2), _info(tp_size=2)], {}, "do not form one TP2 x PP1 replica"),
     ([_info()], {"page_size": 8}, "page size 16 (the router's is 8)"),
-], ids=["page size", "dtype", "model", "vocabulary", "shards' page sizes", "shards' models", "layout",
+], ids=["page size", "dtype", "model", "vocabulary", "shards' page sizes", "shards' models", "shards' KV dtypes", "layout",
         "router's page size"])
 def test_the_router_refuses_shards_that_serve_something_else(infos, args, phrase):
     from router.replica import Replica

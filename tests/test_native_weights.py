@@ -25,8 +25,10 @@ QUANT = ["--quantize", "int4", "--page-size", "16", "--max-batch-tokens", "512"]
 def serve_and_score(model, prompts, *flags):
     server = Server("--model", str(model), *QUANT, *flags)
     try:
-        formats = server.stub.Info(pb.InfoRequest()).weight_formats
+        info = server.stub.Info(pb.InfoRequest())
+        formats = info.weight_formats
         assert formats["w13"].startswith("int4") and formats["lm_head"].startswith("int8"), formats
+        assert info.kv_dtype == "float16"  # auto: quantized weights keep their KV pages in fp16
         scores, tokens = [], []
         for prompt in prompts:
             responses = list(server.stub.Generate(pb.GenerateRequest(

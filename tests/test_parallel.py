@@ -27,6 +27,7 @@ def test_tiny_parallel_layouts_match_transformers(tiny_models, arch, tp, pp, chu
     try:
         info = server.stub.Info(pb.InfoRequest())
         assert (info.tensor_parallel, info.pipeline_parallel) == (tp, pp)
+        assert info.kv_dtype == "float32"  # auto: dense weights keep the serving dtype, exact
         assert_serves_like_reference(server, prompts, wants, cache)
     finally:
         assert server.stop() == 0
