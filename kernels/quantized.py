@@ -1,11 +1,13 @@
-"""Weight-only quantized linear layers, on torch's int4 CPU kernel, with bf16 activations (the
-only ones the kernel vectorizes).
+"""Weight-only quantized linear layers, on torch's int4 CPU kernel (bf16 activations) or on
+Shardline's own (kernels/native.cpp: int8 activations, integer dot products), whichever measures
+faster on the machine (`kernel_for`).
 
 Weights are held in groups of 32 along the input dimension, w = lo + scale * code:
-- int4 (16 levels): `_weight_int4pack_mm_for_cpu` directly. GGUF's Q4_0, Q4_1 and Q4_K blocks are
-  such groups, so their weights are recovered exactly, up to the rounding of scale and zero to bf16.
-- int8 (255 levels): two int4 multiplies, one for each half of the code. GGUF's Q8_0 blocks are
-  such groups (exact likewise); finer-grained types (Q6_K) are rounded to 8 bits per group.
+- int4 (16 levels). GGUF's Q4_0, Q4_1 and Q4_K blocks are such groups, so their weights are
+  recovered exactly, up to the rounding of scale and zero (bf16 in torch's kernel, fp16 in ours).
+- int8 (255 levels): in torch's kernel two int4 multiplies, one for each half of the code. GGUF's
+  Q8_0 blocks are such groups (exact likewise); finer-grained types (Q6_K) are rounded to 8 bits
+  per group.
 
 A step of many rows is faster on dense weights, by how much depends on the CPU. So an int8 layer
 (in practice the LM head) always keeps a dense copy, and int4 layers keep one when asked (for
