@@ -202,6 +202,12 @@ def _torch_operands(codes, scale, lo, bits: int) -> list:
     return [_int4_operands(codes >> 4, 16 * scale, lo + 128 * scale), _int4_operands(codes & 15, scale, 8 * scale)]
 
 
+def _flat(nested) -> list[torch.Tensor]:
+    if isinstance(nested, torch.Tensor):
+        return [nested]
+    return [t for part in nested for t in _flat(part)]
+
+
 def _torch_multiply(operands: list, rows: torch.Tensor) -> torch.Tensor:
     rows = rows.bfloat16()
     out = [torch._weight_int4pack_mm_for_cpu(rows, packed, GROUP, scales_zeros) for packed, scales_zeros in operands]
@@ -226,6 +232,9 @@ class QuantizedLinear(nn.Module):
         self.operands = (_native_operands if self.kernel == "native" else _torch_operands)(codes, scale, lo, bits)
         if keep_rows:  # rows as the kept kernel's operands hold them, or the codes as well
             self.rows_from = self.operands if self.kernel == "native" else (codes.to(torch.uint8), scale, lo)
+        # as buffers too, so that the shard's weight bytes (Info) count them
+        for i, t in enumerate(_flat([self.operands, getattr(self, "rows_from", ())])):
+            self.register_buffer(f"held{i}", t, persistent=False)
         self.dense = DenseCopy(_weights(codes, scale, lo)) if dense_copy or bits == 8 else None
         self.bias = None if linear.bias is None else linear.bias.detach()
         self._forward_hooks = linear._forward_hooks

@@ -126,6 +126,11 @@ def test_quantize_swaps_tagged_layers_keeps_hooks_and_feeds_a_tied_embedding(ker
     assert model.layers[1].attn.wqkv.bits == 4 and model.layers[0].mlp.w2.bits == 4
     assert type(model.layers[0].attn.wo) is torch.nn.Linear  # untagged: left alone
     assert model.lm_head.bits == 8 and isinstance(model.embed, Int8Embedding) and model.lm_head.kernel == kernel
+    # what each layer holds is in its buffers (the shard's Info counts weight bytes from them)
+    layers = [model.lm_head, *(b.attn.wqkv for b in model.layers)]
+    held = {id(t): t.numel() * t.element_size() for layer in layers for t in layer._buffers.values()}  # own, not the copy's
+    codes = 128 * 64 + sum(b.attn.wqkv.out_features * 64 // 2 for b in model.layers)  # int8 head + int4 qkv
+    assert sum(held.values()) >= codes
     model.layers[0].mlp.w2(torch.randn(3, 128))
     assert calls == [1]
     tokens = torch.tensor([5, 0, 127])
