@@ -4,7 +4,7 @@ The source is compiled on first use for the machine it runs on (`-march=native`:
 AVX-512 VNNI where the CPU has it), into the cache folder beside the converted weights, keyed by
 the source and the CPU's flags; `./setup.sh` builds it once so servers start without the wait.
 Where it cannot be built (no C++ compiler, a CUDA-only deployment), `available()` is False and
-the callers keep torch's own kernels.
+the callers keep torch's own kernels; `SHARDLINE_NATIVE_KERNELS=0` asks for that (comparisons).
 """
 from __future__ import annotations
 
@@ -54,6 +54,12 @@ def available() -> bool:
 
 def _load() -> bool:
     from torch.utils import cpp_extension
+
+    try:  # the `ninja` package's binary, which a venv that is not activated leaves off PATH
+        import ninja
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
 
     folder = build_folder()
     folder.mkdir(parents=True, exist_ok=True)
