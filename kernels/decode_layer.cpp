@@ -3,7 +3,7 @@
 // a 2-core EPYC, the operators' dispatch cost more than the layer's arithmetic.
 //
 // The layer is the model's Block: x + attention(norm(x)), then + mlp(norm(.)), with the
-// attention of native.cpp's paged_decode. Its four linear layers arrive as the operands of the
+// attention of paged_decode.cpp. Its four linear layers arrive as the operands of the
 // kernel each was loaded for (kernels/quantized.py), one of:
 //   0: torch's int4 kernel                 [packed, scales_zeros]
 //   1: torch's int4 kernel, 8 bits as two  [high packed, high scales_zeros, low packed, low scales_zeros]

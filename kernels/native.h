@@ -1,9 +1,14 @@
-// Shardline's CPU kernels, shared by the operators in native.cpp and the fused layer in decode_layer.cpp.
+// Shardline's CPU kernels (quantized_linear.cpp, paged_decode.cpp), shared by their operators (native.cpp)
+// and the fused decoder layer (decode_layer.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace shardline {
 
@@ -20,5 +25,14 @@ at::Tensor silu_mul(const at::Tensor& x);
 
 // Each of `rows` rows of n floats, in place: x * rsqrt(mean(x^2) + eps) * w.
 void rms_norm_rows(float* x, int64_t rows, int64_t n, const float* w, double eps);
+
+#if defined(__AVX2__)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
 
 }  // namespace shardline

@@ -1,4 +1,4 @@
-"""Loads Shardline's CPU kernels (kernels/native.cpp, kernels/decode_layer.cpp) as torch operators, `torch.ops.shardline_native.*`.
+"""Loads Shardline's CPU kernels (kernels/*.cpp) as torch operators, `torch.ops.shardline_native.*`.
 
 The source is compiled on first use for the machine it runs on (`-march=native`: AVX2, and
 AVX-512 VNNI where the CPU has it), into the cache folder beside the converted weights, keyed by
@@ -18,7 +18,7 @@ import torch
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / "native.cpp", HERE / "decode_layer.cpp"]
+SOURCES = [HERE / f for f in ("native.cpp", "quantized_linear.cpp", "paged_decode.cpp", "decode_layer.cpp")]
 # fast-math: lets the compiler reassociate the attention and norm sums into vector lanes and call
 # vectorized exp (attention at batch 16 ran 1.7x faster); no input here is inf or NaN by design.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
@@ -36,7 +36,8 @@ def _cpu_flags() -> str:
 
 def build_folder() -> Path:
     root = Path(os.environ.get("SHARDLINE_CACHE", Path.home() / ".cache" / "shardline"))
-    key = hashlib.sha256(" ".join([*(f.read_text() for f in [*SOURCES, HERE / "native.h"]), *FLAGS, _cpu_flags(), torch.__version__]).encode()).hexdigest()[:16]
+    text = " ".join([*(f.read_text() for f in [*SOURCES, HERE / "native.h"]), *FLAGS, _cpu_flags(), torch.__version__])
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
     return root / "kernels" / key
 
 

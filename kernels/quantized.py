@@ -1,5 +1,5 @@
 """Weight-only quantized linear layers, on torch's int4 CPU kernel (bf16 activations) or on
-Shardline's own (kernels/native.cpp: int8 activations, integer dot products), whichever measures
+Shardline's own (kernels/quantized_linear.cpp: int8 activations, integer dot products), whichever measures
 faster on the machine (`kernel_for`).
 
 Weights are held in groups of 32 along the input dimension, w = lo + scale * code:
@@ -157,7 +157,7 @@ def crossover(key: tuple, quantized, dense, in_features: int) -> int:
 
 
 def _native_operands(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int):
-    """The codes, scale and lo of `native.quantized_linear` (layouts in kernels/native.cpp)."""
+    """The codes, scale and lo of `native.quantized_linear` (layouts in kernels/quantized_linear.cpp)."""
     n, k = codes.shape
     if bits == 4:
         c = codes.to(torch.uint8).view(n, k // GROUP, 2, 16)
@@ -218,7 +218,7 @@ class QuantizedLinear(nn.Module):
     """A linear layer on `bits`-bit codes in groups of 32 (w = lo + scale * code).
 
     Two kernels can multiply it: torch's int4 CPU kernel (bf16 activations; 8 bits as two int4
-    halves) and Shardline's own (kernels/native.cpp: int8 activations, integer dot products).
+    halves) and Shardline's own (kernels/quantized_linear.cpp: int8 activations, integer dot products).
     `kernel_for` says which, per machine; only that kernel's operands are kept. Above the rows where a dense copy measures faster (`crossover`), the copy multiplies:
     8-bit layers always keep one, 4-bit ones when asked (for prefill, `dense_copy`).
     `keep_rows`: keep what `rows` needs to look up weight rows (a tied embedding's)."""

@@ -1,4 +1,4 @@
-"""Shardline's CPU kernels (kernels/native.cpp) against the torch code they stand in for: decode
+"""Shardline's CPU kernels (kernels/*.cpp) against the torch code they stand in for: decode
 attention over pages (with q/k norms and rotation), the MLP's silu-and-multiply. The quantized
 linear kernel is checked with the layers in test_quantized.py."""
 import pytest
