@@ -12,6 +12,15 @@ from shard.model import RMSNorm, Rotary
 pytestmark = pytest.mark.skipif(not native.available(), reason="Shardline's kernels could not be built here")
 
 
+@pytest.fixture
+def two_threads():
+    """Two threads whatever the machine, so that a batch of one splits its context in two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 def _torch_decode(qkv, cos_sin, norms, k_pages, v_pages, batch, heads, kv_heads, d, scale):
     x = qkv.view(-1, heads + 2 * kv_heads, d)
     q, k, v = x[:, :heads], x[:, heads:heads + kv_heads], x[:, heads + kv_heads:]
@@ -24,11 +33,10 @@ def _torch_decode(qkv, cos_sin, norms, k_pages, v_pages, batch, heads, kv_heads,
 @pytest.mark.parametrize("lens", [[1, 4, 5, 13, 30], [30], [3]], ids=["batch", "one-split", "one-page"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads,kv_heads,qk_norm", [(4, 2, False), (6, 3, True), (2, 2, False)])
-def test_paged_decode_matches_the_torch_path(heads, kv_heads, qk_norm, kv_dtype, lens):
+def test_paged_decode_matches_the_torch_path(heads, kv_heads, qk_norm, kv_dtype, lens, two_threads):
     """Contexts of one token, a full page, a page and one, several pages; a batch of one has its
     context split between threads (and one of a single page leaves a split empty)."""
     torch.manual_seed(heads + kv_heads)
-    torch.set_num_threads(2)
     d, page_size, num_pages = 16, 4, 48
     lens = torch.tensor(lens)
     B = len(lens)
