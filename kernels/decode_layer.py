@@ -27,25 +27,27 @@ def _operands(layer: QuantizedLinear) -> list[torch.Tensor]:
 
 
 class FusedDecodeBlock(nn.Module):
+    """A `Block` whose decode steps run as one `decode_layer` call. The block stays inside,
+    holding the weights, and runs every other step itself."""
+
     def __init__(self, block: nn.Module):
         super().__init__()
         self.block = block
         attn, mlp = block.attn, block.mlp
         linears = [attn.wqkv, attn.wo, mlp.w13, mlp.w2]
-        self.kinds = [_KINDS[(layer.kernel, layer.bits)] for layer in linears]
         self.max_rows = min(layer.max_rows for layer in linears)
-        self.weights = [_operands(layer) for layer in linears]
-        norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm else (None, None, 0.0)
-        self.fixed = (block.attn_norm.weight, block.mlp_norm.weight, block.attn_norm.eps, *self.weights,
-                      self.kinds, attn.wqkv.bias)
-        self.attention = (norms, attn.num_heads, attn.scale)
+        qk_norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm else (None, None, 0.0)
+        # decode_layer's arguments before and after the step's own, in its schema's order
+        self.leading = (block.attn_norm.weight, block.mlp_norm.weight, block.attn_norm.eps,
+                        *(_operands(layer) for layer in linears),
+                        [_KINDS[(layer.kernel, layer.bits)] for layer in linears], attn.wqkv.bias)
+        self.qk_norms, self.heads, self.scale = qk_norms, attn.num_heads, attn.scale
 
     def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):
         if not batch.is_decode or batch.opaque or x.shape[0] > self.max_rows or not native.usable(x):
             return self.block(x, cos_sin, k_pages, v_pages, batch)
-        norms, heads, scale = self.attention
-        return native.ops().decode_layer(x, *self.fixed, cos_sin[0], cos_sin[1], *norms, k_pages, v_pages,
-                                         batch.slots, batch.block_tables, batch.context_lens, heads, scale)
+        return native.ops().decode_layer(x, *self.leading, cos_sin[0], cos_sin[1], *self.qk_norms, k_pages, v_pages,
+                                         batch.slots, batch.block_tables, batch.context_lens, self.heads, self.scale)
 
 
 def fusable(block: nn.Module) -> bool:
