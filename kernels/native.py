@@ -63,8 +63,8 @@ def _load() -> bool:
         pass
 
     folder = build_folder()
-    folder.mkdir(parents=True, exist_ok=True)
     try:
+        folder.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(name="shardline_native", sources=[str(f) for f in SOURCES], build_directory=str(folder),
                            extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=False)
