@@ -7,8 +7,7 @@
 // kernel each was loaded for (kernels/quantized.py), one of:
 //   0: torch's int4 kernel                 [packed, scales_zeros]
 //   1: torch's int4 kernel, 8 bits as two  [high packed, high scales_zeros, low packed, low scales_zeros]
-//   2: Shardline's 4-bit kernel            [codes, scale, lo]
-//   3: Shardline's 8-bit kernel            [codes, scale, lo]
+//   2: Shardline's int8 kernel             [codes, scale, lo]
 
 #include "native.h"
 
@@ -27,9 +26,7 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind) {
              at::_weight_int4pack_mm_for_cpu(xb, w[2], 32, w[3]).to(at::kFloat);
     }
     case 2:
-      return shardline::quantized_linear(x, w[0], w[1], w[2], 4);
-    case 3:
-      return shardline::quantized_linear(x, w[0], w[1], w[2], 8);
+      return shardline::int8_linear(x, w[0], w[1], w[2]);
   }
   TORCH_CHECK(false, "unknown linear kind ", kind);
 }

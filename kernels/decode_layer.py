@@ -17,7 +17,7 @@ from kernels.attention import AttentionBatch
 from kernels.quantized import QuantizedLinear
 
 # The operand layouts decode_layer.cpp takes, by (kernel, bits).
-_KINDS = {("torch", 4): 0, ("torch", 8): 1, ("native", 4): 2, ("native", 8): 3}
+_KINDS = {("torch", 4): 0, ("torch", 8): 1, ("native", 8): 2}
 
 
 def _operands(layer: QuantizedLinear) -> list[torch.Tensor]:

@@ -1,12 +1,12 @@
 // Registers Shardline's CPU kernels as torch operators, shardline_native::* (implementations in
-// quantized_linear.cpp, paged_decode.cpp and decode_layer.cpp; shapes for tracing in native.py).
+// int8_linear.cpp, paged_decode.cpp and decode_layer.cpp; shapes for tracing in native.py).
 
 #include "native.h"
 
 #include <torch/library.h>
 
 TORCH_LIBRARY(shardline_native, m) {
-  m.def("quantized_linear(Tensor x, Tensor codes, Tensor scale, Tensor lo, int bits) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scale, Tensor lo) -> Tensor");
   m.def("paged_decode(Tensor qkv, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, "
         "Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor slots, Tensor block_tables, Tensor context_lens, "
         "int heads, float scale) -> Tensor");
@@ -14,7 +14,7 @@ TORCH_LIBRARY(shardline_native, m) {
 }
 
 TORCH_LIBRARY_IMPL(shardline_native, CPU, m) {
-  m.impl("quantized_linear", shardline::quantized_linear);
+  m.impl("int8_linear", shardline::int8_linear);
   m.impl("paged_decode", shardline::paged_decode);
   m.impl("silu_mul", shardline::silu_mul);
 }

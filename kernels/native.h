@@ -1,4 +1,4 @@
-// Shardline's CPU kernels (quantized_linear.cpp, paged_decode.cpp), shared by their operators (native.cpp)
+// Shardline's CPU kernels (int8_linear.cpp, paged_decode.cpp), shared by their operators (native.cpp)
 // and the fused decoder layer (decode_layer.cpp).
 #pragma once
 
@@ -12,8 +12,7 @@
 
 namespace shardline {
 
-at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                            const at::Tensor& lo, int64_t bits);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& lo);
 
 at::Tensor paged_decode(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                         const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,

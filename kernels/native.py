@@ -18,7 +18,7 @@ import torch
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / f for f in ("native.cpp", "quantized_linear.cpp", "paged_decode.cpp", "decode_layer.cpp")]
+SOURCES = [HERE / f for f in ("native.cpp", "int8_linear.cpp", "paged_decode.cpp", "decode_layer.cpp")]
 # fast-math: lets the compiler reassociate the attention and norm sums into vector lanes and call
 # vectorized exp (attention at batch 16 ran 1.7x faster); no input here is inf or NaN by design.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
@@ -77,8 +77,8 @@ def _load() -> bool:
 
 def _register_fakes() -> None:
     """Output shapes for tracing (a compiled decode graph calls the linear and MLP kernels)."""
-    @torch.library.register_fake("shardline_native::quantized_linear")
-    def _(x, codes, scale, lo, bits):
+    @torch.library.register_fake("shardline_native::int8_linear")
+    def _(x, codes, scale, lo):
         return x.new_empty(x.shape[0], scale.shape[0])
 
     @torch.library.register_fake("shardline_native::silu_mul")
@@ -91,12 +91,15 @@ def ops():
 
 
 def usable(t: torch.Tensor) -> bool:
-    """Whether the kernels can take this tensor's computation: float32 on the CPU, kernels built."""
-    return t.device.type == "cpu" and t.dtype == torch.float32 and (_loaded if _loaded is not None else available())
+    """Whether the kernels can take this tensor's computation: float32 on the CPU, kernels built.
+    A graph being compiled reads only whether they were loaded before (a build cannot be traced)."""
+    if _loaded is None and not torch.compiler.is_compiling():
+        available()
+    return t.device.type == "cpu" and t.dtype == torch.float32 and bool(_loaded)
 
 
 if __name__ == "__main__":  # ./setup.sh: build and choose now, on a quiet machine, not at a server's start
     from kernels.quantized import kernel_for
 
     print("Shardline CPU kernels:", "built" if available() else "unavailable (torch's kernels are used)",
-          build_folder(), "- quantized layers use", {f"int{bits}": kernel_for(bits) for bits in (4, 8)})
+          build_folder(), "- int8 layers use", kernel_for(8))

@@ -1,6 +1,6 @@
-"""Weight-only quantized linear layers, on torch's int4 CPU kernel (bf16 activations) or on
-Shardline's own (kernels/quantized_linear.cpp: int8 activations, integer dot products), whichever measures
-faster on the machine (`kernel_for`).
+"""Weight-only quantized linear layers: 4-bit ones on torch's int4 CPU kernel (bf16 activations),
+8-bit ones on it as well or on Shardline's own (kernels/int8_linear.cpp: int8 activations, integer
+dot products), whichever measures faster on the machine (`kernel_for`).
 
 Weights are held in groups of 32 along the input dimension, w = lo + scale * code:
 - int4 (16 levels). GGUF's Q4_0, Q4_1 and Q4_K blocks are such groups, so their weights are
@@ -156,33 +156,31 @@ def crossover(key: tuple, quantized, dense, in_features: int) -> int:
     return _CROSSOVERS[key]
 
 
-def _native_operands(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int):
-    """The codes, scale and lo of `native.quantized_linear` (layouts in kernels/quantized_linear.cpp)."""
-    n, k = codes.shape
-    if bits == 4:
-        c = codes.to(torch.uint8).view(n, k // GROUP, 2, 16)
-        return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous(), scale.half(), lo.half()
-    return (codes - 128).to(torch.int8).view(torch.uint8), scale.float().contiguous(), (lo + 128 * scale).float()
+def _native_operands(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor):
+    """The codes, scale and lo of `native.int8_linear` for an 8-bit grid (codes 0..254): codes
+    shifted to int8, the shift folded into lo."""
+    return (codes - 128).to(torch.int8), scale.float().contiguous(), (lo + 128 * scale).float()
 
 
 def kernel_for(bits: int) -> str:
-    """'native' or 'torch': whichever kernel multiplies one row by a `bits`-bit weight faster on
-    this machine (decode's usual case), measured on an 8192x576 layer by the first process that
-    asks and kept beside the built kernels, so that every process on the machine computes the
-    same numbers (the two differ by their activations' rounding: int8 or bf16)."""
-    if not native.available():
+    """'native' or 'torch': for 8 bits, whichever kernel multiplies one row faster on this machine
+    (decode's usual case), measured on an 8192x576 layer by the first process that asks and kept
+    beside the built kernels, so that every process on the machine computes the same numbers (the
+    two differ by their activations' rounding: int8 or bf16). 4 bits: torch's (int8_linear.cpp
+    says why ours has no 4-bit form)."""
+    if bits == 4 or not native.available():
         return "torch"
     path = native.build_folder() / f"kernel-int{bits}.txt"
     if not path.is_file():
         n, k = 8192, 576
-        codes = torch.randint(0, 16 if bits == 4 else 255, (n, k), dtype=torch.int32)
+        codes = torch.randint(0, 255, (n, k), dtype=torch.int32)
         scale, lo = torch.rand(n, k // GROUP) / 100, torch.randn(n, k // GROUP) / 10
         torch_ops = _torch_operands(codes, scale, lo, bits)
-        native_ops = _native_operands(codes, scale, lo, bits)
+        native_ops = _native_operands(codes, scale, lo)
         with torch.inference_mode():
             x = torch.randn(1, k)
             times = {"torch": _median_ms(lambda r: _torch_multiply(torch_ops, r), x, runs=21),
-                     "native": _median_ms(lambda r: native.ops().quantized_linear(r, *native_ops, bits), x, runs=21)}
+                     "native": _median_ms(lambda r: native.ops().int8_linear(r, *native_ops), x, runs=21)}
         fastest = min(times, key=times.get)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         try:
@@ -221,9 +219,10 @@ def _torch_multiply(operands: list, rows: torch.Tensor) -> torch.Tensor:
 class QuantizedLinear(nn.Module):
     """A linear layer on `bits`-bit codes in groups of 32 (w = lo + scale * code).
 
-    Two kernels can multiply it: torch's int4 CPU kernel (bf16 activations; 8 bits as two int4
-    halves) and Shardline's own (kernels/quantized_linear.cpp: int8 activations, integer dot products).
-    `kernel_for` says which, per machine; only that kernel's operands are kept. Above the rows where a dense copy measures faster (`crossover`), the copy multiplies:
+    torch's int4 CPU kernel multiplies it (bf16 activations; 8 bits as two int4 halves), or for 8
+    bits Shardline's own (kernels/int8_linear.cpp: int8 activations, integer dot products);
+    `kernel_for` says which, per machine, and only that kernel's operands are kept. Above the rows
+    where a dense copy measures faster (`crossover`), the copy multiplies:
     8-bit layers always keep one, 4-bit ones when asked (for prefill, `dense_copy`).
     `keep_rows`: keep what `rows` needs to look up weight rows (a tied embedding's)."""
 
@@ -231,9 +230,10 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.bits = bits
         self.out_features, self.in_features = linear.weight.shape
-        codes, scale, lo, self.exact = grid_groups(linear.weight.detach(), 1 << bits if bits == 4 else 255)
+        codes, scale, lo, self.exact = grid_groups(linear.weight.detach(), 16 if bits == 4 else 255)
         self.kernel = kernel_for(bits)
-        self.operands = (_native_operands if self.kernel == "native" else _torch_operands)(codes, scale, lo, bits)
+        self.operands = (_native_operands(codes, scale, lo) if self.kernel == "native"
+                         else _torch_operands(codes, scale, lo, bits))
         if keep_rows:  # rows as the kept kernel's operands hold them, or the codes as well
             self.rows_from = self.operands if self.kernel == "native" else (codes.to(torch.uint8), scale, lo)
         # as buffers too, so that the shard's weight bytes (Info) count them
@@ -248,7 +248,7 @@ class QuantizedLinear(nn.Module):
 
     def _multiply(self, kernel: str, operands, rows: torch.Tensor) -> torch.Tensor:
         if kernel == "native":
-            return native.ops().quantized_linear(rows.float(), *operands, self.bits)
+            return native.ops().int8_linear(rows.float(), *operands)
         return _torch_multiply(operands, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -262,8 +262,6 @@ class QuantizedLinear(nn.Module):
     def rows(self, tokens: torch.Tensor) -> torch.Tensor:
         """The weights' rows `tokens`, fp32 (needs keep_rows; 8-bit codes only)."""
         codes, scale, lo = self.rows_from
-        if codes.dtype == torch.uint8 and self.kernel == "native":
-            codes = codes.view(torch.int8)
         return _weights(codes.index_select(0, tokens).float(), scale.index_select(0, tokens).float(),
                         lo.index_select(0, tokens).float())
 

@@ -24,6 +24,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from kernels import native
 from kernels.attention import AttentionBatch
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class DecodeGraphs:
             self._capture_cuda()
         else:
             import torch._dynamo
+            native.available()  # built and loaded before tracing: the graphs then call its operators
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.buckets))
             self._compiled = torch.compile(self._forward, dynamic=False, fullgraph=self.whole)
             for size in tqdm(sorted(self.buckets, reverse=True), desc="decode graphs", unit="graph"):
