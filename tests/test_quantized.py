@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize as gguf_quantize
 
-from kernels import native
 from kernels.quantized import (GROUP, Int8Embedding, QuantizedLinear, _native_operands, _torch_operands, crossover, grid_groups,
                                quantize)
 from shard.config import ModelConfig
@@ -71,7 +70,7 @@ def test_quantized_layers_compute_their_weights(rows):
                      (QuantizedLinear(nn_linear(256, 96, weight=q8, bias=dense.bias), 8), q8)]:
         codes, scale, lo, _ = grid_groups(w, 16 if layer.bits == 4 else 255)
         kernels = {"torch": _torch_operands(codes, scale, lo, layer.bits)}
-        if native.available() and layer.bits == 8:  # ours has no 4-bit form
+        if layer.bits == 8:  # ours has no 4-bit form
             kernels["native"] = _native_operands(codes, scale, lo)
         for layer.kernel, layer.operands in kernels.items():  # whichever measured faster here, and the other
             for layer.max_rows in [0, 1 << 30] if layer.dense is not None else [1 << 30]:  # the dense copy too
@@ -105,10 +104,7 @@ def test_input_dimension_must_hold_whole_groups():
         QuantizedLinear(torch.nn.Linear(48, 8), 4)
 
 
-KERNELS = ["torch", "native"] if native.available() else ["torch"]
-
-
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", ["torch", "native"])
 def test_quantize_swaps_tagged_layers_keeps_hooks_and_feeds_a_tied_embedding(kernel, monkeypatch):
     monkeypatch.setattr("kernels.quantized.kernel_for", lambda bits: kernel if bits == 8 else "torch")
     cfg = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
