@@ -55,15 +55,14 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: t
     v_pages.view(-1, kv_heads, head_dim).index_copy_(0, slots, v.to(v_pages.dtype))
 
 
-def uses_flash(device: torch.device, dtype: torch.dtype, page_size: int, kv_dtype: torch.dtype | None = None) -> bool:
+def uses_flash(device: torch.device, dtype: torch.dtype, page_size: int, kv_dtype: torch.dtype) -> bool:
     """Whether attention takes flash-attn's paged path: CUDA, fp16/bf16 pages of the model's dtype,
     and pages of a multiple of 256 tokens (what its paged KV needs)."""
     return (flash_attn_with_kvcache is not None and device.type == "cuda" and page_size % 256 == 0
-            and dtype in (torch.float16, torch.bfloat16) and kv_dtype in (None, dtype))
+            and dtype in (torch.float16, torch.bfloat16) and kv_dtype == dtype)
 
 
-def decode_capturable(device: torch.device, dtype: torch.dtype, page_size: int,
-                      kv_dtype: torch.dtype | None = None) -> bool:
+def decode_capturable(device: torch.device, dtype: torch.dtype, page_size: int, kv_dtype: torch.dtype) -> bool:
     """Whether decode attention can run inside a captured graph on this device. On CUDA only
     flash-attn's paged decode can (the torch path reads context lengths on the host); on CPU the
     graph is compiled, not captured, and the torch path runs as one opaque operator."""

@@ -33,8 +33,7 @@ class FusedDecodeBlock(nn.Module):
     def __init__(self, block: nn.Module):
         super().__init__()
         self.block = block
-        attn, mlp = block.attn, block.mlp
-        linears = [attn.wqkv, attn.wo, mlp.w13, mlp.w2]
+        attn, linears = block.attn, _linears(block)
         self.max_rows = min(layer.max_rows for layer in linears)
         qk_norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm else (None, None, 0.0)
         # decode_layer's arguments before and after the step's own, in its schema's order
@@ -50,9 +49,12 @@ class FusedDecodeBlock(nn.Module):
                                          batch.slots, batch.block_tables, batch.context_lens, self.heads, self.scale)
 
 
+def _linears(block: nn.Module) -> list[nn.Module]:
+    return [block.attn.wqkv, block.attn.wo, block.mlp.w13, block.mlp.w2]
+
+
 def fusable(block: nn.Module) -> bool:
-    attn, mlp = block.attn, block.mlp
-    linears = [attn.wqkv, attn.wo, mlp.w13, mlp.w2]
+    linears = _linears(block)
     return (all(isinstance(layer, QuantizedLinear) and not layer._forward_hooks for layer in linears)
             and all(layer.bias is None for layer in linears[1:]))
 

@@ -8,6 +8,7 @@ the callers keep torch's own kernels; `SHARDLINE_NATIVE_KERNELS=0` asks for that
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -34,6 +35,7 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+@functools.cache
 def build_folder() -> Path:
     root = Path(os.environ.get("SHARDLINE_CACHE", Path.home() / ".cache" / "shardline"))
     text = " ".join([*(f.read_text() for f in [*SOURCES, HERE / "native.h"]), *FLAGS, _cpu_flags(), torch.__version__])

@@ -199,7 +199,7 @@ at::Tensor paged_decode(const at::Tensor& qkv_in, const at::Tensor& cos_in, cons
               "KV pages must be contiguous, K and V of one dtype");
   const int64_t page_size = k_pages.size(1), kv_heads = k_pages.size(2), d = k_pages.size(3);
   TORCH_CHECK(d <= 512 && d % 8 == 0, "head_dim must be a multiple of 8, at most 512");
-  at::Tensor qkv = qkv_in.contiguous().clone();
+  at::Tensor qkv = qkv_in.clone(at::MemoryFormat::Contiguous);  // normalized and rotated in place
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
   const at::Tensor slots = slots_in.to(at::kLong).contiguous();
   const at::Tensor tables = block_tables_in.to(at::kLong).contiguous();
