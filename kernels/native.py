@@ -101,7 +101,7 @@ def usable(t: torch.Tensor) -> bool:
 
 
 if __name__ == "__main__":  # ./setup.sh: build and choose now, on a quiet machine, not at a server's start
-    from kernels.quantized import kernel_for
+    from kernels.quantized import dense_kind, kernel_for
 
     print("Shardline CPU kernels:", "built" if available() else "unavailable (torch's kernels are used)",
-          build_folder(), "- int8 layers use", kernel_for(8))
+          build_folder(), "- int8 layers use", kernel_for(8), "- dense copies", dense_kind())

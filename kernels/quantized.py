@@ -107,18 +107,41 @@ def _median_ms(fn, x, runs: int = 3) -> float:
     return statistics.median(times) * 1e3
 
 
+def machine_choice(name: str, measure) -> str:
+    """`measure()`'s answer, measured once per machine by the first process that asks and kept
+    beside the built kernels: a choice that changes numerics or memory must not differ between
+    the processes of one machine (or between two starts of one server) with the noise of timing."""
+    path = native.build_folder() / f"{name}.txt"
+    if not path.is_file():
+        answer = measure()
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(answer)
+            try:
+                os.link(tmp, path)  # the first process to finish decides; the others read its answer
+            except FileExistsError:
+                pass
+            tmp.unlink()
+        except OSError:  # a read-only cache: this process's own measurement it is
+            return answer
+    return path.read_text().strip()
+
+
 @functools.cache
 def dense_kind() -> str:
-    """'bf16' or 'onednn' (fp32 in oneDNN's blocked layout): whichever multiplies a many-row step
-    faster on this machine, measured once per process at an LM-head-like shape. bf16 GEMMs are
-    fast only where the CPU computes in bf16 natively (2-core EPYC with AVX-512-bf16, SmolLM2's
-    LM head at 16 rows: bf16 ~5 ms; 2-core AVX2 EPYC: bf16 50 ms, oneDNN fp32 18 ms)."""
-    with torch.inference_mode():
-        w, x = torch.randn(8192, 576), torch.randn(16, 576)
-        w_bf16, w_onednn = w.bfloat16(), w.to_mkldnn()  # converted once: only the multiplies are timed
-        bf16 = _median_ms(lambda r: F.linear(r.bfloat16(), w_bf16), x)
-        fp32 = _median_ms(lambda r: onednn_linear(r, w_onednn), x)
-    return "bf16" if bf16 < fp32 else "onednn"
+    """'bf16' or 'onednn' (fp32 in oneDNN's blocked layout) for dense copies, per machine: bf16
+    (half the memory) unless oneDNN multiplies a 16-row step at least 10% faster, at SmolLM2's
+    LM-head shape. bf16 GEMMs are fast only where the CPU computes in bf16 natively (2-core AVX2
+    EPYC, LM head at 16 rows: bf16 50 ms, oneDNN fp32 18 ms)."""
+    def measure() -> str:
+        with torch.inference_mode():
+            w, x = torch.randn(49152, 576), torch.randn(16, 576)
+            w_bf16, w_onednn = w.bfloat16(), w.to_mkldnn()  # converted once: only the multiplies are timed
+            bf16 = _median_ms(lambda r: F.linear(r.bfloat16(), w_bf16), x, runs=11)
+            fp32 = _median_ms(lambda r: onednn_linear(r, w_onednn), x, runs=11)
+        return "onednn" if fp32 < 0.9 * bf16 else "bf16"
+    return machine_choice("dense-kind", measure)
 
 
 class DenseCopy(nn.Module):
@@ -162,39 +185,28 @@ def _native_operands(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor)
     return (codes - 128).to(torch.int8), scale.float().contiguous(), (lo + 128 * scale).float()
 
 
+@functools.cache
 def kernel_for(bits: int) -> str:
     """'native' or 'torch' for 8-bit layers: ours unless torch's multiplies one row (decode's
     usual case) at least 10% faster on this machine, since ours also serves a tied embedding from
     the same codes (torch's needs a second copy: 28 MB for SmolLM2). Measured on a layer of
-    SmolLM2's LM-head shape, larger than a 2-core EPYC's L3 as decode's weights are, by the first
-    process that asks, and kept beside the built kernels, so that every process on the machine
-    computes the same numbers (the two differ by their activations' rounding: int8 or bf16).
+    SmolLM2's LM-head shape, larger than a 2-core EPYC's L3 as decode's weights are, once per
+    machine (`machine_choice`: the two differ by their activations' rounding, int8 or bf16).
     4 bits: torch's (int8_linear.cpp says why ours has no 4-bit form)."""
     if bits == 4 or not native.available():
         return "torch"
-    path = native.build_folder() / f"kernel-int{bits}.txt"
-    if not path.is_file():
+
+    def measure() -> str:
         n, k = 49152, 576
         codes = torch.randint(0, 255, (n, k), dtype=torch.int32)
         scale, lo = torch.rand(n, k // GROUP) / 100, torch.randn(n, k // GROUP) / 10
-        torch_ops = _torch_operands(codes, scale, lo, bits)
-        native_ops = _native_operands(codes, scale, lo)
+        torch_ops, native_ops = _torch_operands(codes, scale, lo, bits), _native_operands(codes, scale, lo)
         with torch.inference_mode():
             x = torch.randn(1, k)
             times = {"torch": _median_ms(lambda r: _torch_multiply(torch_ops, r), x, runs=21),
                      "native": _median_ms(lambda r: native.ops().int8_linear(r, *native_ops), x, runs=21)}
-        fastest = "torch" if times["torch"] < 0.9 * times["native"] else "native"
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        try:
-            tmp.write_text(fastest)
-            try:
-                os.link(tmp, path)  # the first process to finish decides; the others read its answer
-            except FileExistsError:
-                pass
-            tmp.unlink()
-        except OSError:  # a read-only cache: this process's own measurement it is
-            return fastest
-    return path.read_text().strip()
+        return "torch" if times["torch"] < 0.9 * times["native"] else "native"
+    return machine_choice(f"kernel-int{bits}", measure)
 
 
 def _torch_operands(codes, scale, lo, bits: int) -> list:
