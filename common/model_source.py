@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from common.files import cache_root
 
 DEFAULT_MODEL = "smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -25,8 +26,7 @@ class ModelSource:
         """Where converted artifacts (dequantized weights, tokenizer) of this exact file live."""
         st = self.path.stat()
         key = hashlib.sha256(f"{self.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-        root = Path(os.environ.get("SHARDLINE_CACHE", Path.home() / ".cache" / "shardline"))
-        return root / f"{self.path.stem}-{key}"
+        return cache_root() / f"{self.path.stem}-{key}"
 
 
 def resolve_model(spec: str | None) -> ModelSource:
