@@ -10,6 +10,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /
 RUN if [ -n "$TORCH_INDEX" ]; then pip install --no-cache-dir "$TORCH_SPEC" --index-url "$TORCH_INDEX"; \
     else pip install --no-cache-dir "$TORCH_SPEC"; fi
 COPY pyproject.toml setup.py README.md ./
+COPY shardline shardline
 COPY common common
 COPY protos protos
 COPY router router

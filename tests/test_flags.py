@@ -1,5 +1,6 @@
 """Every numeric flag is range-checked before anything starts, and the router refuses shards
 that serve something else than it expects."""
+import argparse
 import asyncio
 import subprocess
 import sys
@@ -9,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from common.cli import build_parser, main
-from common.process import spawn_service
+from shardline.cli import build_parser, main
+from shardline.flags import SERVICES, service_flags
+from shardline.launcher import router_command, shard_command
+from shardline.processes import spawn_service
 from protos import shard_pb2
 from tests.support import ROOT, free_port, wait_for
 
@@ -37,7 +40,7 @@ def test_out_of_range_flags_exit_2_naming_the_flag(capsys, command, flag, value)
 
 
 def test_environment_values_are_checked_too():
-    done = subprocess.run([sys.executable, "-m", "common.cli", "serve"], cwd=ROOT, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "shardline.cli", "serve"], cwd=ROOT, capture_output=True, text=True,
                           env={"SHARDLINE_MAX_BATCH": "0", "PATH": "/usr/bin"}, timeout=60)
     assert done.returncode == 2 and "--max-batch" in done.stderr and "[1, 4096]" in done.stderr
 
@@ -46,6 +49,34 @@ def test_a_shard_rank_outside_its_layout_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["shard", "--tp", "2", "--tp-rank", "2", "--dist-init", "tcp://127.0.0.1:1"])
     assert exit_.value.code == 2 and "--tp-rank 2" in capsys.readouterr().err
+
+
+def _not_default(action: argparse.Action) -> str:
+    """A value the flag accepts that is not its default."""
+    if action.choices:
+        return next(c for c in action.choices if c != action.default)
+    if isinstance(action.default, (int, float)):
+        return str(action.default + (1 if isinstance(action.default, int) else 0.25))
+    return f"/somewhere/{action.dest}"
+
+
+@pytest.mark.parametrize("service", ["router", "shard"])
+def test_every_flag_serve_shares_with_a_service_reaches_it(service):
+    """`serve` passes each of its flags that the router or a shard also has on to them, derived
+    from the command line's definitions: set to something other than its default, every such flag
+    arrives with that value, so a flag added to a service's group cannot be dropped on the way."""
+    serve = argparse.ArgumentParser(add_help=False)
+    for add in SERVICES["serve"]:
+        add(serve)
+    shared = [a for a in serve._actions if a.option_strings[0][2:] in service_flags(service)]
+    argv = [part for a in shared for part in (a.option_strings[0], _not_default(a))]
+    args = build_parser().parse_args(["serve", *argv])
+    command = (shard_command(args, "unix:/tmp/s.sock", stage=0, rank=0, dist_port=29500) if service == "shard"
+               else router_command(args, ["unix:/tmp/s.sock"]))
+    got = build_parser().parse_args(command)
+    for a in shared:
+        assert getattr(got, a.dest) == getattr(args, a.dest) != a.default, a.option_strings[0]
+    assert len(shared) >= (15 if service == "shard" else 23)  # the model, parallel and own groups
 
 
 # -- the router checks what its shards serve --------------------------------------------------------

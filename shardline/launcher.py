@@ -22,18 +22,32 @@ import tempfile
 import time
 from pathlib import Path
 
-from common.process import HealthProbe, free_ports, hang_detection_s, spawn_service
+from common.process import hang_detection_s
+from shardline.flags import service_flags
+from shardline.processes import HealthProbe, free_ports, spawn_service
 
 log = logging.getLogger("shardline.launcher")
 BACKOFF_S = (1, 2, 4, 8, 16, 30)
 STABLE_S = 60.0   # a group up this long resets the restart count
 
 
-def _flags(args, names: list[str]) -> list[str]:
+def passed_on(args, command: str) -> list[str]:
+    """`serve`'s flags that the `command` service has too, with their values, as its command line."""
+    serve = set(service_flags("serve"))
     out = []
-    for name in names:
-        out += [f"--{name}", str(getattr(args, name.replace("-", "_")))]
+    for name in service_flags(command):
+        if name in serve:
+            out += [f"--{name}", str(getattr(args, name.replace("-", "_")))]
     return out
+
+
+def shard_command(args, address: str, stage: int, rank: int, dist_port: int) -> list[str]:
+    return ["shard", *passed_on(args, "shard"), "--tp-rank", str(rank), "--pp-stage", str(stage),
+            "--dist-init", f"tcp://127.0.0.1:{dist_port}", "--listen", address]
+
+
+def router_command(args, shard_addresses: list[str]) -> list[str]:
+    return ["router", *passed_on(args, "router"), "--shards", ",".join(shard_addresses)]
 
 
 def _stop(procs: list[subprocess.Popen], timeout: float, kill_first: bool = False) -> None:
@@ -49,7 +63,7 @@ def _stop(procs: list[subprocess.Popen], timeout: float, kill_first: bool = Fals
             proc.wait()
 
 
-class ShardGroup:
+class ShardProcesses:
     """The shard processes of one replica, started, checked and killed together."""
 
     def __init__(self, args, sockets: Path):
@@ -70,12 +84,7 @@ class ShardGroup:
             Path(address[len("unix:"):]).unlink(missing_ok=True)
         for n, address in enumerate(self.addresses):
             stage, rank = divmod(n, args.tp)
-            self.procs.append(spawn_service(
-                ["shard", *_flags(args, ["model", "page-size", "dtype", "kv-memory-gb", "threads", "device", "decode-graphs",
-                                         "weights", "quantize", "kv-dtype", "dense-prefill", "tp", "pp", "drain-timeout-s",
-                                         "otlp-endpoint"]),
-                 "--tp-rank", str(rank), "--pp-stage", str(stage), "--dist-init", f"tcp://127.0.0.1:{dist_port}",
-                 "--listen", address]))
+            self.procs.append(spawn_service(shard_command(args, address, stage, rank, dist_port)))
         self.probes = [HealthProbe(a) for a in self.addresses]
         self.started = time.monotonic()
         self.answered = [False] * len(self.procs)
@@ -116,17 +125,17 @@ def serve(args) -> int:
         nonlocal stopping
         stopping = True
 
+    def pause(seconds: float) -> None:
+        """Sleeps, but not past a stop request."""
+        deadline = time.monotonic() + seconds
+        while not stopping and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    group = ShardGroup(args, sockets)
+    group = ShardProcesses(args, sockets)
     group.start()
-    router = spawn_service(
-        ["router", *_flags(args, ["model", "page-size", "dtype"]), "--shards", ",".join(group.addresses),
-         *_flags(args, ["host", "port", "num-pages", "max-batch", "max-batch-tokens", "max-waiting",
-                        "shard-timeout", "step-timeout-s", "drain-timeout-s", "prefix-cache", "eviction",
-                        "slru-protected-ratio", "chunk-size", "priority-aging-s", "metrics-port",
-                        "otlp-endpoint", "api-keys-file", "tenant-max-requests", "tenant-max-waiting",
-                        "prefix-cache-sharing"])])
+    router = spawn_service(router_command(args, group.addresses))
     target = HealthProbe(f"{args.host}:{args.port}")
     ready, restarts, code = False, 0, 0
     try:
@@ -144,9 +153,7 @@ def serve(args) -> int:
                 print(f"shardline: {why}; restarting the shard group in {delay} s", file=sys.stderr, flush=True)
                 group.stop(kill=True)
                 restarts += 1
-                deadline = time.monotonic() + delay
-                while not stopping and time.monotonic() < deadline:
-                    time.sleep(0.1)
+                pause(delay)
                 if stopping:
                     break
                 group.start()
@@ -158,7 +165,7 @@ def serve(args) -> int:
                 if not ready:
                     ready = True
                     print(f"ready {args.host}:{args.port}", flush=True)
-            time.sleep(0.5)
+            pause(0.5 if ready else 0.1)  # `ready` soon after the router serves
         # Drain: the router finishes what is in flight, then exits; the shards go after it.
         router.terminate()
         try:

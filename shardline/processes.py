@@ -1,0 +1,83 @@
+"""Child services (the launcher's router and shards, and the servers that tests and benchmarks
+start): spawned so that they die with their parent, on free ports, probed for health."""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.process import FAST_RECONNECT
+
+_PR_SET_PDEATHSIG = 1
+_PARENT = "SHARDLINE_PARENT_PID"
+
+
+def spawn_service(args: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
+    """Starts `python -m shardline.cli *args` as a child that dies with this process, so even a
+    killed launcher (or test run) leaves no orphans.
+
+    The child arms its parent-death signal itself, first thing (`die_with_parent`), rather than
+    in a preexec_fn: no Python may run between fork and exec in a process whose gRPC threads are
+    running (gRPC's fork handlers were seen to abort such children). Without a preexec_fn,
+    subprocess uses vfork, and no fork handler runs at all."""
+    env = {**(os.environ if env is None else env), _PARENT: str(os.getpid())}
+    return subprocess.Popen([sys.executable, "-m", "shardline.cli", *args], env=env, **popen)
+
+
+def die_with_parent() -> None:
+    """In a child started by `spawn_service`: get SIGTERM when the parent dies."""
+    parent = os.environ.pop(_PARENT, None)
+    if parent is None:
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: the parent's own cleanup still applies
+        return
+    if os.getppid() != int(parent):  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on loopback, all held open together so none is handed out twice."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class HealthProbe:
+    """Asks the gRPC health service at `target`, over one channel kept open between probes."""
+
+    def __init__(self, target: str, credentials: grpc.ChannelCredentials | None = None):
+        self.channel = (grpc.secure_channel(target, credentials, options=FAST_RECONNECT) if credentials
+                        else grpc.insecure_channel(target, options=FAST_RECONNECT))
+        self.stub = health_pb2_grpc.HealthStub(self.channel)
+
+    def serving(self, timeout: float = 1.0) -> bool:
+        try:
+            reply = self.stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def healthy(target: str, timeout: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> bool:
+    """Whether the gRPC health service at `target` answers SERVING within `timeout`."""
+    probe = HealthProbe(target, credentials)
+    try:
+        return probe.serving(timeout)
+    finally:
+        probe.close()
