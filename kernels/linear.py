@@ -6,9 +6,9 @@ the 2-core AMD EPYC development machine, SmolLM2 fp32, a shard step in process: 
 with MKL against 44-46 ms with oneDNN, batch 8 82-96 against 69-74, batch 32 175-179 against
 142-148; a 2048-token prefill 4.1-4.4 s against 3.7-4.3 s. The arithmetic is fp32 either way.
 
-Like tensor parallelism, this is a transformation of a plain `Transformer`: `use_onednn` swaps its
-`nn.Linear` modules in place, after any TP slicing (which works on dense weights), carrying over
-the forward hooks that slicing added (the all-reduces).
+`shard.transforms.use_onednn` swaps a model's `nn.Linear` modules for these, after any TP slicing
+(which works on dense weights), carrying over the forward hooks that slicing added (the
+all-reduces).
 """
 from __future__ import annotations
 
@@ -22,7 +22,10 @@ class OneDnnLinear(nn.Module):
         # From the weight, not the module's attributes: TP slicing replaces weights only.
         self.out_features, self.in_features = linear.weight.shape
         self.register_buffer("weight", linear.weight.detach().to_mkldnn(), persistent=False)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        if linear.bias is None:
+            self.bias = None
+        else:  # a buffer, so that the shard's weight bytes count it
+            self.register_buffer("bias", linear.bias.detach(), persistent=False)
         self._forward_hooks = linear._forward_hooks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -35,19 +38,3 @@ class OneDnnLinear(nn.Module):
 def onednn_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """rows [n, K] (fp32) times a weight already in oneDNN's layout (`w.to_mkldnn()`) -> [n, N]."""
     return torch._C._nn.mkldnn_linear(rows.float().contiguous().to_mkldnn(), weight, None).to_dense()
-
-
-def use_onednn(model: nn.Module) -> int:
-    """Swaps every `nn.Linear` whose weight no other module shares (a tied LM head keeps the
-    embedding's dense weight) for a `OneDnnLinear`; returns how many were swapped."""
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            owners[id(p)] = owners.get(id(p), 0) + 1
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and owners[id(child.weight)] == 1:
-                setattr(parent, name, OneDnnLinear(child))
-                swapped += 1
-    return swapped

@@ -2,8 +2,8 @@
 
 The source is compiled on first use for the machine it runs on (`-march=native`: AVX2, and
 AVX-512 VNNI where the CPU has it), into the cache folder beside the converted weights, keyed by
-the source and the CPU's flags; `./setup.sh` builds it once so servers start without the wait.
-Where it cannot be built (no C++ compiler, a CUDA-only deployment), `available()` is False and
+the source and the CPU's flags; `./setup.sh` builds it once (`python -m kernels`), so servers
+start without the wait. Where it cannot be built (no C++ compiler, a CUDA-only deployment), `available()` is False and
 the callers keep torch's own kernels; `SHARDLINE_NATIVE_KERNELS=0` asks for that (comparisons).
 """
 from __future__ import annotations
@@ -16,6 +16,8 @@ import platform
 from pathlib import Path
 
 import torch
+
+from common.files import cache_root
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
@@ -37,10 +39,9 @@ def _cpu_flags() -> str:
 
 @functools.cache
 def build_folder() -> Path:
-    root = Path(os.environ.get("SHARDLINE_CACHE", Path.home() / ".cache" / "shardline"))
     text = " ".join([*(f.read_text() for f in [*SOURCES, HERE / "native.h"]), *FLAGS, _cpu_flags(), torch.__version__])
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
-    return root / "kernels" / key
+    return cache_root() / "kernels" / key
 
 
 _loaded: bool | None = None  # a plain global: a compiled decode graph reads it without tracing the build
@@ -98,10 +99,3 @@ def usable(t: torch.Tensor) -> bool:
     if _loaded is None and not torch.compiler.is_compiling():
         available()
     return t.device.type == "cpu" and t.dtype == torch.float32 and bool(_loaded)
-
-
-if __name__ == "__main__":  # ./setup.sh: build and choose now, on a quiet machine, not at a server's start
-    from kernels.quantized import dense_kind, kernel_for
-
-    print("Shardline CPU kernels:", "built" if available() else "unavailable (torch's kernels are used)",
-          build_folder(), "- int8 layers use", kernel_for(8), "- dense copies", dense_kind())

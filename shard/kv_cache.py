@@ -21,3 +21,7 @@ class KVPages:
         self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
                         torch.zeros(shape, dtype=dtype, device=device))
                        for _ in range(cfg.num_layers)]
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.layers for t in pair)

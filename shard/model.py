@@ -135,32 +135,3 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden)).float()
-
-    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Takes Hugging Face parameter names (what safetensors checkpoints and our GGUF loader
-        produce) and fuses q/k/v and gate/up into the matrices this module multiplies with."""
-        own = {"embed.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"],
-               "lm_head.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"])}
-        for i in range(self.cfg.num_layers):
-            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-            own[f"layers.{i}.attn_norm.weight"] = sd[p + "input_layernorm.weight"]
-            own[f"layers.{i}.mlp_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
-            own[f"layers.{i}.attn.wqkv.weight"] = torch.cat(
-                [sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"]])
-            if self.cfg.qkv_bias:
-                own[f"layers.{i}.attn.wqkv.bias"] = torch.cat(
-                    [sd[a + "q_proj.bias"], sd[a + "k_proj.bias"], sd[a + "v_proj.bias"]])
-            if self.cfg.qk_norm:
-                own[f"layers.{i}.attn.q_norm.weight"] = sd[a + "q_norm.weight"]
-                own[f"layers.{i}.attn.k_norm.weight"] = sd[a + "k_norm.weight"]
-            own[f"layers.{i}.attn.wo.weight"] = sd[a + "o_proj.weight"]
-            own[f"layers.{i}.mlp.w13.weight"] = torch.cat(
-                [sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
-            own[f"layers.{i}.mlp.w2.weight"] = sd[p + "mlp.down_proj.weight"]
-        # Own every tensor: weights read from an mmap'd checkpoint would otherwise keep the whole
-        # file mapped, and the pages already copied into fused matrices resident twice.
-        own = {k: v if k.endswith(("wqkv.weight", "wqkv.bias", "w13.weight")) else v.clone()
-               for k, v in own.items()}
-        self.load_state_dict(own, strict=True, assign=True)
-        if self.cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed.weight

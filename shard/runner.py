@@ -87,22 +87,26 @@ class ModelRunner:
         self.kv: KVPages | None = None
         self.table: SequenceTable | None = None
         self.graphs: DecodeGraphs | None = None
-        self.lm_head_calls = 0
 
     def allocate(self, num_pages: int, max_seqs: int, decode_graphs: bool = False) -> None:
         """A fresh KV pool and sequence table (whatever the shard held before is gone), and the
-        decode graphs that read them, captured now when asked for (single-stage replicas only:
-        a stage boundary's send/recv stays eager)."""
+        decode graphs that read them when asked for (`capture_decode_graphs`)."""
         self.kv = self.table = self.graphs = None  # let the old pool go before the new one is allocated
         self.kv = KVPages(self.model.cfg, num_pages, self.page_size, self.kv_dtype, self.device)
         max_pages = -(-self.max_position // self.page_size)
         self.table = SequenceTable(max_seqs, max_pages, self.kv.padding_page, self.device)
-        if decode_graphs and self.layout.pp > 1:
+        if decode_graphs:
+            self.capture_decode_graphs(max_seqs)
+
+    def capture_decode_graphs(self, max_seqs: int) -> None:
+        """Captures the decode step per batch bucket (single-stage replicas only: a stage
+        boundary's send/recv stays eager). It runs the forward pass, collectives included."""
+        if self.layout.pp > 1:
             log.warning("decode graphs are off: pipeline stages run decode eagerly")
-        elif decode_graphs and not decode_capturable(self.device, self.dtype, self.page_size, self.kv_dtype):
+        elif not decode_capturable(self.device, self.dtype, self.page_size, self.kv_dtype):
             log.warning("decode graphs are off: on CUDA they need flash-attn, fp16/bf16 and pages "
                         "of a multiple of 256 tokens")
-        elif decode_graphs:
+        else:
             self.graphs = DecodeGraphs(self.model, self.kv.layers, self.table.tables, self.table.padding_row,
                                        self.page_size, max_seqs, self.device, whole=self.layout.tp == 1)
             self.graphs.capture()
@@ -252,16 +256,16 @@ class ModelRunner:
             logprobs[i].prompt.extend(score(self.model.logits, hidden[:len(targets)], targets, s.prompt_logprobs))
         emitting = [i for i, s in enumerate(entries) if s.emit]
         if emitting:
-            self.lm_head_calls += 1
             logits = self.model.logits(last[torch.tensor(emitting, device=self.device)])
             sampled_at = [states[i].next_pos for i in emitting]
-            for row, (i, token) in enumerate(zip(emitting, sample(logits, [states[i].sampling for i in emitting],
-                                                                   sampled_at))):
-                if isinstance(token, str):
-                    out.failures[entries[i].seq_id] = token
+            draws = sample(logits, [states[i].sampling for i in emitting], sampled_at)
+            for row, (i, draw) in enumerate(zip(emitting, draws)):
+                if draw.failure is not None:
+                    out.failures[entries[i].seq_id] = draw.failure
                     self.table.release(entries[i].seq_id)
                     logprobs.pop(i, None)
                     continue
+                token = draw.token
                 out.tokens.append(token)
                 top = states[i].sampling.logprobs
                 if top is not None:

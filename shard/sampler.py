@@ -51,16 +51,27 @@ def sample_row(logits: torch.Tensor, p: SamplingParams, position: int) -> int:
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int | str]:
-    """logits [B, vocab] fp32 -> per row a token id, or a str saying why that row failed."""
+@dataclass(frozen=True)
+class Draw:
+    """One row's outcome: its token, or why the row could not be sampled."""
+
+    token: int | None = None
+    failure: str | None = None
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[Draw]:
+    """logits [B, vocab] fp32 -> one Draw per row."""
     finite = torch.isfinite(logits).all(dim=-1).tolist()
-    out: list[int | str] = logits.argmax(dim=-1).tolist()
+    greedy = logits.argmax(dim=-1).tolist()
+    out = []
     for i, p in enumerate(params):
         if not finite[i]:
-            out[i] = "the model produced non-finite logits for this sequence"
+            out.append(Draw(failure="the model produced non-finite logits for this sequence"))
         elif p.temperature > 0:
             try:
-                out[i] = sample_row(logits[i], p, positions[i])
+                out.append(Draw(sample_row(logits[i], p, positions[i])))
             except RuntimeError as e:  # a bug here must cost this request only
-                out[i] = f"sampling failed: {e}"
+                out.append(Draw(failure=f"sampling failed: {e}"))
+        else:
+            out.append(Draw(greedy[i]))
     return out

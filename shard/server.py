@@ -1,4 +1,5 @@
-"""The shard process: loads its weights, answers Info/Warmup, and runs the step stream.
+"""The shard process: serves what it loaded (shard/load.py): answers Info/Warmup, and runs the
+step stream.
 
 Failures: an invalid plan entry or a failed sampling fails that sequence alone (reported in the
 step result). An exception inside the forward pass leaves the shard's state unknown: the stream
@@ -25,23 +26,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import torch
 from opentelemetry import propagate, trace
 
-from common.model_source import resolve_model
 from common.process import exit_soon
 from common.telemetry import setup_tracing
 from common.tls import ShardTls
-from kernels import native
-from kernels.decode_layer import fuse_decode
-from kernels.linear import use_onednn
-from kernels.quantized import QuantizedLinear, quantize, weight_format
 from protos import shard_pb2, shard_pb2_grpc
-from shard.kv_cache import bytes_per_page
-from shard.parallel import Layout, init_distributed, keep_stage, shard_tensor_parallel
+from shard.load import load_shard
 from shard.runner import ModelRunner
-from shard.weights import build_model, mark_quantized
 
 log = logging.getLogger("shardline.shard")
 MAX_SEQUENCES = 4096  # sequences a shard holds at once: the top of the router's --max-batch range
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class MainThreadWork:
@@ -77,11 +70,20 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         self.work, self.tracer = work, tracer
         self._stream_lock = threading.Lock()  # one router drives a shard at a time
         self.streaming = threading.Event()    # a step stream is open
+        self.leaving: str | None = None       # why this shard is leaving its broken group
+
+    def _refuse_if_leaving(self, context) -> None:
+        """A shard that is about to exit (its group is broken) takes no new work: a router that
+        reconnects must wait for the restarted group, not warm up a dying process."""
+        if self.leaving is not None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"this shard is leaving its group: {self.leaving}")
 
     def Info(self, request, context):
+        self._refuse_if_leaving(context)
         return self.info
 
     def Warmup(self, request, context):
+        self._refuse_if_leaving(context)
         if request.num_pages < 1 or request.num_pages > self.info.max_pages:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"num_pages {request.num_pages} outside [1, {self.info.max_pages}]")
@@ -90,14 +92,27 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         if not 1 <= request.max_batch <= MAX_SEQUENCES:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"max_batch {request.max_batch} outside [1, {MAX_SEQUENCES}]")
-        self.work.call(self._warmup, request)
+        try:  # allocating can fail (memory) and be retried; the group stays as it is
+            self.work.call(self.runner.allocate, request.num_pages, request.max_batch)
+        except Exception as e:
+            log.exception("allocating the KV pool failed")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"allocating {request.num_pages} pages failed: {e!r}")
+        try:
+            self.work.call(self._warm_up, request.max_batch)
+        except Exception as e:  # inside the forward pass, as a failed step: the state is unknown
+            log.exception("warmup failed")
+            self._leave_group_soon("the warmup failed")
+            context.abort(grpc.StatusCode.INTERNAL, f"warmup failed: {e!r}")
         graphs = self.runner.graphs
         return shard_pb2.WarmupResponse(decode_graph_buckets=sorted(graphs.buckets) if graphs else [],
-                                        capture_s=graphs.capture_s if graphs else 0.0)
+                                        capture_s=graphs.capture_s if graphs else 0.0,
+                                        kv_pool_bytes=self.runner.kv.bytes)
 
-    def _warmup(self, request) -> None:
-        self.runner.allocate(request.num_pages, request.max_batch, self.decode_graphs)
-        # One prefill and one decode, so first-request latency does not pay for lazy init.
+    def _warm_up(self, max_batch: int) -> None:
+        """The decode graphs when asked for, then one prefill and one decode, so first-request
+        latency does not pay for lazy init."""
+        if self.decode_graphs:
+            self.runner.capture_decode_graphs(max_batch)
         seq = dict(seq_id=0, emit=True)
         self.runner.step(shard_pb2.StepPlan(seqs=[shard_pb2.SequenceStep(
             **seq, first=True, token_ids=[0, 1], start_pos=0, new_pages=[0], sampling=shard_pb2.Sampling(top_p=1.0))]))
@@ -106,13 +121,18 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         _trim_heap()
 
     def Steps(self, request_iterator, context):
+        self._refuse_if_leaving(context)
         if not self._stream_lock.acquire(blocking=False):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another router already drives this shard")
         self.streaming.set()
         try:
             if self.runner.kv is None:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Warmup must come before Steps")
+            closed = False
             for plan in request_iterator:
+                if plan.close:  # the stream ends cleanly next
+                    closed = True
+                    continue
                 with self._step_span(plan) as span:
                     t0 = time.perf_counter()
                     try:
@@ -131,7 +151,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                                          "shardline.step.eager_decode_steps": result.eager_decode_steps,
                                          "shardline.step.failed_sequences": len(result.failures)})
                 yield result
-            if _was_cancelled(context):
+            if not closed:  # cancelled, or the router went away
                 self._leave_group_soon("the router abandoned the step stream")
         except grpc.RpcError:  # cancelled by the router, or the router went away
             self._leave_group_soon("the router abandoned the step stream")
@@ -152,21 +172,9 @@ class ShardService(shard_pb2_grpc.ShardServicer):
 
     def _leave_group_soon(self, why: str) -> None:
         if self.grouped:
+            self.leaving = why
             log.error("%s; exiting so that the shard group restarts as a whole", why)
             exit_soon(0.5)  # time for the abort to reach the router
-
-
-def _was_cancelled(context, within_s: float = 0.5) -> bool:
-    """Whether a step stream whose requests ended was cancelled rather than closed. gRPC can end
-    the request iterator of a cancelled stream as if the client had closed it (the empty read of
-    the reset stream may be seen before the cancellation), so the cancellation is waited for a
-    moment; a clean close (a drain) pays that moment once."""
-    deadline = time.monotonic() + within_s
-    while context.is_active():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def _trim_heap() -> None:
@@ -181,64 +189,17 @@ def _trim_heap() -> None:
 def serve_shard(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    layout = Layout(tp=args.tp, pp=args.pp, tp_rank=args.tp_rank, pp_stage=args.pp_stage)
-    if args.device:
-        device = torch.device(args.device)
-    elif torch.cuda.is_available():
-        device = torch.device("cuda", layout.rank % torch.cuda.device_count())
-    else:
-        device = torch.device("cpu")
-    dtype = DTYPES[args.dtype]
-    source = resolve_model(args.model)
-    # Compiled decode graphs are kept beside the converted weights, so a restart reuses them.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(source.cache_dir / "inductor"))
-    t0 = time.perf_counter()
-    model = build_model(source, dtype, device)
-    full = model.cfg
-    if device.type == "cpu":
-        log.info("decode attention and quantized layers %s Shardline's CPU kernels",
-                 "may use" if native.available() else "use torch's kernels: could not build")
-        mark_quantized(model, source, args.weights, "" if args.quantize == "none" else args.quantize)
-    elif args.quantize != "none" or (args.weights == "native" and source.kind == "gguf"):
-        log.warning("quantized weights have CPU kernels only: serving every weight in %s", args.dtype)
-    if layout.world > 1:
-        group = init_distributed(layout, args.dist_init, device)
-        keep_stage(model, layout)
-        shard_tensor_parallel(model, layout, group)
-    quantize(model, dense_copy=args.dense_prefill == "on")
-    if device.type == "cpu":
-        log.info("%d layers decode as one operator each", fuse_decode(model))
-    cfg = model.cfg
-    log.info("loaded %s (stage %d/%d, TP rank %d/%d, %d layers) in %.1f s", source.name, layout.pp_stage,
-             layout.pp, layout.tp_rank, layout.tp, cfg.num_layers, time.perf_counter() - t0)
-    quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
-    kv_dtype = (torch.float16 if quantized else dtype) if args.kv_dtype == "auto" else DTYPES[args.kv_dtype]
-    per_page = bytes_per_page(cfg, args.page_size, kv_dtype)
-    weight_bytes = sum(t.numel() * t.element_size() for t in
-                       {id(t): t for t in (*model.parameters(), *model.buffers()) if t is not model.rotary.cos
-                        and t is not model.rotary.sin}.values())
-    info = shard_pb2.ShardInfo(
-        model=source.name, vocab_size=full.vocab_size, context_length=full.max_position,
-        page_size=args.page_size, max_pages=max(0, int(args.kv_memory_gb * 2**30 // per_page) - 1),
-        tp_rank=layout.tp_rank, tp_size=layout.tp, pp_stage=layout.pp_stage, pp_size=layout.pp,
-        dtype=args.dtype, device=str(device), eos_token_ids=full.eos_token_ids,
-        weight_bytes=weight_bytes, kv_bytes_per_page=per_page, kv_dtype=str(kv_dtype).removeprefix("torch."))
-    decode_graphs = args.decode_graphs == "on" or (args.decode_graphs == "auto" and device.type == "cuda")
-    if device.type == "cpu" and dtype == torch.float32 and not decode_graphs:
-        log.info("%d linear layers use oneDNN's weight layout", use_onednn(model))
-    formats = {name.rpartition(".")[2]: weight_format(m) for name, m in model.named_modules(remove_duplicate=False)
-               if name.rpartition(".")[2] in ("embed", "wqkv", "wo", "w13", "w2", "lm_head")}
-    info.weight_formats.update(formats)
-    log.info("weights: %s", ", ".join(f"{k} {v}" for k, v in formats.items()))
+    shard = load_shard(args)
     _trim_heap()
-    runner = ModelRunner(model, args.page_size, dtype, device, layout, full.vocab_size, full.max_position,
-                         kv_dtype=kv_dtype)
+    layout, info = shard.layout, shard.info
+    runner = ModelRunner(shard.model, args.page_size, shard.dtype, shard.device, layout, info.vocab_size,
+                         info.context_length, kv_dtype=shard.kv_dtype)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
         ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
     work = MainThreadWork()
     tracer = setup_tracing(args.otlp_endpoint, "shard", f"pp{layout.pp_stage}-tp{layout.tp_rank}",
                            {"shardline.tp_rank": layout.tp_rank, "shardline.pp_stage": layout.pp_stage})
-    service = ShardService(runner, info, grouped=layout.world > 1, decode_graphs=decode_graphs, work=work,
+    service = ShardService(runner, info, grouped=layout.world > 1, decode_graphs=shard.decode_graphs, work=work,
                            tracer=tracer)
     shard_pb2_grpc.add_ShardServicer_to_server(service, server)
     health_servicer = health.HealthServicer()  # for orchestrators: SERVING once the weights are in

@@ -4,18 +4,21 @@ A GGUF file is converted once to safetensors in the cache folder, so later start
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import os
+from typing import Collection
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 from tqdm import tqdm
 
+from common.files import publish
+from common.model_source import ModelSource
 from shard.config import ModelConfig
 from shard.model import Rotary, Transformer
-from common.model_source import ModelSource
 
 log = logging.getLogger(__name__)
 
@@ -79,29 +82,72 @@ def load_state_dict(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.T
     if weights.is_file() and config.is_file():
         return ModelConfig.from_json(config.read_text()), load_file(weights)
     cfg, sd = read_gguf(source)
-    cache.mkdir(parents=True, exist_ok=True)
-    # Shards of one replica may convert at the same time: each writes its own temporary file and
-    # renames it into place, config first, so a reader that finds the weights finds both whole.
-    config.write_text(cfg.to_json())
-    tmp = weights.with_suffix(f".{os.getpid()}.tmp")
-    save_file(sd, tmp)
-    tmp.replace(weights)
+    # Shards of one replica may convert at the same time; config first, so that a reader that
+    # finds the weights finds both whole.
+    publish(config, lambda tmp: tmp.write_text(cfg.to_json()))
+    publish(weights, lambda tmp: save_file(sd, tmp))
     return cfg, sd
+
+
+def parameter_sources(cfg: ModelConfig, available: Collection[str]) -> dict[str, list[str]]:
+    """Each parameter of a `Transformer` -> the Hugging Face tensors it is made of, concatenated
+    along the output dimension in this order: q/k/v into `wqkv`, gate/up into `w13`. A model
+    without an `lm_head.weight` among `available` ties its LM head to the embedding."""
+    embed = "model.embed_tokens.weight"
+    own = {"embed.weight": [embed], "norm.weight": ["model.norm.weight"],
+           "lm_head.weight": ["lm_head.weight" if "lm_head.weight" in available else embed]}
+    for i in range(cfg.num_layers):
+        p, a, o = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"layers.{i}."
+        own[o + "attn_norm.weight"] = [p + "input_layernorm.weight"]
+        own[o + "mlp_norm.weight"] = [p + "post_attention_layernorm.weight"]
+        own[o + "attn.wqkv.weight"] = [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
+        if cfg.qkv_bias:
+            own[o + "attn.wqkv.bias"] = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
+        if cfg.qk_norm:
+            own[o + "attn.q_norm.weight"] = [a + "q_norm.weight"]
+            own[o + "attn.k_norm.weight"] = [a + "k_norm.weight"]
+        own[o + "attn.wo.weight"] = [a + "o_proj.weight"]
+        own[o + "mlp.w13.weight"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        own[o + "mlp.w2.weight"] = [p + "mlp.down_proj.weight"]
+    return own
+
+
+def load_hf_state_dict(model: Transformer, sd: dict[str, torch.Tensor]) -> None:
+    """Fills `model` from Hugging Face-named tensors (what safetensors checkpoints and our GGUF
+    loader produce), fusing them as `parameter_sources` says."""
+    own = {}
+    for name, parts in parameter_sources(model.cfg, sd).items():
+        # Own every tensor: weights read from an mmap'd checkpoint would otherwise keep the whole
+        # file mapped, and the pages already copied into fused matrices resident twice.
+        own[name] = torch.cat([sd[t] for t in parts]) if len(parts) > 1 else sd[parts[0]].clone()
+    model.load_state_dict(own, strict=True, assign=True)
+    if model.cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+
+
+@contextlib.contextmanager
+def _uninitialized():
+    """Modules built inside leave their weights uninitialized (every one is loaded right after):
+    torch.nn.init's random fills cost seconds on a large model, and on the meta device they load
+    torch's compiler (2 s of a tiny model's start)."""
+    inits = {name: getattr(nn.init, name) for name in ("normal_", "uniform_", "kaiming_uniform_")}
+    for name in inits:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, init in inits.items():
+            setattr(nn.init, name, init)
 
 
 def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device) -> Transformer:
     cfg, sd = load_state_dict(source)
-    with torch.device("meta"):
+    with _uninitialized():
         model = Transformer(cfg)
-    model.load_hf_state_dict({k: v.to(device=device, dtype=dtype) for k, v in sd.items()})
-    with torch.device(device):
+    load_hf_state_dict(model, {k: v.to(device=device, dtype=dtype) for k, v in sd.items()})
+    with torch.device(device):  # computed where it is used, as the reference computes it
         model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position)
     return model.eval().requires_grad_(False)
-
-
-# GGUF types whose blocks are groups of 32 weights on a 4-bit grid: int4 reproduces them exactly.
-_FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}
-_FLOAT = {"F32", "F16", "BF16", "F64"}
 
 
 def gguf_types(source: ModelSource) -> dict[str, str]:
@@ -113,69 +159,5 @@ def gguf_types(source: ModelSource) -> dict[str, str]:
     if cached.is_file():
         return json.loads(cached.read_text())
     types = {hf_name(t.name): t.tensor_type.name for t in GGUFReader(str(source.path)).tensors}
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(f".{os.getpid()}.tmp")  # shards of one replica may race here
-    tmp.write_text(json.dumps(types))
-    tmp.replace(cached)
+    publish(cached, lambda tmp: tmp.write_text(json.dumps(types)))
     return types
-
-
-def mark_quantized(model: Transformer, source: ModelSource, weights: str, quantize: str) -> None:
-    """Tags each linear layer that is to be served quantized with `quant_bits` (4 or 8), for
-    `kernels.quantized.quantize` to swap after any slicing.
-
-    `weights="native"` keeps a GGUF's quantized layers quantized: 4-bit block types as int4, the
-    others as int8. `quantize` ("int4" | "int8" | "") quantizes dense layers at load: with int4 the
-    block layers take int4 and the LM head int8, whose logits suffer most from 4 bits."""
-    def parts(i: int) -> dict[str, list[str]]:
-        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-        return {f"layers.{i}.attn.wqkv": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
-                f"layers.{i}.attn.wo": [a + "o_proj.weight"],
-                f"layers.{i}.mlp.w13": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
-                f"layers.{i}.mlp.w2": [p + "mlp.down_proj.weight"]}
-
-    layers = {}
-    for i in range(model.cfg.num_layers):
-        layers.update(parts(i))
-    types = gguf_types(source) if source.kind == "gguf" and weights == "native" else {}
-    head = "lm_head.weight" if "lm_head.weight" in types else "model.embed_tokens.weight"
-    for name, tensors in [*layers.items(), ("lm_head", [head])]:
-        kinds = {types.get(t, "F32") for t in tensors}
-        if quantize == "int8" or (quantize == "int4" and name == "lm_head"):
-            bits = 8
-        elif quantize == "int4" or kinds <= _FOUR_BIT:
-            bits = 4
-        elif not kinds <= _FLOAT:
-            bits = 8
-        else:
-            continue
-        model.get_submodule(name).quant_bits = bits
-
-
-def write_hf_config(cfg: ModelConfig, path) -> None:
-    """A config.json that `transformers` reads, for reference runs over the same weights."""
-    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-    path.write_text(json.dumps({
-        "architectures": [arch[cfg.architecture]], "model_type": cfg.architecture,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim, "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "rms_norm_eps": cfg.rms_norm_eps,
-        "max_position_embeddings": cfg.max_position, "tie_word_embeddings": cfg.tie_word_embeddings,
-        "eos_token_id": cfg.eos_token_ids, "hidden_act": "silu", "torch_dtype": "float32",
-    }))
-
-
-def transformers_model(source: ModelSource, folder):
-    """`transformers`' own model class over exactly the weights Shardline serves (a GGUF
-    dequantized as the shard does it): the reference for parity tests and the peer in benchmarks.
-    `folder` receives the config.json it is built from."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg, sd = load_state_dict(source)
-    write_hf_config(cfg, folder / "config.json")
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
-    model.load_state_dict(sd, strict=False)
-    model.tie_weights()
-    return model.eval()

@@ -2,7 +2,8 @@
 import torch
 from torch import nn
 
-from kernels.linear import OneDnnLinear, use_onednn
+from kernels.linear import OneDnnLinear
+from shard.transforms import use_onednn
 
 
 def test_onednn_linear_computes_what_nn_linear_computes():

@@ -98,13 +98,13 @@ def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch):
     """Qwen3-like blocks (q/k norms, a qkv bias): the fused layer's output and K/V writes equal the
     block's own, for every kernel and width a layer may be loaded with; prefill and batches above
     the layers' dense-copy crossover run the block itself."""
-    from kernels.decode_layer import FusedDecodeBlock, fuse_decode
-    from kernels.quantized import quantize
+    from kernels.operands import Kernel
     from shard.config import ModelConfig
     from shard.kv_cache import KVPages
     from shard.model import Transformer
+    from shard.transforms import FusedDecodeBlock, fuse_decode, quantize
 
-    monkeypatch.setattr("kernels.quantized.kernel_for", lambda b: kernel)
+    monkeypatch.setattr("kernels.quantized.kernel_for", lambda b: Kernel(kernel))
     torch.manual_seed(bits)
     cfg = ModelConfig(architecture="qwen3", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,

@@ -10,10 +10,13 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize as gguf_quantize
 
-from kernels.quantized import (GROUP, Int8Embedding, QuantizedLinear, _native_operands, _torch_operands, crossover, grid_groups,
-                               quantize)
+from kernels import choice
+from kernels.grid import GROUP, grid_groups
+from kernels.operands import Kernel, native_operands, torch_operands
+from kernels.quantized import Int8Embedding, QuantizedLinear
 from shard.config import ModelConfig
 from shard.model import Transformer
+from shard.transforms import quantize
 
 
 def _gguf_roundtrip(w: torch.Tensor, qtype) -> torch.Tensor:
@@ -69,9 +72,9 @@ def test_quantized_layers_compute_their_weights(rows):
                      (QuantizedLinear(nn_linear(256, 96, weight=q4, bias=dense.bias), 4, dense_copy=True), q4),
                      (QuantizedLinear(nn_linear(256, 96, weight=q8, bias=dense.bias), 8), q8)]:
         codes, scale, lo, _ = grid_groups(w, 16 if layer.bits == 4 else 255)
-        kernels = {"torch": _torch_operands(codes, scale, lo, layer.bits)}
+        kernels = {Kernel.TORCH: torch_operands(codes, scale, lo, layer.bits)}
         if layer.bits == 8:  # ours has no 4-bit form
-            kernels["native"] = _native_operands(codes, scale, lo)
+            kernels[Kernel.NATIVE] = native_operands(codes, scale, lo)
         for layer.kernel, layer.operands in kernels.items():  # whichever measured faster here, and the other
             for layer.max_rows in [0, 1 << 30] if layer.dense is not None else [1 << 30]:  # the dense copy too
                 got = layer(x)
@@ -81,12 +84,29 @@ def test_quantized_layers_compute_their_weights(rows):
                 assert (got - want).abs().max() <= 1e-2 * want.abs().max(), (layer.bits, layer.kernel, layer.max_rows)
 
 
-def test_the_crossover_is_the_last_row_count_before_the_dense_kernel_measures_faster():
+@pytest.fixture
+def machine_folder(tmp_path, monkeypatch):
+    """A machine whose choices are not measured yet."""
+    monkeypatch.setattr(choice.native, "build_folder", lambda: tmp_path)
+    return tmp_path
+
+
+def test_the_crossover_is_the_last_row_count_before_the_dense_kernel_measures_faster(machine_folder):
     def slow_above(n):  # quantized: free up to n rows, then slower than dense
         return lambda x: time.sleep(0.002 if x.shape[0] > n else 0)
-    assert crossover(("test", 1), slow_above(4), lambda x: time.sleep(0.001), 8) == 4
-    assert crossover(("test", 2), slow_above(0), lambda x: time.sleep(0.001), 8) == 0
-    assert crossover(("test", 3), slow_above(1 << 20), lambda x: time.sleep(0.001), 8) >= 1 << 20
+    assert choice.crossover("test-1", slow_above(4), lambda x: time.sleep(0.001), 8) == 4
+    assert choice.crossover("test-2", slow_above(0), lambda x: time.sleep(0.001), 8) == 0
+    assert choice.crossover("test-3", slow_above(1 << 20), lambda x: time.sleep(0.001), 8) >= 1 << 20
+
+
+def test_the_crossover_is_measured_once_per_machine(machine_folder):
+    """Two processes (or two starts of one server) compute a batch with the same kernel: the
+    second reads the first one's answer, whatever its own timing would say."""
+    def slow_above(n):
+        return lambda x: time.sleep(0.002 if x.shape[0] > n else 0)
+    assert choice.crossover("layer", slow_above(4), lambda x: time.sleep(0.001), 8) == 4
+    assert choice.crossover("layer", slow_above(0), lambda x: time.sleep(0.001), 8) == 4
+    assert (machine_folder / "crossover-layer.txt").read_text() == "4"
 
 
 def nn_linear(k, n, weight=None, bias=None):
@@ -104,9 +124,9 @@ def test_input_dimension_must_hold_whole_groups():
         QuantizedLinear(torch.nn.Linear(48, 8), 4)
 
 
-@pytest.mark.parametrize("kernel", ["torch", "native"])
+@pytest.mark.parametrize("kernel", list(Kernel), ids=[k.value for k in Kernel])
 def test_quantize_swaps_tagged_layers_keeps_hooks_and_feeds_a_tied_embedding(kernel, monkeypatch):
-    monkeypatch.setattr("kernels.quantized.kernel_for", lambda bits: kernel if bits == 8 else "torch")
+    monkeypatch.setattr("kernels.quantized.kernel_for", lambda bits: kernel if bits == 8 else Kernel.TORCH)
     cfg = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
                       rms_norm_eps=1e-5, max_position=64, tie_word_embeddings=True, eos_token_ids=[0])

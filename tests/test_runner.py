@@ -40,15 +40,19 @@ def test_intermediate_chunks_compute_no_logits_and_write_the_same_kv(model):
     prompt = list(range(300, 341))  # 41 tokens over pages of 8
 
     def run(chunks: list[int]):
-        runner, pos, tokens = _runner(model), 0, []
-        for i, n in enumerate(chunks):
-            emit = pos + n == len(prompt)
-            step = (_first(1, prompt[:n], list(range(6)), emit=emit) if i == 0 else
-                    _next(1, prompt[pos:pos + n], pos, emit=emit))
-            tokens += runner.step(_plan(step)).tokens
-            pos += n
+        runner, pos, tokens, lm_head_calls = _runner(model), 0, [], []
+        hook = model.lm_head.register_forward_hook(lambda *_: lm_head_calls.append(1))
+        try:
+            for i, n in enumerate(chunks):
+                emit = pos + n == len(prompt)
+                step = (_first(1, prompt[:n], list(range(6)), emit=emit) if i == 0 else
+                        _next(1, prompt[pos:pos + n], pos, emit=emit))
+                tokens += runner.step(_plan(step)).tokens
+                pos += n
+        finally:
+            hook.remove()
         kv = torch.stack([k[:6] for k, _ in runner.kv.layers])
-        return tokens, runner.lm_head_calls, kv
+        return tokens, len(lm_head_calls), kv
 
     whole_tokens, whole_calls, whole_kv = run([41])
     chunk_tokens, chunk_calls, chunk_kv = run([7, 7, 7, 7, 7, 5, 1])  # a one-token final tail

@@ -3,23 +3,27 @@ import torch
 from shard.sampler import SamplingParams, sample
 
 
+def tokens(logits, params, positions) -> list[int]:
+    return [draw.token for draw in sample(logits, params, positions)]
+
+
 def test_greedy_is_argmax_and_degenerate_filters_are_greedy():
     torch.manual_seed(0)
     logits = torch.randn(6, 100)
     best = logits.argmax(-1).tolist()
-    assert sample(logits, [SamplingParams()] * 6, list(range(6))) == best
+    assert tokens(logits, [SamplingParams()] * 6, list(range(6))) == best
     top1 = [SamplingParams(temperature=1.0, top_k=1, seed=i) for i in range(6)]
-    assert sample(logits, top1, list(range(6))) == best
+    assert tokens(logits, top1, list(range(6))) == best
     tiny_p = [SamplingParams(temperature=1.0, top_p=1e-6, seed=i) for i in range(6)]
-    assert sample(logits, tiny_p, list(range(6))) == best
+    assert tokens(logits, tiny_p, list(range(6))) == best
 
 
 def test_top_k_and_top_p_restrict_the_support():
     logits = torch.tensor([[5.0, 4.0, 3.0, -1.0, -2.0]])
-    seen_k = {sample(logits, [SamplingParams(temperature=5.0, top_k=2, seed=s)], [0])[0] for s in range(200)}
+    seen_k = {tokens(logits, [SamplingParams(temperature=5.0, top_k=2, seed=s)], [0])[0] for s in range(200)}
     assert seen_k == {0, 1}
     # probabilities at t=1: ~.66 .24 .09 ...; top_p .8 keeps the first two only
-    seen_p = {sample(logits, [SamplingParams(temperature=1.0, top_p=0.8, seed=s)], [0])[0] for s in range(300)}
+    seen_p = {tokens(logits, [SamplingParams(temperature=1.0, top_p=0.8, seed=s)], [0])[0] for s in range(300)}
     assert seen_p == {0, 1}
 
 
@@ -27,10 +31,10 @@ def test_seeded_draw_depends_on_seed_and_position_only():
     torch.manual_seed(1)
     logits = torch.randn(3, 50)
     p = SamplingParams(temperature=1.0, seed=1234)
-    alone = sample(logits[1:2], [p], [17])
-    batched = sample(logits, [SamplingParams(temperature=0.7, seed=9), p, SamplingParams()], [3, 17, 5])
+    alone = tokens(logits[1:2], [p], [17])
+    batched = tokens(logits, [SamplingParams(temperature=0.7, seed=9), p, SamplingParams()], [3, 17, 5])
     assert batched[1] == alone[0]
-    draws = {tuple(sample(logits, [SamplingParams(temperature=2.0, seed=s)] * 3, [0, 1, 2])) for s in range(20)}
+    draws = {tuple(tokens(logits, [SamplingParams(temperature=2.0, seed=s)] * 3, [0, 1, 2])) for s in range(20)}
     assert len(draws) > 1
 
 
@@ -39,17 +43,17 @@ def test_every_value_validation_accepts_samples_safely():
     logits = torch.randn(4, 1000) * 5
     best = logits.argmax(-1).tolist()
     tiny = [1e-39, 1.4e-45, 1e-30, 1e-6]  # float32 denormals included: greedy, exactly
-    assert sample(logits, [SamplingParams(temperature=t, seed=2**64 - 1) for t in tiny], [0, 1, 2, 3]) == best
+    assert tokens(logits, [SamplingParams(temperature=t, seed=2**64 - 1) for t in tiny], [0, 1, 2, 3]) == best
     tiny_p = [SamplingParams(temperature=1.0, top_p=p, top_k=2**32 - 1, seed=s)
               for s, p in enumerate([1.4e-45, 1e-30, 1e-6, 1e-3])]
-    assert sample(logits, tiny_p, [0, 1, 2, 3]) == best
-    huge = {sample(logits[:1], [SamplingParams(temperature=3.4e38, seed=s)], [0])[0] for s in range(50)}
+    assert tokens(logits, tiny_p, [0, 1, 2, 3]) == best
+    huge = {tokens(logits[:1], [SamplingParams(temperature=3.4e38, seed=s)], [0])[0] for s in range(50)}
     assert len(huge) > 40  # a huge temperature is uniform over the vocabulary
 
 
 def test_ties_at_a_tiny_temperature_are_broken_by_the_seed():
     logits = torch.tensor([[1.0, 3.0, 3.0, -2.0]])
-    seen = {sample(logits, [SamplingParams(temperature=1e-39, seed=s)], [0])[0] for s in range(40)}
+    seen = {tokens(logits, [SamplingParams(temperature=1e-39, seed=s)], [0])[0] for s in range(40)}
     assert seen == {1, 2}
 
 
@@ -57,5 +61,5 @@ def test_a_row_with_non_finite_logits_fails_alone():
     logits = torch.randn(3, 50)
     logits[1, 7] = float("nan")
     out = sample(logits, [SamplingParams(), SamplingParams(temperature=1.0, seed=1), SamplingParams()], [0, 0, 0])
-    assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
-    assert isinstance(out[1], str) and "non-finite" in out[1]
+    assert out[0].token == logits[0].argmax() and out[2].token == logits[2].argmax()
+    assert out[1].token is None and "non-finite" in out[1].failure
