@@ -19,13 +19,15 @@ from common.model_source import resolve_model
 from common.process import exit_soon
 from common.telemetry import setup_tracing
 from common.tls import ShardTls, server_credentials
-from common.tokenizer_files import tokenizer_folder
+from router.admission import Admission
 from router.auth import ApiKeys
 from router.metrics import Metrics
 from router.replica import Replica
 from router.server import SERVICE, GenerationService, add_services
 from router.shard_client import ShardGroup
+from router.stats import StatsCounters
 from router.tokenizer import TextCodec
+from router.tokenizer_files import tokenizer_folder
 from router.tracing import Tracing
 
 log = logging.getLogger("shardline.router")
@@ -55,8 +57,9 @@ async def serve_router(args) -> int:
                         credentials=shard_tls.channel() if shard_tls else None)
     tracer = setup_tracing(args.otlp_endpoint, "router", f"router:{args.port}")
     tracing = Tracing(tracer, source.name) if tracer is not None else None
+    stats = StatsCounters()
     metrics = Metrics() if args.metrics_port else None
-    replica = Replica(args, source.name, shards, codec, on_serving, [o for o in (metrics, tracing) if o])
+    replica = Replica(args, source.name, shards, codec, on_serving, [o for o in (stats, metrics, tracing) if o])
     if metrics is not None:
         metrics.watch(replica)
         metrics.serve(args.metrics_port, args.host)
@@ -65,9 +68,9 @@ async def serve_router(args) -> int:
         keys = ApiKeys.load(args.api_keys_file) if args.api_keys_file else None
     except (OSError, ValueError) as e:
         raise SystemExit(f"--api-keys-file: {e}") from None
-    add_services(server, GenerationService(replica, args.max_waiting, tracing, keys, args.tenant_max_requests,
-                                           args.tenant_max_waiting, args.prefix_cache_sharing == "all"),
-                 health_servicer)
+    admission = Admission(replica, args.max_waiting, args.tenant_max_requests, args.tenant_max_waiting,
+                          share_cache=args.prefix_cache_sharing == "all")
+    add_services(server, GenerationService(replica, admission, stats, tracing, keys), health_servicer)
     if bool(args.tls_cert_file) != bool(args.tls_key_file) or (args.tls_client_ca_file and not args.tls_cert_file):
         raise SystemExit("--tls-cert-file and --tls-key-file go together (and --tls-client-ca-file needs them)")
     port = (server.add_secure_port(address, server_credentials(args.tls_cert_file, args.tls_key_file,

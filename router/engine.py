@@ -19,12 +19,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 
 from protos import shard_pb2
-from router.metrics import RequestEvents
-from router.scheduler import Scheduler, Step
-from router.sequence import Failure, Output, Sequence, Status
+from router.events import RequestEvents
+from router.scheduler import Phase, Scheduler, Step
+from router.sequence import Ending, Failure, FinishReason, Output, Sequence, Status
 from router.shard_client import ShardError, ShardGroup
 from router.stop_strings import StopMatcher
 from router.tokenizer import Detokenizer, TextCodec
@@ -37,19 +36,13 @@ class Engine:
                  observers: list[RequestEvents] = ()):
         self.scheduler, self.shards, self.codec = scheduler, shards, codec
         self.max_position = max_position
-        self.observers = list(observers)  # metrics and traces: told every request's and step's events
+        self.observers = list(observers)  # Stats, metrics and traces: told every request's and step's events
         self._wake = asyncio.Event()
         self._text: dict[int, tuple[Detokenizer, StopMatcher]] = {}
         self._cancelled: set[Sequence] = set()
         self._announced: dict[int, int] = {}   # seq_id -> pages the shards hold for it
         self._released: list[int] = []         # seq_ids the next plan releases
         self.step_id = 0
-        self.tokens_generated = 0
-        self.prompt_tokens_computed = 0
-        self.requests_failed = 0
-        self.decode_graph_launches = self.eager_decode_steps = 0   # summed over the shards
-        # Recent decode steps as (router wall ms, shard compute ms).
-        self.decode_step_times: deque[tuple[float, float]] = deque(maxlen=512)
 
     def submit(self, seq: Sequence, stops: list[str]) -> None:
         self._text[seq.seq_id] = (self.codec.stream(), StopMatcher(stops))
@@ -81,7 +74,7 @@ class Engine:
 
     async def _execute(self, step: Step) -> shard_pb2.StepResult:
         self.step_id += 1
-        if step.phase == "admit":
+        if step.phase is Phase.ADMIT:
             now = time.monotonic()
             for seq in step.seqs:
                 seq.admitted_at = now
@@ -112,13 +105,9 @@ class Engine:
             for o in self.observers:
                 o.step_failed(self.step_id, step, e)
             raise
-        wall_ms = (time.perf_counter() - t0) * 1e3
+        wall_s = time.perf_counter() - t0
         for o in self.observers:
-            o.step_done(self.step_id, step, result, wall_ms / 1e3)
-        self.decode_graph_launches += result.graph_launches
-        self.eager_decode_steps += result.eager_decode_steps
-        if not step.is_prefill:
-            self.decode_step_times.append((wall_ms, result.compute_ms))
+            o.step_done(self.step_id, step, result, wall_s)
         failed = {f.seq_id for f in result.failures}
         want = sum(1 for seq, emit in zip(step.seqs, step.emits) if emit and seq.seq_id not in failed)
         if len(result.tokens) != want:
@@ -128,9 +117,7 @@ class Engine:
     def _apply(self, step: Step, result: shard_pb2.StepResult, failed: dict[int, str]) -> None:
         sampled = iter(result.tokens)
         logprobs = {entry.seq_id: entry for entry in result.logprobs}
-        for seq, inputs, emit in zip(step.seqs, step.inputs, step.emits):
-            if step.is_prefill:
-                self.prompt_tokens_computed += len(inputs)
+        for seq, emit in zip(step.seqs, step.emits):
             if seq.seq_id in failed:
                 self.fail(seq, Failure("INTERNAL", f"the shard could not serve this request: {failed[seq.seq_id]}"))
                 continue
@@ -163,7 +150,6 @@ class Engine:
     def _emit(self, seq: Sequence, token: int, logprobs: list) -> None:
         first = not seq.output_ids
         seq.output_ids.append(token)
-        self.tokens_generated += 1
         seq.previous_token_at, seq.last_token_at = seq.last_token_at, time.monotonic()
         if first:
             seq.first_token_at = seq.last_token_at
@@ -172,21 +158,21 @@ class Engine:
         detok, stops = self._text[seq.seq_id]
         is_eos = token in seq.stop_token_ids
         text, stopped = stops.feed("" if is_eos else detok.push(token))
-        reason = ("stop" if stopped else "eos" if is_eos else
-                  "length" if len(seq.output_ids) >= seq.max_new_tokens
-                  or seq.num_tokens >= self.max_position else "")
+        reason = (FinishReason.STOP if stopped else FinishReason.EOS if is_eos else
+                  FinishReason.LENGTH if len(seq.output_ids) >= seq.max_new_tokens
+                  or seq.num_tokens >= self.max_position else None)
         if reason and not stopped:
             rest, stopped = stops.flush()
-            text, reason = text + rest, "stop" if stopped else reason
+            text, reason = text + rest, FinishReason.STOP if stopped else reason
         seq.outputs.put_nowait(Output([token], text, reason, logprobs=logprobs,
                                       prompt_logprobs=seq.prompt_scores if first else []))
         if reason:
             self._finish(seq, reason)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, end: Ending) -> None:
         if seq.status is not Status.FINISHED:
             for o in self.observers:
-                o.finished(seq, reason)
+                o.finished(seq, end)
         self.scheduler.finish(seq)
         self._text.pop(seq.seq_id, None)
         if self._announced.pop(seq.seq_id, None) is not None:
@@ -196,9 +182,8 @@ class Engine:
         """Ends one request with a status; its pages go back at once (call between steps only)."""
         if seq.status is Status.FINISHED:
             return
-        self.requests_failed += 1
         try:
-            self._finish(seq, failure.code.lower())
+            self._finish(seq, failure)
         finally:  # whatever state the failure left, the client hears of it
             seq.outputs.put_nowait(Output([], "", failure=failure))
 
@@ -213,6 +198,6 @@ class Engine:
     def _drop_cancelled(self) -> None:
         for seq in self._cancelled:
             if seq.status is not Status.FINISHED:
-                self._finish(seq, "cancelled")
-                seq.outputs.put_nowait(Output([], "", "cancelled"))
+                self._finish(seq, FinishReason.CANCELLED)
+                seq.outputs.put_nowait(Output([], "", FinishReason.CANCELLED))
         self._cancelled.clear()

@@ -13,7 +13,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from router.sequence import Sequence
+from router.events import RequestEvents
+from router.sequence import Ending, Sequence, ending_label
 
 # Buckets in seconds, from vLLM's: first tokens and whole requests take seconds on a CPU, a token
 # or a step tens of milliseconds.
@@ -21,20 +22,6 @@ LATENCY_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
              10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 REQUEST_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
              240.0, 480.0, 960.0)
-
-
-class RequestEvents:
-    """What the engine tells its observers (metrics, traces), all on the engine's event loop.
-    A request is queued, admitted (or finished while waiting), gets tokens, and is finished
-    once, with a reason: stop, eos, length, cancelled, or a failure's status code in lower case."""
-
-    def queued(self, seq: Sequence) -> None: ...
-    def admitted(self, seq: Sequence) -> None: ...
-    def token(self, seq: Sequence, first: bool) -> None: ...
-    def finished(self, seq: Sequence, reason: str) -> None: ...
-    def step_started(self, step_id: int, step, plan) -> None: ...
-    def step_done(self, step_id: int, step, result, wall_s: float) -> None: ...
-    def step_failed(self, step_id: int, step, error: BaseException) -> None: ...
 
 
 class Metrics(RequestEvents):
@@ -77,7 +64,7 @@ class Metrics(RequestEvents):
     def admitted(self, seq: Sequence) -> None:
         self.queue_time.observe(seq.admitted_at - seq.arrival)
         self.prompt_tokens.inc(len(seq.prompt_ids))
-        self.cache_queries.inc(len(seq.prompt_ids))  # as Stats counts them (a scored prompt hits 0)
+        self.cache_queries.inc(len(seq.prompt_ids))  # as the page pool counts them (a scored prompt hits 0)
         self.cache_hits.inc(seq.cached_prompt_tokens)
 
     def token(self, seq: Sequence, first: bool) -> None:
@@ -88,15 +75,15 @@ class Metrics(RequestEvents):
         else:
             self.itl.observe(seq.last_token_at - seq.previous_token_at)
 
-    def finished(self, seq: Sequence, reason: str) -> None:
-        self.finished_requests.labels(reason).inc()
+    def finished(self, seq: Sequence, end: Ending) -> None:
+        self.finished_requests.labels(ending_label(end)).inc()
         if seq.last_token_at is not None:
             self.e2e.observe(seq.last_token_at - seq.arrival)
             self.decode_time.observe(seq.last_token_at - seq.first_token_at)
 
     def step_done(self, step_id: int, step, result, wall_s: float) -> None:
-        self.step_time.labels(step.phase).observe(wall_s)
-        self.shard_step_time.labels(step.phase).observe(result.compute_ms / 1e3)
+        self.step_time.labels(step.phase.value).observe(wall_s)
+        self.shard_step_time.labels(step.phase.value).observe(result.compute_ms / 1e3)
 
 
 class _AtScrape:

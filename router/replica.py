@@ -65,7 +65,8 @@ class Replica:
             raise ShardError(f"the shards have room for {capacity} pages; raise --kv-memory-gb")
         warmups = await self.shards.warmup(num_pages, args.max_batch)
         buckets = {tuple(w.decode_graph_buckets) for w in warmups}
-        if len(buckets) > 1:
+        if len(buckets) > 1:  # every shard opened its step stream: the next attempt must find them closed
+            await self.shards.close_streams(abandon=False)
             raise ShardError(f"the shards captured different decode graph buckets: {sorted(buckets)}")
         self.info = pb.InfoResponse(
             model=head.model, page_size=head.page_size, num_pages=num_pages,
@@ -75,7 +76,7 @@ class Replica:
             slru_protected_ratio=args.slru_protected_ratio, chunk_size=args.chunk_size,
             max_batch_tokens=args.max_batch_tokens, step_timeout_s=args.step_timeout_s,
             drain_timeout_s=args.drain_timeout_s, shard_weight_bytes=max(i.weight_bytes for i in infos),
-            shard_kv_pool_bytes=max(i.kv_bytes_per_page for i in infos) * (num_pages + 1),
+            shard_kv_pool_bytes=max(w.kv_pool_bytes for w in warmups),
             decode_graphs=bool(warmups[0].decode_graph_buckets), decode_graph_buckets=warmups[0].decode_graph_buckets,
             decode_graph_capture_s=max(w.capture_s for w in warmups),
             weight_formats={k: v for i in infos for k, v in i.weight_formats.items()}, kv_dtype=head.kv_dtype)

@@ -20,27 +20,35 @@ Priority orders only admission. A waiting request's effective priority grows by 
 """
 from __future__ import annotations
 
+import enum
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Collection
 
 from router.page_manager import PageManager
 from router.sequence import Sequence, Status
 
-PHASES = ("decode", "continue", "admit")
+
+class Phase(enum.Enum):
+    DECODE = "decode"
+    CONTINUE = "continue"
+    ADMIT = "admit"
+
+
+PHASES = list(Phase)  # the rotation's order
 
 
 @dataclass
 class Step:
-    phase: str
-    seqs: list[Sequence]
-    inputs: list[list[int]]       # per sequence, the tokens this step computes
-    emits: list[bool]             # per sequence, whether this step samples its next token
+    phase: Phase
+    seqs: list[Sequence] = field(default_factory=list)
+    inputs: list[list[int]] = field(default_factory=list)  # per sequence, the tokens this step computes
+    emits: list[bool] = field(default_factory=list)        # per sequence, whether it samples its next token
 
     @property
     def is_prefill(self) -> bool:
-        return self.phase != "decode"
+        return self.phase is not Phase.DECODE
 
 
 class Scheduler:
@@ -74,23 +82,26 @@ class Scheduler:
     def schedule(self) -> Step | None:
         for i in range(len(PHASES)):
             phase = (self._next_phase + i) % len(PHASES)
-            step = getattr(self, "_" + PHASES[phase])()
+            step = self._step_of(PHASES[phase])
             if step is not None:
                 self._next_phase = (phase + 1) % len(PHASES)
                 return step
         return None
 
     # -- phases -----------------------------------------------------------------------------------
+    def _step_of(self, phase: Phase) -> Step | None:
+        return {Phase.DECODE: self._decode, Phase.CONTINUE: self._continue, Phase.ADMIT: self._admit}[phase]()
+
     def _decode(self) -> Step | None:
         if not self.decoding:
             return None
         for seq in self.decoding:
             self._grow(seq, seq.num_tokens)
         seqs = list(self.decoding)
-        return Step("decode", seqs, [s.output_ids[-1:] for s in seqs], [True] * len(seqs))
+        return Step(Phase.DECODE, seqs, [s.output_ids[-1:] for s in seqs], [True] * len(seqs))
 
     def _continue(self) -> Step | None:
-        step, budget = Step("continue", [], [], []), self.max_batch_tokens
+        step, budget = Step(Phase.CONTINUE), self.max_batch_tokens
         for _ in range(len(self.prefilling)):
             seq = self.prefilling[0]
             n = self._chunk(seq, budget, first=not step.seqs)
@@ -102,7 +113,7 @@ class Scheduler:
         return step if step.seqs else None
 
     def _admit(self) -> Step | None:
-        pages, step, budget = self.pages, Step("admit", [], [], []), self.max_batch_tokens
+        pages, step, budget = self.pages, Step(Phase.ADMIT), self.max_batch_tokens
         while self.waiting and len(self.prefilling) + len(self.decoding) < self.max_batch:
             seq = self._most_urgent()
             if seq.prompt_hashes is None:
@@ -163,7 +174,7 @@ class Scheduler:
                 continue
             seq.num_computed += len(inputs)
             self._publish(seq)
-            if step.phase != "decode" and seq.num_computed == len(seq.prompt_ids) \
+            if step.is_prefill and seq.num_computed == len(seq.prompt_ids) \
                     and seq.status is Status.RUNNING:
                 self.prefilling.remove(seq)
                 self.decoding.append(seq)

@@ -13,6 +13,15 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+class FinishReason(enum.Enum):
+    """Why a request ended, when it did not fail (a `Failure` says why it did)."""
+
+    STOP = "stop"            # a stop string matched
+    EOS = "eos"              # the model's end-of-sequence token
+    LENGTH = "length"        # max_new_tokens, or the model's context
+    CANCELLED = "cancelled"  # by its client
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 0.0
@@ -29,13 +38,21 @@ class Failure:
     message: str
 
 
+Ending = FinishReason | Failure
+
+
+def ending_label(end: Ending) -> str:
+    """A finish reason's value, or a failure's status code in lower case ("internal")."""
+    return end.code.lower() if isinstance(end, Failure) else end.value
+
+
 @dataclass(frozen=True)
 class Output:
     """What a step produced for one request; `finish_reason` or `failure` set on the last one."""
 
     token_ids: list[int]
     text: str = ""
-    finish_reason: str = ""
+    finish_reason: FinishReason | None = None
     failure: Failure | None = None
     logprobs: list = field(default_factory=list)         # shard TokenLogprobs, one per token
     prompt_logprobs: list = field(default_factory=list)  # on the first output, when asked for

@@ -70,8 +70,9 @@ class ShardClient:
         return result
 
     async def close_stream(self, abandon: bool) -> None:
-        """Ends the step stream: cleanly (the shard keeps its state and may be driven again), or
-        by cancelling it (a shard of a multi-rank group then exits, to be restarted with it)."""
+        """Ends the step stream: cleanly, after a closing plan (the shard keeps its state and may
+        be driven again), or by cancelling it (a shard of a multi-rank group then exits, to be
+        restarted with it)."""
         stream, self._stream = self._stream, None
         if stream is None:
             return
@@ -79,6 +80,7 @@ class ShardClient:
             stream.cancel()
             return
         try:
+            await asyncio.wait_for(stream.write(shard_pb2.StepPlan(close=True)), 5)
             await asyncio.wait_for(stream.done_writing(), 5)
             await asyncio.wait_for(stream.code(), 5)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, asyncio.TimeoutError):
@@ -122,10 +124,18 @@ class ShardGroup:
         return infos
 
     async def warmup(self, num_pages: int, max_batch: int) -> list[shard_pb2.WarmupResponse]:
-        try:
-            return list(await asyncio.gather(*(s.warmup(num_pages, max_batch) for s in self.shards)))
-        except grpc.aio.AioRpcError as e:
+        """Every shard's warmup, waited for to the end: a shard that warmed up while another did
+        not has opened its step stream, which is closed again (cleanly: it keeps its state), or
+        the next attempt would find it open."""
+        answers = await asyncio.gather(*(s.warmup(num_pages, max_batch) for s in self.shards), return_exceptions=True)
+        failed = [a for a in answers if isinstance(a, BaseException)]
+        if not failed:
+            return list(answers)
+        await self.close_streams(abandon=False)
+        e = failed[0]
+        if isinstance(e, grpc.aio.AioRpcError):
             raise ShardError(f"a shard failed its warmup: {e.code().name} {e.details()}") from e
+        raise e
 
     async def ended(self) -> str:
         """Waits until any shard's step stream ends (between steps too), and says how."""

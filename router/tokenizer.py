@@ -70,10 +70,6 @@ class TextCodec:
         # prompt tokenized on a worker thread does not stall the event loop.
         return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
-    @property
-    def has_chat_template(self) -> bool:
-        return self._template is not None
-
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         if self._template is None:
             raise TemplateError("the model has no chat template; send a prompt or token ids instead")

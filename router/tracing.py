@@ -16,10 +16,8 @@ from __future__ import annotations
 from opentelemetry import context as otel_context, propagate, trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
-from router.metrics import RequestEvents
-from router.sequence import Sequence
-
-ENDED_OK = {"stop", "eos", "length"}
+from router.events import RequestEvents
+from router.sequence import Ending, Failure, Sequence, ending_label
 
 
 class Tracing(RequestEvents):
@@ -47,16 +45,17 @@ class Tracing(RequestEvents):
         if first and seq.span is not None:
             seq.span.add_event("first_token")
 
-    def finished(self, seq: Sequence, reason: str) -> None:
+    def finished(self, seq: Sequence, end: Ending) -> None:
         span = seq.span
         if span is None:
             return
+        reason = ending_label(end)
         span.add_event("finished", {"reason": reason})
         span.set_attributes({"gen_ai.usage.input_tokens": len(seq.prompt_ids),
                              "gen_ai.usage.output_tokens": len(seq.output_ids),
                              "gen_ai.usage.cache_read.input_tokens": seq.cached_prompt_tokens,
                              "gen_ai.response.finish_reasons": [reason]})
-        if reason not in ENDED_OK and reason != "cancelled":
+        if isinstance(end, Failure):
             span.set_status(Status(StatusCode.ERROR, reason))
         span.end()
 
@@ -68,7 +67,7 @@ class Tracing(RequestEvents):
                                                      "shardline.chunk.tokens": len(inputs), "shardline.step.id": step_id})
         links = [Link(seq.span.get_span_context()) for seq in step.seqs if seq.span is not None]
         span = self.tracer.start_span("step", context=otel_context.Context(), kind=SpanKind.CLIENT, links=links,
-                                      attributes={"shardline.step.id": step_id, "shardline.step.phase": step.phase,
+                                      attributes={"shardline.step.id": step_id, "shardline.step.phase": step.phase.value,
                                                   "shardline.step.batch_size": len(step.seqs),
                                                   "shardline.step.tokens": sum(map(len, step.inputs))})
         propagate.inject(plan.trace_context, context=trace.set_span_in_context(span))

@@ -2,7 +2,7 @@
 from hypothesis import given, settings, strategies as st
 
 from router.page_manager import PageManager
-from router.scheduler import Scheduler
+from router.scheduler import Phase, Scheduler
 from router.sequence import Sampling, Sequence
 
 
@@ -28,7 +28,7 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at):
     sched = Scheduler(pages, max_batch=4, max_batch_tokens=budget, chunk_size=chunk)
     seqs = [_seq(i, p, n, base=100 * (i % 3)) for i, (p, n, _) in enumerate(reqs)]
     arrivals = {s: a for s, (_, _, a) in zip(seqs, reqs)}
-    last_ran = {"decode": 0, "continue": 0}
+    last_ran = {Phase.DECODE: 0, Phase.CONTINUE: 0}
     steps = 0
     # Admit may have waiting work it cannot run (batch full, no pages), so its bound is on being
     # asked: the rotation offers it a step at least every 3 steps, and takes the step it offers.
@@ -47,7 +47,7 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at):
                 sched.add(s)
         if t in cancel_at and sched.running:
             sched.finish(sched.running[0])
-        had = {"decode": bool(sched.decoding), "continue": bool(sched.prefilling)}
+        had = {Phase.DECODE: bool(sched.decoding), Phase.CONTINUE: bool(sched.prefilling)}
         before = {s: s.num_computed for s in sched.running}
         step = sched.schedule()
         if step is None:
@@ -61,15 +61,15 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at):
             assert asked[-1] is None or step is asked[-1], "admit offered a step that did not run"
         last_asked = steps + 1 if asked else last_asked
         asked.clear()
-        if step.phase != "decode":
+        if step.phase is not Phase.DECODE:
             assert sum(len(i) for i in step.inputs) <= budget or len(step.seqs) == 1
             assert all(len(i) <= chunk for i in step.inputs)
         steps += 1
         for phase in last_ran:  # rotation bound: a phase with work runs at least every 3 steps
-            if step.phase == phase or not had[phase]:
+            if step.phase is phase or not had[phase]:
                 last_ran[phase] = steps
             assert steps - last_ran[phase] < 3, f"{phase} starved"
-        if sched.waiting or step.phase == "admit":
+        if sched.waiting or step.phase is Phase.ADMIT:
             assert steps - last_asked < 3, "admit not asked for 3 steps while requests waited"
         else:
             last_asked = steps
@@ -105,8 +105,8 @@ def test_a_long_prompt_cannot_monopolize_prefill_or_starve_decodes():
                 seq.output_ids.append(5)
         phases.append(step.phase)
         served.append([s.seq_id for s in step.seqs if s is not decoder])
-    assert all("decode" in phases[i:i + 3] for i in range(len(phases) - 2)), phases
-    continues = [ids for ids, phase in zip(served, phases) if phase == "continue"]
+    assert all(Phase.DECODE in phases[i:i + 3] for i in range(len(phases) - 2)), phases
+    continues = [ids for ids, phase in zip(served, phases) if phase is Phase.CONTINUE]
     # Round robin once both prefill (one 8-token chunk fits the budget): 1, 2, 1, then the
     # short prompt's last 4 tokens share a step with 4 of the long one's.
     assert continues[:5] == [[1], [1], [2], [1], [2, 1]]

@@ -8,11 +8,11 @@ from protos import shard_pb2
 from router.engine import Engine
 from router.page_manager import PageManager
 from router.scheduler import Scheduler
-from router.sequence import Failure, Sampling, Sequence
+from router.sequence import Failure, FinishReason, Sampling, Sequence
 from router.shard_client import ShardError
+from router.stats import StatsCounters
 from tests.support import smollm2_codec
 
-CODEC = smollm2_codec()
 
 
 class GatedShards:
@@ -46,9 +46,13 @@ class GatedShards:
 def _setup(num_seqs=1):
     pool = PageManager(16, 4)
     shards = GatedShards()
-    engine = Engine(Scheduler(pool, 8, 1000), shards, CODEC, max_position=1000)
+    engine = Engine(Scheduler(pool, 8, 1000), shards, smollm2_codec(), max_position=1000, observers=[StatsCounters()])
     seqs = [Sequence(i, f"r{i}", list(range(10 * i, 10 * i + 10)), 20, Sampling()) for i in range(1, num_seqs + 1)]
     return pool, shards, engine, seqs
+
+
+def stats_of(engine) -> StatsCounters:
+    return next(o for o in engine.observers if isinstance(o, StatsCounters))
 
 
 async def _drain(seq):
@@ -69,7 +73,7 @@ def test_cancel_during_a_step_releases_pages_only_after_the_step():
         await asyncio.sleep(0.05)
         assert pool.referenced == 3, "pages released while the shard may still write them"
         shards.gate.set()
-        assert (await _drain(seq))[-1].finish_reason == "cancelled"
+        assert (await _drain(seq))[-1].finish_reason is FinishReason.CANCELLED
         assert pool.available == 16 and pool.referenced == 0 and pool.reserved == 0
         pool.check()
         assert not engine.scheduler.has_work()
@@ -96,9 +100,9 @@ def test_a_sequence_the_shard_could_not_serve_fails_alone_and_publishes_nothing(
             shards.started.clear()
             shards.gate.set()
         out_b = await _drain(b)
-        assert [o.token_ids for o in out_b] == [[42]] * 20 and out_b[-1].finish_reason == "length"
+        assert [o.token_ids for o in out_b] == [[42]] * 20 and out_b[-1].finish_reason is FinishReason.LENGTH
         assert all([s.seq_id for s in p.seqs] == [b.seq_id] for p in shards.plans[1:])
-        assert pool.referenced == 0 and pool.reserved == 0 and engine.requests_failed == 1
+        assert pool.referenced == 0 and pool.reserved == 0 and stats_of(engine).requests_failed == 1
         pool.check()
         loop.cancel()
 
@@ -123,7 +127,7 @@ def test_an_exception_turning_one_requests_tokens_into_text_fails_that_request_a
             await shards.started.wait()
             shards.started.clear()
             shards.gate.set()
-        assert (await _drain(b))[-1].finish_reason == "length"
+        assert (await _drain(b))[-1].finish_reason is FinishReason.LENGTH
         assert pool.referenced == 0 and pool.reserved == 0
         loop.cancel()
 
