@@ -15,6 +15,7 @@ Per version, against a fresh `shardline serve --max-batch 32` on SmolLM2:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import statistics
 import subprocess
@@ -24,32 +25,19 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
+
 from bench.common import machine, save
-from bench.serve import ROOT, Serve, _status_mb
-from protos import generation_pb2 as pb
+from harness.client import Stream, astream, concurrently, stream, token_request
+from harness.serve import ROOT, Server, peak_rss_mb, rss_mb
+from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 
 BUDGET_EXTRA_MB = 400
 
 
-def _stream(server: Serve, ids: list[int], new: int, stamps: list[float]) -> None:
-    req = pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=new, ignore_eos=True)
-    for msg in server.stub.Generate(req, timeout=1800):
-        stamps.extend([time.perf_counter()] * len(msg.token_ids))
-
-
-def _concurrently(server: Serve, prompts: list[list[int]], new: int) -> list[list[float]]:
-    stamps = [[] for _ in prompts]
-    threads = [threading.Thread(target=_stream, args=(server, p, new, s)) for p, s in zip(prompts, stamps)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return stamps
-
-
-def _serve(cwd: Path, args) -> Serve:
+def _serve(cwd: Path, args) -> Server:
     weights = ["--weights", args.weights] if cwd == ROOT else []  # a baseline may predate the flag
-    return Serve("--max-batch", "32", "--prefix-cache", "off", *weights, cwd=cwd)
+    return Server("--max-batch", "32", "--prefix-cache", "off", *weights, cwd=cwd)
 
 
 def measure_short(cwd: Path, args, rng: random.Random) -> dict:
@@ -57,15 +45,27 @@ def measure_short(cwd: Path, args, rng: random.Random) -> dict:
     server = _serve(cwd, args)
     try:
         prompt = lambda n: [rng.randrange(1000, 40000) for _ in range(n)]
-        _concurrently(server, [prompt(32)], 8)  # warm-up
-        one = _concurrently(server, [prompt(32)], 128)[0]
-        itl = [b - a for a, b in zip(one, one[1:])]
-        t0 = time.perf_counter()
-        many = _concurrently(server, [prompt(32) for _ in range(32)], 64)
-        return {"itl_p50_ms_1_stream": statistics.median(itl) * 1e3,
-                "tok_s_32_streams": sum(map(len, many)) / (max(map(max, many)) - t0)}
+        stream(server.stub, token_request(prompt(32), 8))  # warm-up
+        one = stream(server.stub, token_request(prompt(32), 128))
+        wall, many = asyncio.run(concurrently(server.target, [token_request(prompt(32), 64) for _ in range(32)]))
+        return {"itl_p50_ms_1_stream": statistics.median(one.itl_ms),
+                "tok_s_32_streams": sum(len(s.ids) for s in many) / wall}
     finally:
         server.stop()
+
+
+async def _long_joined_by_short(target: str, long_req: pb.GenerateRequest, short_reqs: list[pb.GenerateRequest]):
+    """The long request; once its first token is out, the short ones at once. Returns (the long
+    stream, when the short ones were sent, the short streams)."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        long_ = Stream(time.perf_counter())
+        task = asyncio.ensure_future(astream(pb_grpc.GenerationStub(channel), long_req, 1800, into=long_))
+        while not long_.times and not task.done():
+            await asyncio.sleep(0.05)
+        joined = time.perf_counter()
+        _, shorts = await concurrently(target, short_reqs, 1800)
+        await task
+    return long_, joined, shorts
 
 
 def measure_long(cwd: Path, args, rng: random.Random) -> dict:
@@ -74,32 +74,27 @@ def measure_long(cwd: Path, args, rng: random.Random) -> dict:
     try:
         shard = server.roles()["shard"]
         prompt = lambda n: [rng.randrange(1000, 40000) for _ in range(n)]
-        _concurrently(server, [prompt(32) for _ in range(32)], 16)  # the pool and heap in use first
+        # the pool and heap in use first
+        asyncio.run(concurrently(server.target, [token_request(prompt(32), 16) for _ in range(32)]))
         rss, stop = [], threading.Event()
 
         def sample():
             while not stop.is_set():
-                rss.append((time.perf_counter(), _status_mb(shard, "VmRSS")))
+                rss.append((time.perf_counter(), rss_mb(shard)))
                 time.sleep(0.2)
 
         sampler = threading.Thread(target=sample)
         sampler.start()
         t0 = time.perf_counter()
-        long_stamps: list[float] = []
-        long_thread = threading.Thread(target=_stream, args=(server, prompt(args.long_tokens),
-                                                             args.long_new_tokens, long_stamps))
-        long_thread.start()
-        while not long_stamps and long_thread.is_alive():
-            time.sleep(0.05)
-        joined = time.perf_counter()
-        short_stamps = _concurrently(server, [prompt(32) for _ in range(31)], args.short_new_tokens)
-        long_thread.join()
+        long_, joined, shorts = asyncio.run(_long_joined_by_short(
+            server.target, token_request(prompt(args.long_tokens), args.long_new_tokens),
+            [token_request(prompt(32), args.short_new_tokens) for _ in range(31)]))
         stop.set()
         sampler.join()
         info = server.stub.Info(pb.InfoRequest())  # an older checkout leaves the memory fields 0
-        return {"prefill_s": joined - t0, "peak_rss_mb": _status_mb(shard, "VmHWM"),
+        return {"prefill_s": joined - t0, "peak_rss_mb": peak_rss_mb(shard),
                 "rss_mb": [(round(t - t0, 2), round(m, 1)) for t, m in rss], "batch_32_from_s": joined - t0,
-                "short_tokens": sum(map(len, short_stamps)), "long_tokens": len(long_stamps),
+                "short_tokens": sum(len(s.ids) for s in shorts), "long_tokens": len(long_.ids),
                 "info": {"weight_mb": info.shard_weight_bytes / 2**20, "kv_pool_mb": info.shard_kv_pool_bytes / 2**20,
                          "num_pages": info.num_pages}}
     finally:

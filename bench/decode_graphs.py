@@ -17,15 +17,15 @@ import tempfile
 import time
 
 from bench.common import machine, save
-from bench.load import run_scenario
-from bench.serve import CpuMeter, Serve
+from harness.client import run_scenario
+from harness.serve import CpuMeter, Server
 from protos import generation_pb2 as pb
 
 
-def start(name: str, graphs: str, max_batch: int, env: dict) -> tuple[Serve, float]:
+def start(name: str, graphs: str, max_batch: int, env: dict) -> tuple[Server, float]:
     os.environ.update(env)
     t0 = time.perf_counter()
-    server = Serve("--decode-graphs", graphs, "--max-batch", str(max_batch), "--prefix-cache", "off", timeout=1800)
+    server = Server("--decode-graphs", graphs, "--max-batch", str(max_batch), "--prefix-cache", "off", timeout=1800)
     ready_s = time.perf_counter() - t0
     print(f"{name}: ready in {ready_s:.1f} s", flush=True)
     return server, ready_s

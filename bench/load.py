@@ -9,7 +9,7 @@ the scenario's wall time (first send to last message), prefill included, as for 
 """
 from __future__ import annotations
 
-import argparse, asyncio, datetime, json, os, platform, shlex, signal, statistics, subprocess
+import argparse, datetime, json, os, platform, shlex, signal, statistics, subprocess
 import sys, tempfile, time
 from pathlib import Path
 
@@ -18,26 +18,9 @@ import numpy as np
 import torch
 from google.protobuf.json_format import MessageToDict
 
-from bench.serve import ROOT, CpuMeter, Serve
+from harness.client import PROMPTS, run_scenario, warm_up
+from harness.serve import ROOT, CpuMeter, Server
 from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
-
-STATS_WINDOW = 512  # the router's Stats medians cover this many recent decode steps
-TOPICS = ["a lighthouse keeper", "a lost robot", "a dragon who cannot fly", "a time-travelling baker",
-          "a haunted library", "a city under the sea", "a chess champion", "a talking cat",
-          "the last tree on Earth", "a space station cook", "a forgotten violin", "a desert caravan",
-          "a clockmaker apprentice", "a mountain rescue dog", "a secret garden", "a retired pirate"]
-# 52-56 SmolLM2 tokens each: under one 64-token KV page, so repeats cannot hit the prefix cache.
-PROMPTS = [f"Write a short story about {t}. Give the main character a name, a clear goal and a "
-           "problem that stands in the way. Describe the setting with vivid details, include some "
-           "dialogue, and end with a twist that the reader does not see coming." for t in TOPICS]
-
-
-def pct(xs) -> dict:
-    a = np.asarray(xs, dtype=float)
-    if a.size == 0:
-        return {}
-    return {"min": a.min(), **{f"p{q}": np.percentile(a, q) for q in (50, 90, 99)}, "max": a.max()}
-
 
 def median_tree(rows: list[dict]) -> dict:
     """Median over repeats of every numeric leaf, nested dicts included."""
@@ -51,74 +34,13 @@ def median_tree(rows: list[dict]) -> dict:
     return out
 
 
-# --- load scenarios ---
-
-async def _stream(stub, prompt: str, max_new: int) -> dict:
-    req = pb.GenerateRequest(prompt=prompt, max_new_tokens=max_new, ignore_eos=True,
-                             sampling=pb.SamplingParams(temperature=0.0))
-    t_send, times, ids, last, error = time.perf_counter(), [], [], None, None
-    multi = 0  # messages carrying more than one token (their gap then covers several tokens)
-    try:
-        async for msg in stub.Generate(req, timeout=900):
-            now = time.perf_counter()  # first thing, before any client-side work
-            if msg.token_ids:
-                times.append(now)
-                ids += msg.token_ids
-                multi += len(msg.token_ids) > 1
-            last = msg
-    except grpc.aio.AioRpcError as e:
-        error = f"{e.code().name}: {e.details()}"
-    return {"t_end": time.perf_counter(), "error": error, "ids": ids, "multi_token_msgs": multi,
-            "ttft_ms": (times[0] - t_send) * 1e3 if times else None,
-            "itl_ms": [(b - a) * 1e3 for a, b in zip(times, times[1:])],
-            "completion_tokens": last.usage.completion_tokens if last and last.finish_reason else len(ids),
-            "cached_prompt_tokens": last.usage.cached_prompt_tokens if last else 0,
-            "finish_reason": last.finish_reason if last else ""}
-
-
-async def _scenario(target: str, n: int, max_new: int) -> tuple[float, list[dict]]:
-    async with grpc.aio.insecure_channel(target) as channel:
-        await asyncio.wait_for(channel.channel_ready(), 30)  # connection setup is not TTFT
-        stub = pb_grpc.GenerationStub(channel)
-        t0 = time.perf_counter()
-        reqs = await asyncio.gather(*(_stream(stub, PROMPTS[i % len(PROMPTS)], max_new) for i in range(n)))
-        return max(r["t_end"] for r in reqs) - t0, reqs
-
-
-def run_scenario(stub, target: str, n: int, max_new: int, group_steps0: int, meter: CpuMeter) -> dict:
-    before = stub.Stats(pb.StatsRequest(), timeout=10)
-    with meter:
-        wall, reqs = asyncio.run(_scenario(target, n, max_new))
-    st = stub.Stats(pb.StatsRequest(), timeout=10)  # right away: the medians are a sliding window
-    tokens = sum(r["completion_tokens"] for r in reqs)
-    router_ms, shard_ms = st.decode_step_ms_p50, st.shard_decode_step_ms_p50
-    return {
-        "concurrency": n, "wall_s": wall, "completion_tokens": tokens, "tok_s": tokens / wall,
-        "ttft_ms": pct([r["ttft_ms"] for r in reqs if r["ttft_ms"] is not None]),
-        "itl_ms": pct([x for r in reqs for x in r["itl_ms"]]),
-        "errors": [r["error"] for r in reqs if r["error"]],
-        "finish_reasons": sorted({r["finish_reason"] for r in reqs}),
-        "multi_token_msgs": sum(r["multi_token_msgs"] for r in reqs),
-        "cached_prompt_tokens": sum(r["cached_prompt_tokens"] for r in reqs),
-        **meter.pct,  # client_cpu_pct near 100 would mean the client is the bottleneck
-        "stats": {"decode_step_ms_p50": router_ms, "shard_decode_step_ms_p50": shard_ms,
-                  "overhead_pct": (router_ms - shard_ms) / shard_ms * 100 if shard_ms else None,
-                  "steps": st.steps - before.steps,  # prefills included
-                  # ~share of the medians' window holding this concurrency's steps (steps count
-                  # prefills too, so approximate); under ~0.5 they mostly describe earlier scenarios
-                  "window_share": min(1.0, (st.steps - group_steps0) / min(STATS_WINDOW, st.steps))},
-        "raw": {"ttft_ms": [r["ttft_ms"] for r in reqs],
-                "itl_ms": [[round(x, 3) for x in r["itl_ms"]] for r in reqs], "ids_req0": reqs[0]["ids"]},
-    }
-
-
 # --- Hugging Face baseline ---
 
 def hf_setup(model_spec: str):
     from transformers import AutoTokenizer
     from common.model_source import resolve_model
-    from common.tokenizer_files import tokenizer_folder
-    from shard.weights import transformers_model
+    from router.tokenizer_files import tokenizer_folder
+    from harness.reference import transformers_model
     source = resolve_model(model_spec)
     tok = AutoTokenizer.from_pretrained(tokenizer_folder(source))  # the files the router reads
     tok.padding_side = "left"
@@ -206,11 +128,11 @@ def summary(res: dict) -> str:
     return "\n".join(lines)
 
 
-def run(args, res: dict, server: Serve | None) -> None:
+def run(args, res: dict, server: Server | None) -> None:
     target = server.target if server else args.target
     stub = pb_grpc.GenerationStub(grpc.insecure_channel(target))
     res["info"] = MessageToDict(stub.Info(pb.InfoRequest(), timeout=30))
-    asyncio.run(_scenario(target, 1, 8))  # warm-up
+    warm_up(target, 1, 8)
     hf_batches = [int(b) for b in args.hf_batches.split(",") if b]
     hf_runs = {b: [] for b in hf_batches}
     if hf_batches:
@@ -233,7 +155,7 @@ def run(args, res: dict, server: Serve | None) -> None:
             hf_round()
         reps, steps0 = [], stub.Stats(pb.StatsRequest(), timeout=10).steps
         # Untimed: fills the Stats window with this concurrency's steps (and warms its batch shape).
-        asyncio.run(_scenario(target, n, args.max_new_tokens))
+        warm_up(target, n, args.max_new_tokens)
         for _ in range(args.repeats):
             reps.append(r := run_scenario(stub, target, n, args.max_new_tokens, steps0, meter))
             print(f"{n} streams: {r['tok_s']:.1f} tok/s, ITL p50 {r['itl_ms'].get('p50', 0):.1f} ms, "
@@ -286,7 +208,7 @@ def main() -> int:
             from common.model_source import resolve_model
             src = resolve_model(args.model)
             res["cache_present"] = src.kind != "gguf" or src.cache_dir.exists()
-            server = Serve("--model", args.model, "--max-batch", str(args.max_batch),
+            server = Server("--model", args.model, "--max-batch", str(args.max_batch),
                            *shlex.split(args.serve_args), timeout=args.ready_timeout)
             res["startup_s"] = server.startup_s
         run(args, res, server)

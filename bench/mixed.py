@@ -11,56 +11,57 @@ requests have their first token). Writes JSON and a PNG timeline of tokens over 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import statistics
-import threading
 import time
 
+import grpc
+
 from bench.common import machine, save
-from protos import generation_pb2 as pb
-from bench.serve import Serve
+from harness.client import Stream, astream, percentiles, token_request
+from harness.serve import Server
+from protos import generation_pb2_grpc as pb_grpc
 
 CONFIGS = {"off": [], "chunk 256": ["--chunk-size", "256"], "chunk 512": ["--chunk-size", "512"]}
 
 
-def _stream(server: Serve, ids: list[int], new: int, stamps: list[float], started: list[float]):
-    req = pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=new, ignore_eos=True)
-    started.append(time.perf_counter())
-    for msg in server.stub.Generate(req, timeout=600):
-        now = time.perf_counter()
-        stamps.extend([now] * len(msg.token_ids))
-
-
-def one_run(server: Serve, rng: random.Random) -> dict:
+async def _arrivals(target: str, rng: random.Random) -> tuple[Stream, Stream, Stream]:
     def prompt(n):
         return [rng.randrange(1000, 40000) for _ in range(n)]
 
-    active, long_, short = [], [], []
-    starts = {"active": [], "long": [], "short": []}
-    t_active = threading.Thread(target=_stream, args=(server, prompt(16), 160, active, starts["active"]))
-    t_active.start()
-    while len(active) < 8:
-        time.sleep(0.0005)
-    t_long = threading.Thread(target=_stream, args=(server, prompt(2048), 8, long_, starts["long"]))
-    t_long.start()
-    time.sleep(0.020)
-    t_short = threading.Thread(target=_stream, args=(server, prompt(128), 8, short, starts["short"]))
-    t_short.start()
-    for t in (t_active, t_long, t_short):
-        t.join()
-    t0 = starts["active"][0]
-    window = (starts["long"][0], max(long_[0], short[0]))
-    itl = [b - a for a, b in zip(active, active[1:])]
-    in_window = sum(window[0] <= s <= window[1] for s in active + long_ + short)
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+
+        def start(ids: list[int], new: int) -> tuple[Stream, asyncio.Future]:
+            s = Stream(time.perf_counter())
+            return s, asyncio.ensure_future(astream(stub, token_request(ids, new), 600, into=s))
+
+        active, t_active = start(prompt(16), 160)
+        while len(active.times) < 8 and not t_active.done():
+            await asyncio.sleep(0.0005)
+        long_, t_long = start(prompt(2048), 8)
+        await asyncio.sleep(0.020)
+        short, t_short = start(prompt(128), 8)
+        await asyncio.gather(t_active, t_long, t_short)
+    return active, long_, short
+
+
+def one_run(server: Server, rng: random.Random) -> dict:
+    active, long_, short = asyncio.run(_arrivals(server.target, rng))
+    t0 = active.sent
+    window = (long_.sent, max(long_.times[0], short.times[0]))
+    itl = active.itl_ms
+    in_window = sum(window[0] <= t <= window[1] for s in (active, long_, short) for t in s.times)
     return {
-        "active_itl_max_ms": max(itl) * 1e3,
-        "active_itl_p95_ms": sorted(itl)[int(0.95 * (len(itl) - 1))] * 1e3,
-        "short_ttft_ms": (short[0] - starts["short"][0]) * 1e3,
-        "long_ttft_ms": (long_[0] - starts["long"][0]) * 1e3,
+        "active_itl_max_ms": max(itl),
+        "active_itl_p95_ms": percentiles(itl, (95,))["p95"],
+        "short_ttft_ms": short.ttft_ms,
+        "long_ttft_ms": long_.ttft_ms,
         "window_s": window[1] - window[0],
         "window_tokens_per_s": in_window / (window[1] - window[0]),
-        "timeline": {k: [s - t0 for s in v] for k, v in (("active", active), ("long", long_), ("short", short))},
-        "arrivals": {k: v[0] - t0 for k, v in starts.items()},
+        "timeline": {name: [t - t0 for t in s.times] for name, s in (("active", active), ("long", long_), ("short", short))},
+        "arrivals": {name: s.sent - t0 for name, s in (("active", active), ("long", long_), ("short", short))},
     }
 
 
@@ -74,7 +75,7 @@ def main() -> None:
     result = {"benchmark": "mixed", **machine(), "runs": args.runs, "configs": {}}
     rng = random.Random(0)  # fresh prompts every run, so no run hits an earlier one's prefix
     for name, flags in CONFIGS.items():
-        server = Serve(*flags)
+        server = Server(*flags)
         try:
             one_run(server, rng)  # warm-up, not counted
             runs = [one_run(server, rng) for _ in range(args.runs)]

@@ -7,54 +7,41 @@ loopback: an all-reduce of one decode step's activations, and a stage-to-stage s
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import statistics
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.common import machine, save
-from protos import generation_pb2 as pb
-from bench.serve import Serve
-from common.process import free_port
+from harness.client import concurrently, stream, token_request
+from harness.serve import Server, free_port
 
 LAYOUTS = {"TP1": (1, 1, 2), "TP2": (2, 1, 1), "PP2": (1, 2, 2)}  # tp, pp, torch threads per shard
 HIDDEN = 576  # SmolLM2
 
 
-def _stream(server: Serve, ids: list[int], new: int) -> list[float]:
-    stamps = []
-    req = pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=new, ignore_eos=True)
-    t0 = time.perf_counter()
-    for msg in server.stub.Generate(req, timeout=900):
-        stamps += [time.perf_counter()] * len(msg.token_ids)
-    return [t0] + stamps
-
-
 def measure(layout: str, args, rng: random.Random) -> dict:
     tp, pp, threads = LAYOUTS[layout]
-    server = Serve("--tp", str(tp), "--pp", str(pp), "--threads", str(threads), "--prefix-cache", "off")
+    server = Server("--tp", str(tp), "--pp", str(pp), "--threads", str(threads), "--prefix-cache", "off")
     try:
         def prompt(n):
             return [rng.randrange(1000, 40000) for _ in range(n)]
-        _stream(server, prompt(32), 8)  # warm-up
-        one = _stream(server, prompt(32), args.new_tokens)
-        itl = [b - a for a, b in zip(one[2:], one[3:])]
-        with ThreadPoolExecutor(8) as pool:
-            t0 = time.perf_counter()
-            many = list(pool.map(lambda _: _stream(server, prompt(32), args.new_tokens), range(8)))
-            wall = time.perf_counter() - t0
-        prefill = [_stream(server, prompt(2048), 1) for _ in range(args.prefill_runs)]
+        stream(server.stub, token_request(prompt(32), 8))  # warm-up
+        one = stream(server.stub, token_request(prompt(32), args.new_tokens))
+        itl = one.itl_ms[1:]  # from the second gap on, as decode runs
+        wall, many = asyncio.run(concurrently(server.target, [token_request(prompt(32), args.new_tokens)
+                                                              for _ in range(8)]))
+        prefill = [stream(server.stub, token_request(prompt(2048), 1)) for _ in range(args.prefill_runs)]
         stats = server.stats()
     finally:
         server.stop()
     return {"layout": layout, "tp": tp, "pp": pp, "threads_per_shard": threads,
-            "one_stream_tok_s": 1 / statistics.median(itl),
-            "eight_streams_tok_s": sum(len(s) - 1 for s in many) / wall,
-            "prefill_2048_s": statistics.median(p[1] - p[0] for p in prefill),
+            "one_stream_tok_s": 1e3 / statistics.median(itl),
+            "eight_streams_tok_s": sum(len(s.ids) for s in many) / wall,
+            "prefill_2048_s": statistics.median(p.times[0] - p.sent for p in prefill),
             "router_decode_step_ms_p50": stats.decode_step_ms_p50,
             "shard_decode_step_ms_p50": stats.shard_decode_step_ms_p50}
 

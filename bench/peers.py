@@ -13,7 +13,6 @@ the gap between streamed tokens. Writes bench/out/peers-<time>.json and .png.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib.util
 import statistics
 import time
@@ -22,8 +21,9 @@ from pathlib import Path
 import grpc
 
 from bench.common import machine, save
-from bench.load import PROMPTS, _scenario, hf_run, hf_setup, run_scenario
-from bench.serve import CpuMeter, Serve
+from bench.load import hf_run, hf_setup
+from harness.client import PROMPTS, run_scenario, warm_up
+from harness.serve import CpuMeter, Server
 from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 
 
@@ -42,7 +42,7 @@ def llama_cpp_peer(max_new: int, repeats: int) -> dict:
     import llama_cpp
     from transformers import AutoTokenizer
     from common.model_source import resolve_model
-    from common.tokenizer_files import tokenizer_folder
+    from router.tokenizer_files import tokenizer_folder
 
     tok = AutoTokenizer.from_pretrained(tokenizer_folder(resolve_model("smollm2")))
     import os
@@ -82,17 +82,17 @@ def transformers_peer(max_new: int, repeats: int) -> dict:
 
 
 def shardline_peer(weights: str, streams: list[int], max_new: int, repeats: int) -> dict:
-    server = Serve("--weights", weights, "--max-batch", str(max(streams)))
+    server = Server("--weights", weights, "--max-batch", str(max(streams)))
     try:
         stub = pb_grpc.GenerationStub(grpc.insecure_channel(server.target))
         info = stub.Info(pb.InfoRequest(), timeout=30)
-        asyncio.run(_scenario(server.target, 1, 8))  # warm-up
+        warm_up(server.target, 1, 8)
         meter, out = CpuMeter(server), {"startup_s": server.startup_s,
                                          "weight_formats": dict(info.weight_formats),
                                          "shard_weight_mb": info.shard_weight_bytes / 2**20,
                                          "kv_pool_mb": info.shard_kv_pool_bytes / 2**20, "streams": {}}
         for n in streams:
-            asyncio.run(_scenario(server.target, n, max_new))  # untimed: warms this batch shape
+            warm_up(server.target, n, max_new)  # untimed: warms this batch shape
             runs = []
             for _ in range(repeats):
                 steps0 = stub.Stats(pb.StatsRequest(), timeout=10).steps

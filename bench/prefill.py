@@ -19,16 +19,13 @@ import torch
 
 from bench.common import machine, save
 from bench.load import hf_setup
-from bench.serve import Serve
-from protos import generation_pb2 as pb
+from harness.client import stream, token_request
+from harness.serve import Server
 
 
-def server_ttft_s(server: Serve, ids: list[int]) -> float:
-    req = pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=1, ignore_eos=True)
-    t0 = time.perf_counter()
-    for _ in server.stub.Generate(req, timeout=3600):
-        pass
-    return time.perf_counter() - t0
+def server_ttft_s(server: Server, ids: list[int]) -> float:
+    s = stream(server.stub, token_request(ids, 1), timeout=3600)
+    return s.ended - s.sent
 
 
 @torch.inference_mode()
@@ -54,8 +51,8 @@ def main() -> None:
     model, _ = hf_setup(args.model)
     vocab = model.config.vocab_size
     extra = args.serve_args.split()
-    servers = {"whole": Serve("--model", args.model, *extra),
-               f"chunked {args.chunk_size}": Serve("--model", args.model, "--chunk-size", str(args.chunk_size), *extra)}
+    servers = {"whole": Server("--model", args.model, *extra),
+               f"chunked {args.chunk_size}": Server("--model", args.model, "--chunk-size", str(args.chunk_size), *extra)}
     rng = random.Random(0)
     runs = {name: {n: [] for n in lengths} for name in [*servers, "transformers"]}
     try:

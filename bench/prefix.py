@@ -16,8 +16,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from bench.common import machine, save
-from protos import generation_pb2 as pb
-from bench.serve import Serve
+from harness.client import percentiles, stream, token_request
+from harness.serve import Server
 
 VOCAB_LO, VOCAB_HI = 1000, 40000  # ordinary tokens, no special ones
 
@@ -26,41 +26,25 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]
 
 
-def _request(server: Serve, ids: list[int], new: int) -> tuple[float, pb.GenerateResponse]:
-    """Returns (TTFT seconds, last message)."""
-    t0, ttft, last = time.perf_counter(), None, None
-    req = pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=new, ignore_eos=True)
-    for msg in server.stub.Generate(req, timeout=600):
-        if ttft is None and msg.token_ids:
-            ttft = time.perf_counter() - t0
-        last = msg
-    return ttft, last
-
-
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def shared_prefix(prefix_cache: str, args) -> dict:
     rng = random.Random(0)
     system = _tokens(rng, 512)
     prompts = [system + _tokens(rng, 64) for _ in range(args.requests)]
-    server = Serve("--prefix-cache", prefix_cache, "--max-batch", "16")
+    server = Server("--prefix-cache", prefix_cache, "--max-batch", "16")
     try:
         before = server.stats()
         t0 = time.perf_counter()
         with ThreadPoolExecutor(args.in_flight) as pool:
-            results = list(pool.map(lambda p: _request(server, p, args.new_tokens), prompts))
+            results = list(pool.map(lambda p: stream(server.stub, token_request(p, args.new_tokens), 600), prompts))
         wall = time.perf_counter() - t0
         after = server.stats()
     finally:
         server.stop()
-    ttfts = [r[0] * 1e3 for r in results]
+    ttfts = [r.ttft_ms for r in results]
     return {"prefix_cache": prefix_cache, "requests": len(prompts), "wall_s": wall,
             "prefill_tokens_computed": after.prompt_tokens_computed - before.prompt_tokens_computed,
-            "cached_prompt_tokens": sum(r[1].usage.cached_prompt_tokens for r in results),
-            "ttft_ms_p50": statistics.median(ttfts), "ttft_ms_p90": _pct(ttfts, 0.9), "ttft_ms": ttfts}
+            "cached_prompt_tokens": sum(r.last.usage.cached_prompt_tokens for r in results),
+            "ttft_ms_p50": statistics.median(ttfts), "ttft_ms_p90": percentiles(ttfts)["p90"], "ttft_ms": ttfts}
 
 
 def scan_pollution(policy: str, args) -> dict:
@@ -72,13 +56,13 @@ def scan_pollution(policy: str, args) -> dict:
         # One-use prompts of 26 pages: between two uses of a hot prefix, more new pages than
         # the pool holds beside the hot ones, so recency alone (LRU) evicts the hot prefix.
         workload += [_tokens(rng, 26 * page), hot[i % 2]]
-    server = Serve("--page-size", str(page), "--num-pages", "48", "--eviction", policy,
+    server = Server("--page-size", str(page), "--num-pages", "48", "--eviction", policy,
                     "--slru-protected-ratio", "0.5", "--max-batch", "1")
     try:
         before = server.stats()
         hot_hits = []
         for ids in workload:
-            _, last = _request(server, ids, 1)
+            last = stream(server.stub, token_request(ids, 1), 600).last
             if any(ids is h for h in hot):
                 hot_hits.append(last.usage.cached_prompt_tokens)
         after = server.stats()

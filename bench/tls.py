@@ -18,11 +18,11 @@ from pathlib import Path
 import grpc
 
 from bench.common import machine, save
-from bench.serve import ROOT, tree_cpu_s
 from bench.turns import plot_turns, take_turns
-from common.certs import make_certs
-from common.process import free_port, healthy, spawn_service
+from harness.serve import ROOT, free_port, tree_cpu_s
 from protos import generation_pb2_grpc as pb_grpc
+from shardline.certs import make_certs
+from shardline.processes import healthy, spawn_service
 
 
 class Pair:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 
 from bench.common import machine, save
-from bench.otlp_receiver import OtlpReceiver
-from bench.serve import Serve
+from harness.otlp_receiver import OtlpReceiver
+from harness.serve import Server
 from bench.turns import plot_turns, take_turns
 
 
@@ -26,8 +26,8 @@ def main() -> None:
     extra = args.serve_args.split()
     result = {"benchmark": "tracing", **machine(), "streams": args.streams, "max_new_tokens": args.max_new_tokens}
     with OtlpReceiver() as receiver:
-        servers = {"off": Serve("--max-batch", str(args.streams), *extra),
-                   "on": Serve("--max-batch", str(args.streams), "--otlp-endpoint", receiver.endpoint, *extra,
+        servers = {"off": Server("--max-batch", str(args.streams), *extra),
+                   "on": Server("--max-batch", str(args.streams), "--otlp-endpoint", receiver.endpoint, *extra,
                                env={"OTEL_TRACES_SAMPLER": "always_on"})}
         try:
             result.update(take_turns(servers, args.streams, args.max_new_tokens, args.repeats))

@@ -1,13 +1,12 @@
 """Two (or more) configurations of the server under the same load, taking turns: the A/B shape
 of bench.tracing and bench.tls. Each configuration is an object with `target`, `stub` and
-`cpu_s()` (a `bench.serve.Serve`, or any pair of processes that offers the same)."""
+`cpu_s()` (a `harness.serve.Server`, or any pair of processes that offers the same)."""
 from __future__ import annotations
 
-import asyncio
 import statistics
 
-from bench.load import _scenario, run_scenario
-from bench.serve import CpuMeter
+from harness.client import run_scenario, warm_up
+from harness.serve import CpuMeter
 from protos import generation_pb2 as pb
 
 
@@ -15,7 +14,7 @@ def take_turns(configs: dict, streams: int, max_new: int, repeats: int) -> dict:
     """{name: {"runs": [tok/s per repeat], "tok_s": median}} for each configuration, warmed up
     once, then measured in turns so that every configuration sees the same drift of the machine."""
     for config in configs.values():
-        asyncio.run(_scenario(config.target, streams, 8))
+        warm_up(config.target, streams, 8)
     runs = {name: [] for name in configs}
     for _ in range(repeats):
         for name, config in configs.items():

@@ -1,17 +1,19 @@
-"""What the tests share: tiny random models, Hugging Face references, and real server processes."""
+"""What the tests share: tiny random models, Hugging Face references, and real server processes
+(harness/serve.py's `Server`, which the benchmarks use too)."""
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
-import grpc
+import psutil
 import torch
 
 from common.model_source import resolve_model
-from common.process import free_port, free_ports  # noqa: F401  (re-exported for the tests)
-from common.serve_process import ROOT, ServeProcess  # noqa: F401
-from common.tokenizer_files import tokenizer_folder
-from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+from harness.serve import ROOT, Server, free_port  # noqa: F401  (re-exported for the tests)
+from protos import generation_pb2 as pb
+from router.tokenizer_files import tokenizer_folder
+from shardline.processes import free_ports  # noqa: F401
 
 TINY_CONFIGS = {
     # Large enough init that random logits are not near-uniform (greedy ties would be noise).
@@ -24,13 +26,16 @@ TINY_CONFIGS = {
 }
 
 
+@functools.cache
 def smollm2_tokenizer():
     """transformers' tokenizer of the default model: the reference for the router's own."""
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(tokenizer_folder(resolve_model(None)))
 
 
+@functools.cache
 def smollm2_codec():
+    """The router's own tokenizer of the default model."""
     from router.tokenizer import TextCodec
     return TextCodec(tokenizer_folder(resolve_model(None)))
 
@@ -62,10 +67,14 @@ def hf_model(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def smollm2_hf_model(tmp: Path):
-    """transformers' Llama over exactly the weights Shardline serves (the dequantized GGUF)."""
-    from shard.weights import transformers_model
-    return transformers_model(resolve_model(None), tmp)
+@functools.cache
+def smollm2_hf_model():
+    """transformers' Llama over exactly the weights Shardline serves (the dequantized GGUF), built
+    once per test session (every test only runs it)."""
+    import tempfile
+    from harness.reference import transformers_model
+    with tempfile.TemporaryDirectory(prefix="smollm2-hf-") as folder:  # only holds config.json
+        return transformers_model(resolve_model(None), Path(folder))
 
 
 @torch.no_grad()
@@ -103,72 +112,20 @@ def assert_serves_like_reference(server: "Server", prompts, wants, cache: str, n
     assert st.pages_referenced == 0 and st.pages_free + st.pages_evictable == st.pages_total
 
 
-class Server(ServeProcess):
-    """`shardline serve` as a real child process; `stub` talks to it over gRPC."""
-
-    def __init__(self, *args: str, env: dict | None = None, timeout: float = 180):
-        super().__init__(*args, env=env, timeout=timeout)
-        self.channel = grpc.insecure_channel(self.target)
-        self.stub = pb_grpc.GenerationStub(self.channel)
-
-    def generate(self, **kwargs) -> tuple[list[int], str, pb.GenerateResponse]:
-        tokens, text, last = [], "", None
-        for msg in self.stub.Generate(pb.GenerateRequest(**kwargs), timeout=300):
-            tokens += msg.token_ids
-            text += msg.text
-            last = msg
-        return tokens, text, last
-
-    def stats(self) -> pb.StatsResponse:
-        return self.stub.Stats(pb.StatsRequest(), timeout=10)
-
-    def wait_idle(self, timeout: float = 60) -> pb.StatsResponse:
-        """Waits until no request holds a page; returns the stats seen then."""
-        deadline = time.monotonic() + timeout
-        while True:
-            st = self.stats()
-            if (st.pages_referenced == 0 and st.requests_running == 0 and st.requests_waiting == 0) \
-                    or time.monotonic() > deadline:
-                return st
-            time.sleep(0.05)
-
-    def stop(self, timeout: float = 60) -> int:
-        code = super().stop(timeout)
-        if hasattr(self, "channel"):  # not when the server never came up
-            self.channel.close()
-        if code != 0:  # shown by pytest when the test fails
-            print(f"server exited with {code}; its last output:\n" + self.output())
-        return code
-
-
 # -- processes ----------------------------------------------------------------------------------
 def children(pid: int) -> list[int]:
-    # The launcher starts its children from its main thread, whose task id is its pid.
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return [c.pid for c in psutil.Process(pid).children()]
 
 
 def cmdline(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    return " ".join(psutil.Process(pid).cmdline())
 
 
 def alive(pid: int) -> bool:
     try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    return "\nState:\tZ" not in status
-
-
-def shard_pids(server: ServeProcess) -> list[int]:
-    """The launcher's shard processes, in (stage, rank) order."""
-    def place(pid):
-        args = cmdline(pid).split()
-        return int(args[args.index("--pp-stage") + 1]), int(args[args.index("--tp-rank") + 1])
-    return sorted((p for p in children(server.proc.pid) if " shard " in cmdline(p)), key=place)
-
-
-def router_pid(server: ServeProcess) -> int:
-    return next(p for p in children(server.proc.pid) if " router " in cmdline(p))
 
 
 def health_status(channel, timeout: float = 5) -> int:

@@ -14,10 +14,10 @@ import grpc
 import pytest
 import yaml
 
-from bench.otlp_receiver import OtlpReceiver
+from harness.otlp_receiver import OtlpReceiver
 
 from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
-from common.process import spawn_service
+from shardline.processes import spawn_service
 from tests.support import ROOT, free_port, wait_for
 
 ADDRESS = re.compile(r"([A-Za-z0-9][\w.-]*):(\d+)")
@@ -62,7 +62,7 @@ class Loopback:
         return ADDRESS.sub(swap, value)
 
     def command(self, service: str, argv: list[str]) -> list[str]:
-        """`shardline` arguments, for `python -m common.cli`."""
+        """`shardline` arguments, for `python -m shardline.cli`."""
         assert argv[0] == "shardline"
         return [self.rewrite(service, "", a) for a in argv[1:]]
 
@@ -72,7 +72,7 @@ def _wait_healthy(loop: Loopback, name: str, service: dict, proc, timeout=180):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"{name} exited with {proc.returncode}"
-        if subprocess.run([sys.executable, "-m", "common.cli", *check], cwd=ROOT, capture_output=True).returncode == 0:
+        if subprocess.run([sys.executable, "-m", "shardline.cli", *check], cwd=ROOT, capture_output=True).returncode == 0:
             return
         time.sleep(0.5)
     raise AssertionError(f"{name} never became healthy")
@@ -118,7 +118,7 @@ def test_compose_services_serve_a_request_on_loopback(tmp_path):
     keys.write_text(f"{key} compose\n")
     router_env = next(s for s in services.values() if s["command"][1] == "router")["environment"]
     loop = Loopback(compose["services"], {"/certs": str(certs), router_env["SHARDLINE_API_KEYS_FILE"]: str(keys)})
-    subprocess.run([sys.executable, "-m", "common.cli", *loop.command("certs", compose["services"]["certs"]["command"])],
+    subprocess.run([sys.executable, "-m", "shardline.cli", *loop.command("certs", compose["services"]["certs"]["command"])],
                    cwd=ROOT, check=True, capture_output=True)
     auth = [("authorization", f"Bearer {key}")]
     order = sorted(services, key=lambda n: "router" in services[n]["command"])  # shards first

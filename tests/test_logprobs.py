@@ -84,16 +84,17 @@ def test_logprobs_zero_reports_the_sampled_token_only_and_too_many_is_invalid(ti
 
 
 @pytest.mark.smollm2
-def test_smollm2_logprobs_equal_transformers_on_the_dequantized_weights(smollm2_server, tmp_path):
+def test_smollm2_logprobs_equal_transformers_on_the_dequantized_weights(smollm2_server):
     ids = smollm2_tokenizer().encode("The quick brown fox jumps over the lazy dog. Then it", add_special_tokens=False)
-    check_request(smollm2_server, smollm2_hf_model(tmp_path), ids, new_tokens=4)
+    check_request(smollm2_server, smollm2_hf_model(), ids, new_tokens=4)
 
 
 @pytest.mark.smollm2
 def test_smollm2_native_weights_pass_the_quality_gate(smollm2_server):
-    """The quantized-weights gate of bench.quality on its text's first 1024 tokens: perplexity
-    within +1% of the dequantized weights', the same top-1 token at >= 97% of positions."""
-    from bench.quality import compare, prompt_scores, reference_text
+    """The quantized-weights gate of bench.quality (harness/quality.py) on its text's first 1024
+    tokens: perplexity within +1% of the dequantized weights', the same top-1 token at >= 97% of
+    positions."""
+    from harness.quality import compare, prompt_scores, reference_text
     from tests.support import smollm2_codec
 
     ids = smollm2_codec().encode(reference_text())[:1024]

@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from bench.quality import compare, prompt_scores
+from harness.quality import compare, prompt_scores
 from protos import generation_pb2 as pb
 from tests.support import Server
 

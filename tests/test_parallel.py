@@ -11,11 +11,13 @@ from tests.support import (Server, assert_greedy_match, assert_serves_like_refer
 PAGE = 16
 
 
-@pytest.mark.parametrize("cache", ["on", "off"])
-@pytest.mark.parametrize("arch,tp,pp,chunk", [
-    ("qwen3", 2, 1, 7),     # one KV head, two ranks: the KV head is replicated
-    ("llama", 1, 2, 0),
-    ("qwen2", 2, 2, 64),
+# With the cache on, every prompt's first round is computed cold and its second from cached
+# pages: both paths. One layout runs with the cache off as well.
+@pytest.mark.parametrize("arch,tp,pp,chunk,cache", [
+    ("qwen3", 2, 1, 7, "on"),     # one KV head, two ranks: the KV head is replicated
+    ("qwen3", 2, 1, 7, "off"),
+    ("llama", 1, 2, 0, "on"),
+    ("qwen2", 2, 2, 64, "on"),
 ])
 def test_tiny_parallel_layouts_match_transformers(tiny_models, arch, tp, pp, chunk, cache):
     ref = hf_model(tiny_models[arch])
@@ -33,13 +35,17 @@ def test_tiny_parallel_layouts_match_transformers(tiny_models, arch, tp, pp, chu
         assert server.stop() == 0
 
 
+@pytest.fixture(scope="module")
+def smollm2_reference():
+    ids = smollm2_tokenizer().encode(" ".join(f"Fact {i}: water boils at {90 + i} degrees on mountain {i}."
+                                              for i in range(20)), add_special_tokens=False)
+    return ids, hf_greedy(smollm2_hf_model(), ids, 12)
+
+
 @pytest.mark.smollm2
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
-def test_smollm2_parallel_layouts_match_transformers(tp, pp, tmp_path):
-    tok = smollm2_tokenizer()
-    ids = tok.encode(" ".join(f"Fact {i}: water boils at {90 + i} degrees on mountain {i}." for i in range(20)),
-                     add_special_tokens=False)
-    want, margins = hf_greedy(smollm2_hf_model(tmp_path), ids, 12)
+@pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2)])  # SmolLM2's 3 KV heads split 2 + 1; and with PP
+def test_smollm2_parallel_layouts_match_transformers(tp, pp, smollm2_reference):
+    ids, (want, margins) = smollm2_reference
     server = Server("--tp", str(tp), "--pp", str(pp), "--threads", "1", "--chunk-size", "64", "--weights", "dequantized")
     try:
         for _ in range(2):

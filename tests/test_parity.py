@@ -41,9 +41,9 @@ def test_tiny_models_match_transformers(arch, tiny_models):
 
 
 @pytest.mark.smollm2
-def test_smollm2_matches_transformers(smollm2_server, tmp_path):
+def test_smollm2_matches_transformers(smollm2_server):
     tok = smollm2_tokenizer()
-    ref = smollm2_hf_model(tmp_path)
+    ref = smollm2_hf_model()
     long_text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones."
                          for i in range(60))
     cases = [

@@ -12,10 +12,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from common.process import spawn_service
+from shardline.processes import spawn_service
 from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 from tests.support import (ROOT, Server, alive, assert_greedy_match, free_ports, health_status, hf_greedy, hf_model,
-                           router_pid, shard_pids, wait_for)
+                           wait_for)
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 LONG = pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=[5, 6, 7]), max_new_tokens=1500, ignore_eos=True)
@@ -56,7 +56,7 @@ def test_kill_9_of_a_shard_mid_stream_then_the_same_router_answers_correctly(tin
     server = Server("--model", str(tiny_models["llama"]), "--page-size", "16", "--tp", str(tp), "--pp", str(pp),
                     "--threads", "1")
     try:
-        router, shards = router_pid(server), shard_pids(server)
+        router, shards = server.router_pid(), server.shard_pids()
         stream = server.stub.Generate(LONG, timeout=120)
         next(stream)
         os.kill(shards[victim], signal.SIGKILL)
@@ -64,7 +64,7 @@ def test_kill_9_of_a_shard_mid_stream_then_the_same_router_answers_correctly(tin
         assert "replica failed" in err.details()
         assert health_status(server.channel) == NOT_SERVING
         _answers_correctly_again(server, reference)
-        assert router_pid(server) == router, "the router must not restart"
+        assert server.router_pid() == router, "the router must not restart"
         assert not any(alive(p) for p in shards), "the whole group is restarted"
         assert any("restarting the shard group" in line for line in server.log)
     finally:
@@ -74,7 +74,7 @@ def test_kill_9_of_a_shard_mid_stream_then_the_same_router_answers_correctly(tin
 def test_a_sigstopped_shard_is_detected_and_its_group_restarted(tiny_models, reference):
     server = Server("--model", str(tiny_models["llama"]), "--page-size", "16", "--step-timeout-s", "2")
     try:
-        (shard,) = shard_pids(server)
+        (shard,) = server.shard_pids()
         stream = server.stub.Generate(LONG, timeout=120)
         next(stream)
         os.kill(shard, signal.SIGSTOP)
@@ -89,8 +89,8 @@ def test_a_sigstopped_shard_is_detected_and_its_group_restarted(tiny_models, ref
 def test_the_launcher_gives_up_after_its_restart_limit(tiny_models):
     server = Server("--model", str(tiny_models["llama"]), "--page-size", "16", "--shard-restarts", "0")
     try:
-        kids = shard_pids(server) + [router_pid(server)]
-        os.kill(shard_pids(server)[0], signal.SIGKILL)
+        kids = server.shard_pids() + [server.router_pid()]
+        os.kill(server.shard_pids()[0], signal.SIGKILL)
         assert server.proc.wait(30) == 1
         wait_for(lambda: any("giving up" in line for line in server.log), 5, "the launcher to say why")
         wait_for(lambda: not any(alive(k) for k in kids), 15, "every child to be gone")

@@ -6,9 +6,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.otlp_receiver import OtlpReceiver
+from harness.otlp_receiver import OtlpReceiver
 from protos import generation_pb2 as pb
-from common.process import free_port
+from harness.serve import free_port
 from tests.support import Server, wait_for
 
 PROMPT = list(range(5, 15))   # 10 tokens: chunks of 4, 4 and 2

@@ -9,15 +9,14 @@ from router.stop_strings import StopMatcher
 from router.tokenizer import TemplateError, TextCodec
 from tests.support import smollm2_codec, smollm2_tokenizer
 
-TOK = smollm2_tokenizer()      # transformers: the reference
-CODEC = smollm2_codec()        # what the router runs
 TEXT = "Grüße aus Köln 🚀🚀 — naïve café, 東京タワー!\n  indented <|im_end|> \x00\x07 tab\tend"
 
 
 def test_encode_equals_transformers():
-    assert CODEC.encode(TEXT) == TOK.encode(TEXT, add_special_tokens=False)
-    assert CODEC.eos_token_id == TOK.eos_token_id
-    assert CODEC.vocab_size == len(TOK)
+    tok, codec = smollm2_tokenizer(), smollm2_codec()  # transformers: the reference; what the router runs
+    assert codec.encode(TEXT) == tok.encode(TEXT, add_special_tokens=False)
+    assert codec.eos_token_id == tok.eos_token_id
+    assert codec.vocab_size == len(tok)
 
 
 @pytest.mark.parametrize("messages", [
@@ -26,8 +25,9 @@ def test_encode_equals_transformers():
      {"role": "assistant", "content": "Red."}, {"role": "user", "content": ""}],
 ])
 def test_chat_template_renders_like_transformers(messages):
-    want = TOK.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
-    assert CODEC.encode(CODEC.render_chat(messages)) == list(want)
+    tok, codec = smollm2_tokenizer(), smollm2_codec()
+    want = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert codec.encode(codec.render_chat(messages)) == list(want)
 
 
 def test_template_errors_are_template_errors(tmp_path):
@@ -50,15 +50,16 @@ def test_template_errors_are_template_errors(tmp_path):
 
 def CODEC_FOLDER():
     from common.model_source import resolve_model
-    from common.tokenizer_files import tokenizer_folder
+    from router.tokenizer_files import tokenizer_folder
     return tokenizer_folder(resolve_model(None))
 
 
 def test_detokenizer_streams_the_same_text_as_one_decode():
-    ids = TOK.encode(TEXT, add_special_tokens=False) + [TOK.eos_token_id]
-    detok = CODEC.stream()
+    tok, codec = smollm2_tokenizer(), smollm2_codec()
+    ids = tok.encode(TEXT, add_special_tokens=False) + [tok.eos_token_id]
+    detok = codec.stream()
     deltas = [detok.push(i) for i in ids]
-    assert "".join(deltas) == TOK.decode(ids, skip_special_tokens=True)
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True)
     assert all("\ufffd" not in d for d in deltas)  # half a UTF-8 character is never sent
     assert any(d == "" for d in deltas[:-1])        # ... the emoji's first bytes were held back
 
@@ -125,7 +126,7 @@ def test_encoding_a_long_prompt_lets_other_threads_run():
     thread = threading.Thread(target=ticker)
     thread.start()
     t0 = time.perf_counter()
-    ids = CODEC.encode(text)
+    ids = smollm2_codec().encode(text)
     took = time.perf_counter() - t0
     done.set()
     thread.join()

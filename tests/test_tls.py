@@ -11,7 +11,8 @@ import grpc
 import pytest
 import trustme
 
-from common.process import free_port, spawn_service
+from harness.serve import free_port
+from shardline.processes import spawn_service
 from common.tls import channel_credentials
 from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc, shard_pb2, shard_pb2_grpc
 from tests.support import ROOT, assert_greedy_match, hf_greedy, hf_model, wait_for
@@ -128,7 +129,7 @@ def test_streaming_over_tls_and_mutual_tls_matches_transformers(secure_shard, pk
         with grpc.secure_channel(target, _creds(pki["client"], public["ca"])) as channel:
             tokens = [t for m in pb_grpc.GenerationStub(channel).Generate(request, timeout=60) for t in m.token_ids]
         assert_greedy_match(tokens, want, margins)
-        cli = subprocess.run([sys.executable, "-m", "common.cli", "generate", "--target", target, "--raw", "Hi",
+        cli = subprocess.run([sys.executable, "-m", "shardline.cli", "generate", "--target", target, "--raw", "Hi",
                               "--max-new-tokens", "2", "--tls-ca-file", public["ca"], "--tls-cert-file",
                               pki["client"]["cert"], "--tls-key-file", pki["client"]["key"]],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
