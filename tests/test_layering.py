@@ -1,0 +1,115 @@
+"""The layering DESIGN.md states, read off the code: every import (at module level or inside a
+function) of every part runs one way, no two modules import each other (directly or through
+others), and the router process imports no torch."""
+import ast
+from pathlib import Path
+
+from tests.support import ROOT
+
+PRODUCT = ("protos", "common", "kernels", "shard", "router", "shardline")
+# part -> the parts it may import (DESIGN.md, "Layers")
+MAY_IMPORT = {
+    "protos": set(),
+    "common": {"protos"},
+    "kernels": {"common"},
+    "shard": {"common", "protos", "kernels"},
+    "router": {"common", "protos"},
+    "shardline": {"common", "protos", "router", "shard"},
+    "harness": {*PRODUCT},
+    "tests": {*PRODUCT, "harness"},
+    "bench": {*PRODUCT, "harness"},
+}
+TORCH = ("torch", "transformers", "safetensors", "gguf", "numpy")  # what the router process never loads
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for part in MAY_IMPORT:
+        for path in sorted((ROOT / part).rglob("*.py")):
+            if "_pb2" in path.name:  # generated
+                continue
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path, when_loaded: bool = False) -> set[str]:
+    """Every module `path` imports, by its full name (`from kernels import native` names
+    kernels.native when that is a module); `when_loaded`: only those that loading it imports
+    (not those inside its functions)."""
+    out = set()
+
+    def visit(node):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+            out.update(f"{node.module}.{alias.name}" for alias in node.names
+                       if f"{node.module}.{alias.name}" in MODULES)
+        if not (when_loaded and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            for child in ast.iter_child_nodes(node):
+                visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return out
+
+
+GRAPH = {name: _imports(path) for name, path in MODULES.items()}
+
+
+def _project(names) -> set[str]:
+    return {n for n in names if n in MODULES}
+
+
+def test_every_import_runs_one_way():
+    wrong = []
+    for module, imported in GRAPH.items():
+        part = module.split(".")[0]
+        for other in _project(imported):
+            theirs = other.split(".")[0]
+            if theirs != part and theirs not in MAY_IMPORT[part]:
+                wrong.append(f"{module} imports {other}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_two_modules_import_each_other():
+    """Not directly, and not through others: the module graph has no cycle."""
+    done, path, cycles = set(), [], []
+
+    def visit(module):
+        if module in path:
+            cycles.append(" -> ".join(path[path.index(module):] + [module]))
+            return
+        if module in done:
+            return
+        path.append(module)
+        for other in sorted(_project(GRAPH[module])):
+            if other != module.rpartition(".")[0]:  # a package's __init__ is not an import of its own
+                visit(other)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(GRAPH):
+        visit(module)
+    assert not cycles, "\n".join(cycles)
+
+
+def test_the_router_process_imports_no_torch():
+    """Nothing the router process imports imports torch (or what maps it): what loading the
+    command line imports, and whatever router.app imports through any chain of project modules.
+    tests/test_launcher.py checks the running process's memory maps as well."""
+    cli = _imports(MODULES["shardline.cli"], when_loaded=True)
+    seen, todo, heavy = set(), ["router.app", *_project(cli)], [m for m in cli if m.split(".")[0] in TORCH]
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        imported = _imports(MODULES[module], when_loaded=True) if module.startswith("shardline.") else GRAPH[module]
+        heavy += [f"{module} imports {m}" for m in imported if m.split(".")[0] in TORCH]
+        todo += _project(imported)
+    assert not heavy, "\n".join(heavy)
+    assert len(seen) > 5  # the walk did reach the modules behind the entry point
