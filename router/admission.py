@@ -21,7 +21,7 @@ from router.auth import cache_namespace
 from router.replica import Replica
 from router.sequence import Sequence
 from router.tokenizer import TemplateError
-from router.validation import InvalidRequest, Limits, invalid, prompt_fits, sampling_of, validate
+from router.validation import InvalidRequest, Limits, invalid, new_tokens, prompt_fits, sampling_of, validate
 
 
 def _exhausted(message: str) -> InvalidRequest:
@@ -51,31 +51,37 @@ class Admission:
 
     def limits(self) -> Limits:
         info = self.replica.info
-        return Limits(info.context_length, info.vocab_size, self.replica.codec.max_token_chars)
+        return Limits(info.context_length, info.vocab_size, self.replica.codec.max_token_chars,
+                      info.num_pages * info.page_size)
 
-    async def admit(self, req: pb.GenerateRequest, tenant: str, span=None) -> Sequence:
+    async def admit(self, req: pb.GenerateRequest, tenant: str, span=None, open_ended: bool = False,
+                    after: Sequence | None = None) -> Sequence:
         """The request's sequence, queued in the engine; raises InvalidRequest. The caller must
-        `release` it when its stream ends, however it ends."""
+        `release` it when its stream ends, however it ends. `open_ended`: max_new_tokens 0 means
+        up to the model's context or what the page pool holds (its KV pages are reserved as for
+        any other request). `after`: admitted once that sequence's prompt is computed."""
         if error := self.unavailable():
             raise error
         limits = self.limits()
-        validate(req, limits)
+        validate(req, limits, open_ended)
         try:
             ids = await asyncio.get_running_loop().run_in_executor(self._text_worker, self._prompt_ids, req)
         except TemplateError as e:
             raise invalid(str(e)) from None
-        prompt_fits(len(ids), req.max_new_tokens, limits)
+        max_new = new_tokens(req, len(ids), limits)
+        prompt_fits(len(ids), max_new, limits)
         if error := self.unavailable():  # the group may have failed while we tokenized
             raise error
-        self._check_room(len(ids) + req.max_new_tokens, tenant, req.request_id)
+        self._check_room(len(ids) + max_new, tenant, req.request_id)
         seq = Sequence(seq_id=next(self._ids), request_id=req.request_id or uuid.uuid4().hex,
-                       prompt_ids=ids, max_new_tokens=req.max_new_tokens,
+                       prompt_ids=ids, max_new_tokens=max_new,
                        sampling=sampling_of(req.sampling, random.getrandbits(63)),
                        cache_namespace=cache_namespace(None if self.share_cache else tenant, req.cache_salt),
                        tenant=tenant, priority=req.priority,
                        logprobs=req.logprobs if req.HasField("logprobs") else None,
                        prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
-                       stop_token_ids=frozenset() if req.ignore_eos else self.replica.eos_ids, span=span)
+                       stop_token_ids=frozenset() if req.ignore_eos else self.replica.eos_ids, span=span,
+                       after=after)
         # No await since _check_room: the id is still free.
         self._running[tenant, seq.request_id] = seq
         self.replica.engine.submit(seq, list(req.stop))
@@ -85,7 +91,8 @@ class Admission:
         """The request's stream ended (finished, cancelled by its client, deadline, broken
         connection): its pages go back at the next step boundary."""
         self.replica.engine.cancel(seq)
-        self._running.pop((seq.tenant, seq.request_id), None)
+        if self._running.get((seq.tenant, seq.request_id)) is seq:  # not a later request with its id
+            del self._running[seq.tenant, seq.request_id]
 
     def cancel(self, tenant: str, request_id: str) -> bool:
         """Cancels a running request of this tenant (a tenant sees only its own); its stream

@@ -14,6 +14,10 @@ Admission is all or nothing on pages: a request is admitted only when the pages 
 prefix are pinned and every other page it can ever need is reserved; otherwise the request
 keeps its place at the head of the queue and nothing changes.
 
+A sequence that waits for another (`Sequence.after`: the other choices of a request with
+several) is admitted once that one's prompt is computed, so that it finds the prompt's full
+pages in the prefix cache.
+
 Priority orders only admission. A waiting request's effective priority grows by one level per
 `aging_s` seconds waited, so a request waits behind higher priorities for at most
 (priority gap) x `aging_s` seconds plus the time its pages take to become free.
@@ -114,8 +118,11 @@ class Scheduler:
 
     def _admit(self) -> Step | None:
         pages, step, budget = self.pages, Step(Phase.ADMIT), self.max_batch_tokens
-        while self.waiting and len(self.prefilling) + len(self.decoding) < self.max_batch:
-            seq = self._most_urgent()
+        while len(self.prefilling) + len(self.decoding) < self.max_batch:
+            ready = [s for s in self.waiting if _may_start(s)]
+            if not ready:
+                break
+            seq = self._most_urgent(ready)
             if seq.prompt_hashes is None:
                 seq.prompt_hashes = pages.prompt_hashes(seq.prompt_ids, seq.cache_namespace)
             # Scoring the prompt needs its logits at every position: nothing of it is reused.
@@ -137,9 +144,9 @@ class Scheduler:
         return step if step.seqs else None
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _most_urgent(self) -> Sequence:
+    def _most_urgent(self, ready: list[Sequence]) -> Sequence:
         now = self.clock()
-        return max(self.waiting, key=lambda s: (s.priority + (now - s.arrival) / self.aging_s, -s.arrival))
+        return max(ready, key=lambda s: (s.priority + (now - s.arrival) / self.aging_s, -s.arrival))
 
     def _chunk(self, seq: Sequence, budget: int, first: bool, computed: int | None = None) -> int:
         """Prompt tokens `seq` computes in this step: the rest of its prompt, cut to the chunk
@@ -207,3 +214,11 @@ class Scheduler:
         self.pages.release(seq.block_table)
         self.pages.unreserve(seq.reserved_pages)
         seq.block_table, seq.reserved_pages, seq.status = [], 0, Status.FINISHED
+
+
+def _may_start(seq: Sequence) -> bool:
+    """Whether `seq` may be admitted: it waits for no other sequence, or that one has computed
+    its prompt (whose full pages are then cached) or ended."""
+    lead = seq.after
+    return (lead is None or lead.status is Status.FINISHED
+            or (lead.status is Status.RUNNING and lead.num_computed >= len(lead.prompt_ids)))

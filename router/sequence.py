@@ -88,6 +88,9 @@ class Sequence:
     page_hashes: list[bytes] = field(default_factory=list)  # of block_table's published prefix
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     span: object | None = None   # its trace span (router/tracing.py), when tracing is on
+    # Admitted only once this sequence's prompt is computed (its full pages cached) or it ended:
+    # the n choices of one request share the first one's prompt pages through the prefix cache.
+    after: "Sequence | None" = None
 
     @property
     def num_tokens(self) -> int:

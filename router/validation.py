@@ -37,11 +37,18 @@ def invalid(message: str) -> InvalidRequest:
 
 @dataclass(frozen=True)
 class Limits:
-    """Of the model being served."""
+    """Of the model and the replica being served."""
 
     context_length: int
     vocab_size: int
     max_token_chars: int   # the most characters one token stands for
+    pool_tokens: int       # what the whole KV page pool holds
+
+
+def new_tokens(req: pb.GenerateRequest, prompt_tokens: int, limits: Limits) -> int:
+    """The most tokens the request generates: max_new_tokens, or where that is 0 (an open-ended
+    request) what the context, and the page pool, leave after the prompt."""
+    return req.max_new_tokens or max(1, min(limits.context_length, limits.pool_tokens) - prompt_tokens)
 
 
 def prompt_fits(prompt_tokens: int, max_new_tokens: int, limits: Limits) -> None:
@@ -52,9 +59,10 @@ def prompt_fits(prompt_tokens: int, max_new_tokens: int, limits: Limits) -> None
                       f"exceeds the model's context of {limits.context_length} tokens")
 
 
-def validate(req: pb.GenerateRequest, limits: Limits) -> None:
-    """Raises InvalidRequest for anything the request may not ask for."""
-    if req.max_new_tokens == 0:
+def validate(req: pb.GenerateRequest, limits: Limits, open_ended: bool = False) -> None:
+    """Raises InvalidRequest for anything the request may not ask for. `open_ended`:
+    max_new_tokens 0 means up to the model's context (the OpenAI API's chat default)."""
+    if req.max_new_tokens == 0 and not open_ended:
         raise invalid("max_new_tokens must be at least 1")
     if req.max_new_tokens >= limits.context_length:
         raise invalid(f"max_new_tokens ({req.max_new_tokens}) exceeds the model's context of "
@@ -92,7 +100,7 @@ def _input(req: pb.GenerateRequest, limits: Limits) -> None:
     kind = req.WhichOneof("input")
     if kind == "prompt_token_ids":
         ids = req.prompt_token_ids.ids
-        prompt_fits(len(ids), req.max_new_tokens, limits)
+        prompt_fits(len(ids), new_tokens(req, len(ids), limits), limits)
         if max(ids) >= limits.vocab_size:
             raise invalid(f"token id {max(ids)} is outside the vocabulary (size {limits.vocab_size})")
         return

@@ -115,3 +115,34 @@ def test_a_cached_prefix_is_reused_and_only_the_rest_is_computed():
 def first_pages(pool: PageManager, n: int) -> list[int]:
     hashes = pool.prompt_hashes(list(range(n * pool.page_size + 1)))
     return [pool.index[h] for h in hashes[:n]]
+
+
+def test_a_sequence_after_another_waits_for_its_prompt_and_then_shares_its_pages():
+    """The choices of one request: the others are admitted once the first's prompt is computed,
+    and find its full pages cached; a leader that ends (cancelled, say) frees them too."""
+    pool = PageManager(num_pages=32, page_size=4)
+    sched = Scheduler(pool, max_batch=8, max_batch_tokens=100, chunk_size=4)
+    lead = _seq(1, 10, 4)  # 10 tokens: two full pages and 2 over, in chunks of 4
+    follow = [_seq(i, 10, 4) for i in (2, 3)]
+    for s in follow:
+        s.after = lead
+    for s in (lead, *follow):
+        sched.add(s)
+    admitted = []
+    while lead.num_computed < len(lead.prompt_ids):
+        admitted += [s for s in _run_step(sched).seqs if s in follow]
+        assert not admitted, "a choice started before the first one's prompt was computed"
+    steps = [_run_step(sched) for _ in range(3)]
+    assert all(s.status is Status.RUNNING for s in follow)
+    assert [s.cached_prompt_tokens for s in follow] == [8, 8]  # the two full pages, computed once
+    assert any(set(follow) <= set(step.seqs) for step in steps)
+    _check(pool, sched)
+    orphan = _seq(4, 6, 2)
+    orphan.after = _seq(5, 6, 2)
+    orphan.after.status = Status.FINISHED  # its leader was cancelled before it computed anything
+    sched.add(orphan)
+    for _ in range(10):
+        if orphan.status is Status.WAITING:
+            _run_step(sched)
+    assert orphan.status is not Status.WAITING
+    _check(pool, sched)
