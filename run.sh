@@ -10,5 +10,6 @@ shift || true
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER' INT TERM EXIT
 .venv/bin/shardline generate --wait 120 "$QUESTION"
-echo "serving on ${SHARDLINE_HOST:-127.0.0.1}:${SHARDLINE_PORT:-50051}; try: .venv/bin/shardline generate \"Hello\"  (Ctrl-C stops)"
+echo "serving gRPC on ${SHARDLINE_HOST:-127.0.0.1}:${SHARDLINE_PORT:-50051} and the OpenAI API on http://${SHARDLINE_HOST:-127.0.0.1}:${SHARDLINE_HTTP_PORT:-8000}/v1"
+echo "try: .venv/bin/shardline generate \"Hello\"  or  curl http://${SHARDLINE_HOST:-127.0.0.1}:${SHARDLINE_HTTP_PORT:-8000}/v1/models  (Ctrl-C stops)"
 wait $SERVER

@@ -1,13 +1,15 @@
-"""TLS for the public API and mutual TLS between router and shards, from PEM files.
+"""TLS for the public APIs (gRPC and HTTP) and mutual TLS between router and shards, from PEM
+files.
 
-Server credentials are dynamic: gRPC asks for the certificate configuration at each handshake,
-and it is re-read when a file's modification time or size changed, so certificates rotate
-without a restart (a file caught half-written keeps the previous configuration until it parses).
+Server credentials are dynamic: at each handshake the files are checked, and re-read when a
+file's modification time or size changed, so certificates rotate without a restart (a file
+caught half-written keeps the previous configuration until it parses).
 """
 from __future__ import annotations
 
 import logging
 import os
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +55,36 @@ def server_credentials(cert_file: str, key_file: str, client_ca_file: str = "") 
         return config
 
     return grpc.dynamic_ssl_server_credentials(load(), fetch, require_client_authentication=bool(client_ca_file))
+
+
+def http_ssl_context(cert_file: str, key_file: str, client_ca_file: str = "") -> ssl.SSLContext:
+    """The HTTP API's TLS: the same files and rotation as `server_credentials` (the handshake's
+    SNI callback swaps in a context made from the changed files)."""
+    paths = [p for p in (cert_file, key_file, client_ca_file) if p]
+
+    def load() -> ssl.SSLContext:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(cert_file, key_file)
+        if client_ca_file:
+            context.load_verify_locations(client_ca_file)
+            context.verify_mode = ssl.CERT_REQUIRED
+        context.sni_callback = rotate
+        return context
+
+    state = {"stamp": _stamp(paths), "context": None}
+
+    def rotate(connection, _server_name, _context):
+        try:
+            stamp = _stamp(paths)
+            if stamp != state["stamp"]:
+                state["context"], state["stamp"] = load(), stamp
+                log.info("TLS certificates reloaded from %s", cert_file)
+        except (OSError, ValueError, ssl.SSLError) as e:
+            log.warning("TLS files changed but could not be read (%s); keeping the previous ones", e)
+        if state["context"] is not None:
+            connection.context = state["context"]
+
+    return load()
 
 
 def channel_credentials(ca_file: str, cert_file: str = "", key_file: str = "") -> grpc.ChannelCredentials:

@@ -32,14 +32,22 @@ def _cli_module(cwd: Path) -> str:
     return "router.cli"
 
 
+def _has_http(cwd: Path) -> bool:
+    """Whether a checkout serves the HTTP API (an older one may be benchmarked as a baseline)."""
+    flags = cwd / "shardline" / "flags.py"
+    return flags.is_file() and "http-port" in flags.read_text()
+
+
 class Server:
     """startup_s: spawn to the `ready` line (a first start converts the GGUF: minutes on two
     cores). The child dies with this process (PR_SET_PDEATHSIG)."""
 
     def __init__(self, *args: str, env: dict | None = None, timeout: float = 600, cwd: Path = ROOT):
-        self.port = free_port()
+        self.port, self.http_port = free_ports(2)
         self.target = f"127.0.0.1:{self.port}"
-        args = ("serve", "--port", str(self.port), *args)
+        self.http_url = f"http://127.0.0.1:{self.http_port}/v1"   # the OpenAI-compatible API
+        http = ["--http-port", str(self.http_port)] if _has_http(cwd) and "--http-port" not in args else []
+        args = ("serve", "--port", str(self.port), *http, *args)
         self.log: deque[str] = deque(maxlen=2000)
         self.startup_s: float | None = None
         self._ready = threading.Event()
@@ -66,6 +74,7 @@ class Server:
             raise RuntimeError("server never became ready:\n" + "".join(list(self.log)[-60:]))
         self.channel = grpc.insecure_channel(self.target)
         self.stub = pb_grpc.GenerationStub(self.channel)
+        self.metadata = None  # what `stats` sends (an API key, where the server wants one)
 
     def output(self, lines: int = 60) -> str:
         return "".join(list(self.log)[-lines:])
@@ -80,7 +89,7 @@ class Server:
         return tokens, text, last
 
     def stats(self) -> pb.StatsResponse:
-        return self.stub.Stats(pb.StatsRequest(), timeout=10)
+        return self.stub.Stats(pb.StatsRequest(), metadata=self.metadata, timeout=10)
 
     def wait_idle(self, timeout: float = 60) -> pb.StatsResponse:
         """Waits until no request holds a page; returns the stats seen then."""

@@ -1,9 +1,11 @@
-"""The router process: tokenizer, the replica's shard group, and the public gRPC server.
+"""The router process: tokenizer, the replica's shard group, and the public servers: gRPC and
+the OpenAI-compatible HTTP API, two front ends of one admission.
 
-The public server starts listening once the shard group is first connected (so a client's
-wait_for_ready waits for a usable server); it turns NOT_SERVING whenever the group fails, and
-SERVING again when it is back. SIGTERM drains:
-NOT_SERVING at once, new requests UNAVAILABLE, accepted ones run to completion for up to
+The gRPC server starts listening once the shard group is first connected (so a client's
+wait_for_ready waits for a usable server), the HTTP one at once (its /health answers 503 and
+its requests UNAVAILABLE until then); both turn NOT_SERVING whenever the group fails, and
+SERVING again when it is back. SIGTERM drains: NOT_SERVING at once, new
+requests UNAVAILABLE (HTTP 503), accepted ones of either API run to completion for up to
 `--drain-timeout-s`, then the process exits 0.
 """
 from __future__ import annotations
@@ -18,10 +20,12 @@ from grpc_health.v1 import health, health_pb2
 from common.model_source import resolve_model
 from common.process import exit_soon
 from common.telemetry import setup_tracing
-from common.tls import ShardTls, server_credentials
+from common.tls import ShardTls, http_ssl_context, server_credentials
 from router.admission import Admission
 from router.auth import ApiKeys
+from router.http_server import HttpServer
 from router.metrics import Metrics
+from router.openai_api import OpenAiApi
 from router.replica import Replica
 from router.server import SERVICE, GenerationService, add_services
 from router.shard_client import ShardGroup
@@ -40,6 +44,7 @@ async def serve_router(args) -> int:
     health_servicer = health.aio.HealthServicer()
     server = grpc.aio.server()
     address = f"{args.host}:{args.port}"
+    http: HttpServer | None = None
     listening = False
 
     async def on_serving(serving: bool) -> None:
@@ -78,12 +83,20 @@ async def serve_router(args) -> int:
             if args.tls_cert_file else server.add_insecure_port(address))
     if port == 0:
         raise SystemExit(f"cannot listen on {address}")
+    if args.http_port:
+        tls = (http_ssl_context(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
+               if args.tls_cert_file else None)
+        http = HttpServer(OpenAiApi(replica, admission, tracing, keys).app, args.host, args.http_port, tls)
+        await http.start()  # at once: /health answers 503 until the shard group serves
+        print(f"router HTTP API {http.address}/v1", flush=True)
 
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await replica.run(stop)  # returns once a stop was asked for and the drain is over
     exit_soon(15)            # whatever hangs from here on, the process ends
+    if http is not None:
+        await http.stop()
     if listening:
         await server.stop(grace=2.0)
     await shards.close()

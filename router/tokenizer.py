@@ -7,6 +7,7 @@ sandbox, trim_blocks and lstrip_blocks, `raise_exception`, a `tojson` that keeps
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -16,6 +17,22 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte in a token."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _bytes_to_unicode()
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -64,6 +81,9 @@ class TextCodec:
         vocab = self.tokenizer.get_vocab(with_added_tokens=True)
         self.max_token_chars = max(len(self.tokenizer.decode([i], skip_special_tokens=False))
                                    for i in vocab.values())
+        self._byte_level = json.loads(self.tokenizer.to_str()).get("decoder", {}).get("type") == "ByteLevel"
+        self._special_ids = {self.tokenizer.token_to_id(t.content) for t in
+                             self.tokenizer.get_added_tokens_decoder().values() if t.special}
 
     def encode(self, text: str) -> list[int]:
         # encode_batch releases the GIL (plain encode holds it for the whole text), so a long
@@ -82,6 +102,22 @@ class TextCodec:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level token may hold half a character); a
+        special token's are its text."""
+        piece = self.tokenizer.id_to_token(token_id) or ""
+        if token_id in self._special_ids:
+            return piece.encode()
+        if self._byte_level:
+            return bytes(_BYTE_OF_CHAR[c] for c in piece if c in _BYTE_OF_CHAR)
+        if m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):  # SentencePiece's byte fallback
+            return bytes([int(m[1], 16)])
+        return piece.replace("\u2581", " ").encode()  # SentencePiece's word boundary
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as the OpenAI API shows it (half a character as U+FFFD)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def stream(self) -> "Detokenizer":
         return Detokenizer(self.tokenizer)

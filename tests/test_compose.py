@@ -2,6 +2,7 @@
 processes on loopback (Docker itself is not on every machine that runs the tests)."""
 import os
 import re
+import ssl
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
+import httpx
 import pytest
 import yaml
 
@@ -48,7 +50,7 @@ class Loopback:
     def rewrite(self, service: str, key: str, value: str) -> str:
         if key == "SHARDLINE_HOST":
             return "127.0.0.1"
-        if key in ("SHARDLINE_PORT", "SHARDLINE_METRICS_PORT"):
+        if key in ("SHARDLINE_PORT", "SHARDLINE_HTTP_PORT", "SHARDLINE_METRICS_PORT"):
             return str(self.port(service, value))
         for prefix, local in self.paths.items():
             if value == prefix or value.startswith(prefix + "/"):
@@ -159,6 +161,16 @@ def test_compose_services_serve_a_request_on_loopback(tmp_path):
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
         generated = sum(len(m.token_ids) for m in replies)
         assert f"shardline:generation_tokens_total {float(generated)}" in text
+        # The OpenAI-compatible API is published too, over TLS with the same key.
+        http_port = loop.port(router, str(services[router]["environment"]["SHARDLINE_HTTP_PORT"]))
+        https = httpx.Client(verify=ssl.create_default_context(cafile=str(certs / "ca.crt")), timeout=60)
+        with https:
+            answer = https.post(f"https://127.0.0.1:{http_port}/v1/completions", headers=dict(auth),
+                                json={"model": info.model, "prompt": "The capital of France is", "max_tokens": 4,
+                                      "temperature": 0})
+            assert answer.status_code == 200 and "Paris" in answer.json()["choices"][0]["text"], answer.text
+            assert https.get(f"https://127.0.0.1:{http_port}/v1/models").status_code == 401
+        assert "8000:8000" in services[router]["ports"]  # published where the README says
     finally:
         for proc in procs.values():
             proc.kill()

@@ -155,7 +155,7 @@ def test_a_router_with_another_page_size_does_not_take_a_shard(tiny_models):
     shard = spawn_service(["shard", "--model", model, "--page-size", "16", "--listen", f"unix:{logs}/s.sock"],
                           cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     log = open(logs / "router.log", "w")
-    router = spawn_service(["router", "--model", model, "--page-size", "32", "--port", str(free_port()),
+    router = spawn_service(["router", "--model", model, "--page-size", "32", "--port", str(free_port()), "--http-port", "0",
                             "--shards", f"unix:{logs}/s.sock"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: "page size 16 (the router's is 32)" in (logs / "router.log").read_text(), 60,

@@ -145,7 +145,7 @@ def test_separately_run_shards_restarted_by_their_supervisor_are_taken_back(tiny
                        f"unix:{logs}/s{s}.sock") for s in range(2)]
 
     shards = start_shards()
-    router = _spawn(logs / "router.log", "router", "--model", model, "--page-size", "16", "--port", str(port),
+    router = _spawn(logs / "router.log", "router", "--model", model, "--page-size", "16", "--port", str(port), "--http-port", "0",
                     "--shards", f"unix:{logs}/s0.sock,unix:{logs}/s1.sock")
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:

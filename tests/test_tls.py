@@ -2,19 +2,21 @@
 time (trustme): real router and shard processes on loopback TCP."""
 import os
 import random
+import ssl
 import subprocess
 import sys
 import threading
 import time
 
 import grpc
+import httpx
 import pytest
 import trustme
 
-from harness.serve import free_port
-from shardline.processes import spawn_service
 from common.tls import channel_credentials
+from harness.serve import free_port
 from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc, shard_pb2, shard_pb2_grpc
+from shardline.processes import free_ports, spawn_service
 from tests.support import ROOT, assert_greedy_match, hf_greedy, hf_model, wait_for
 
 HOSTS = ("127.0.0.1", "localhost")
@@ -42,6 +44,13 @@ def pki(tmp_path_factory):
             "shard": _files(tmp, "shard", shards_ca), "router": _files(tmp, "router", shards_ca, client=True),
             "impostor": _files(tmp, "impostor", other_ca, client=True),
             "public": _files(tmp, "public", public_ca), "client": _files(tmp, "client", public_ca, client=True)}
+
+
+def _https(url: str, ca: str, client: dict | None) -> httpx.Response:
+    context = ssl.create_default_context(cafile=ca)
+    if client is not None:
+        context.load_cert_chain(client["cert"], client["key"])
+    return httpx.get(url, verify=context, timeout=10)
 
 
 def _mtls_flags(files: dict) -> list[str]:
@@ -85,9 +94,10 @@ class Router:
     """`shardline router` over one shard, with its output kept for the test to read."""
 
     def __init__(self, model, shard: str, mtls: dict, *public: str):
-        self.port = free_port()
+        self.port, self.http_port = free_ports(2)
         self.proc = spawn_service(["router", "--model", str(model), "--page-size", "16",
                                    "--shards", shard, "--host", "127.0.0.1", "--port", str(self.port),
+                                   "--http-port", str(self.http_port),
                                    "--shard-timeout", "5",  # a refused handshake is reported after this
                                    *_mtls_flags(mtls), *public], cwd=ROOT,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -139,6 +149,14 @@ def test_streaming_over_tls_and_mutual_tls_matches_transformers(secure_shard, pk
                 with pytest.raises(grpc.RpcError) as err:
                     list(pb_grpc.GenerationStub(channel).Generate(request, timeout=10))
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        # The HTTP API: the same certificate, the same client CA.
+        https = f"https://127.0.0.1:{router.http_port}/v1/models"
+        assert _https(https, public["ca"], pki["client"]).status_code == 200
+        for client in (None, pki["impostor"]):
+            with pytest.raises(httpx.HTTPError):
+                _https(https, public["ca"], client)
+        with pytest.raises(httpx.HTTPError):  # no plaintext beside it
+            httpx.get(https.replace("https", "http"), timeout=5)
         # Rotation: new files in place are served to the next connection, without a restart.
         new_ca = trustme.CA()
         rotated = _files(pki["tmp"], "rotated", new_ca)
@@ -153,6 +171,7 @@ def test_streaming_over_tls_and_mutual_tls_matches_transformers(secure_shard, pk
                 except grpc.RpcError:
                     return None
         assert wait_for(served_with_new_certificate, 30, "the rotated certificate")
+        assert _https(https, rotated["ca"], pki["client"]).status_code == 200  # HTTP rotates too
         assert router.proc.poll() is None
     finally:
         router.stop()
