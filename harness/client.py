@@ -152,3 +152,67 @@ def run_scenario(stub, target: str, n: int, max_new: int, group_steps0: int, met
 def warm_up(target: str, n: int, max_new: int) -> None:
     """Untimed: the standard workload once (warms this batch shape)."""
     asyncio.run(concurrently(target, workload(n, max_new)))
+
+
+# -- the OpenAI-compatible HTTP API ---------------------------------------------------------------
+async def http_stream(client, base_url: str, body: dict, headers: dict | None = None,
+                      timeout: float = 900) -> Stream:
+    """One streamed completion (`/completions`, or `/chat/completions` when the body has
+    messages) from any OpenAI-compatible server at `base_url` (".../v1"), on an httpx.AsyncClient:
+    the arrival time of every chunk that carries text, the text, and `last` as a GenerateResponse
+    holding the finish reason and usage (the body should ask for `stream_options.include_usage`).
+    An error status or error event is kept in `error`."""
+    import json
+
+    path = "/chat/completions" if "messages" in body else "/completions"
+    s, usage, finish = Stream(time.perf_counter()), None, ""
+    try:
+        async with client.stream("POST", base_url + path, json={**body, "stream": True}, headers=headers,
+                                 timeout=timeout) as response:
+            if response.status_code != 200:
+                s.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}"
+            else:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    now = time.perf_counter()
+                    chunk = json.loads(line[len("data: "):])
+                    if "error" in chunk:
+                        s.error = chunk["error"].get("message", str(chunk["error"]))
+                        continue
+                    usage = chunk.get("usage") or usage
+                    for choice in chunk.get("choices", []):
+                        text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+                        if text:
+                            s.times.append(now)
+                            s.text += text
+                        finish = choice.get("finish_reason") or finish
+    except Exception as e:  # noqa: BLE001 - a load client reports, it does not stop
+        s.error = f"{type(e).__name__}: {e}"
+    s.ended = time.perf_counter()
+    s.last = pb.GenerateResponse(finish_reason=finish)
+    if usage:
+        s.last.usage.prompt_tokens = usage.get("prompt_tokens", 0)
+        s.last.usage.completion_tokens = usage.get("completion_tokens", 0)
+        s.last.usage.cached_prompt_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return s
+
+
+async def http_concurrently(base_url: str, bodies: list[dict], headers: dict | None = None,
+                            timeout: float = 900) -> tuple[float, list[Stream]]:
+    """All of `bodies` at once over one connection pool: (wall seconds from the first send to the
+    last message, the streams)."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(bodies) + 4, max_keepalive_connections=len(bodies) + 4)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        t0 = time.perf_counter()
+        streams = await asyncio.gather(*(http_stream(client, base_url, b, headers, timeout) for b in bodies))
+        return max(s.ended for s in streams) - t0, list(streams)
+
+
+def http_workload(model: str, n: int, max_new: int) -> list[dict]:
+    """The standard workload as completions bodies: greedy, `max_new` tokens each, EOS ignored
+    (`ignore_eos`: vLLM's name, which llama.cpp's server reads too)."""
+    return [{"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_new, "temperature": 0.0,
+             "ignore_eos": True, "stream_options": {"include_usage": True}} for i in range(n)]
