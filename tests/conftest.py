@@ -3,6 +3,17 @@ import pytest
 from tests.support import Server, make_tiny_model
 
 
+@pytest.fixture
+def own_machine_choices(tmp_path, monkeypatch):
+    """Per-machine kernel choices (kernels/choice.py) kept in a folder of this test's own, so a
+    unit test that builds quantized layers neither reads nor writes the machine's (the kernels
+    stay built where they are)."""
+    from kernels import choice, native
+    native.available()
+    monkeypatch.setattr(choice.native, "build_folder", lambda: tmp_path)
+    return tmp_path
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """arch -> folder of a random Hugging Face checkpoint, made once per test session."""

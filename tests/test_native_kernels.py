@@ -94,7 +94,7 @@ def test_int8_linear_rejects_codes_of_the_wrong_shape():
 
 
 @pytest.mark.parametrize("kernel,bits", [("torch", 4), ("torch", 8), ("native", 8)])
-def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch):
+def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_machine_choices):
     """Qwen3-like blocks (q/k norms, a qkv bias): the fused layer's output and K/V writes equal the
     block's own, for every kernel and width a layer may be loaded with; prefill and batches above
     the layers' dense-copy crossover run the block itself."""

@@ -18,6 +18,8 @@ from shard.config import ModelConfig
 from shard.model import Transformer
 from shard.transforms import quantize
 
+pytestmark = pytest.mark.usefixtures("own_machine_choices")
+
 
 def _gguf_roundtrip(w: torch.Tensor, qtype) -> torch.Tensor:
     blocks = gguf_quantize(w.numpy(), qtype)
@@ -84,14 +86,7 @@ def test_quantized_layers_compute_their_weights(rows):
                 assert (got - want).abs().max() <= 1e-2 * want.abs().max(), (layer.bits, layer.kernel, layer.max_rows)
 
 
-@pytest.fixture
-def machine_folder(tmp_path, monkeypatch):
-    """A machine whose choices are not measured yet."""
-    monkeypatch.setattr(choice.native, "build_folder", lambda: tmp_path)
-    return tmp_path
-
-
-def test_the_crossover_is_the_last_row_count_before_the_dense_kernel_measures_faster(machine_folder):
+def test_the_crossover_is_the_last_row_count_before_the_dense_kernel_measures_faster(own_machine_choices):
     def slow_above(n):  # quantized: free up to n rows, then slower than dense
         return lambda x: time.sleep(0.002 if x.shape[0] > n else 0)
     assert choice.crossover("test-1", slow_above(4), lambda x: time.sleep(0.001), 8) == 4
@@ -99,14 +94,14 @@ def test_the_crossover_is_the_last_row_count_before_the_dense_kernel_measures_fa
     assert choice.crossover("test-3", slow_above(1 << 20), lambda x: time.sleep(0.001), 8) >= 1 << 20
 
 
-def test_the_crossover_is_measured_once_per_machine(machine_folder):
+def test_the_crossover_is_measured_once_per_machine(own_machine_choices):
     """Two processes (or two starts of one server) compute a batch with the same kernel: the
     second reads the first one's answer, whatever its own timing would say."""
     def slow_above(n):
         return lambda x: time.sleep(0.002 if x.shape[0] > n else 0)
     assert choice.crossover("layer", slow_above(4), lambda x: time.sleep(0.001), 8) == 4
     assert choice.crossover("layer", slow_above(0), lambda x: time.sleep(0.001), 8) == 4
-    assert (machine_folder / "crossover-layer.txt").read_text() == "4"
+    assert (own_machine_choices / "crossover-layer.txt").read_text() == "4"
 
 
 def nn_linear(k, n, weight=None, bias=None):
