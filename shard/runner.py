@@ -32,12 +32,17 @@ from shard.logprobs import MAX_TOP, from_logits, score
 from shard.decode_graphs import DecodeGraphs
 from shard.model import Transformer
 from shard.parallel import Layout
-from shard.sampler import SamplingParams, sample
+from shard.sampler import SamplingParams, sample, unpack_allowed
 from shard.sequences import SequenceState, SequenceTable
 
 
 log = logging.getLogger(__name__)
 PREFILL_PIECE_TOKENS = 512
+
+
+def mask_bytes(vocab_size: int) -> int:
+    """Bytes of a packed token mask: whole 32-bit words, as llguidance writes them."""
+    return -(-vocab_size // 32) * 4
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,9 @@ class ModelRunner:
             return f"page id {max(s.new_pages)} outside the pool of {self.kv.padding_page} pages"
         if max(s.token_ids) >= self.vocab_size or (s.HasField("next_token") and s.next_token >= self.vocab_size):
             return f"token id {max(*s.token_ids, s.next_token)} outside the vocabulary of {self.vocab_size}"
+        if s.allowed_tokens and len(s.allowed_tokens) != mask_bytes(self.vocab_size):
+            return (f"a token mask of {len(s.allowed_tokens)} bytes; the vocabulary of {self.vocab_size} "
+                    f"takes {mask_bytes(self.vocab_size)}")
         if max(s.prompt_logprobs, s.sampling.logprobs) > MAX_TOP:
             return f"at most {MAX_TOP} alternatives per position can be scored"
         if s.first:
@@ -258,7 +266,10 @@ class ModelRunner:
         if emitting:
             logits = self.model.logits(last[torch.tensor(emitting, device=self.device)])
             sampled_at = [states[i].next_pos for i in emitting]
-            draws = sample(logits, [states[i].sampling for i in emitting], sampled_at)
+            width = logits.shape[-1]
+            allowed = [unpack_allowed(entries[i].allowed_tokens, width, self.device) if entries[i].allowed_tokens
+                       else None for i in emitting]
+            draws = sample(logits, [states[i].sampling for i in emitting], sampled_at, allowed)
             for row, (i, draw) in enumerate(zip(emitting, draws)):
                 if draw.failure is not None:
                     out.failures[entries[i].seq_id] = draw.failure

@@ -13,6 +13,9 @@ Numerics, for every value the router accepts (temperature finite and >= 0, top_p
   one, so a tiny top_p is greedy too.
 - A row whose logits are not all finite (a numerically broken model) is not sampled at all:
   its sequence fails alone, with a message, and the others in the batch are unaffected.
+- A constrained row (an `allowed` mask, router/constraints.py) samples among the allowed tokens
+  only: every other logit is -inf before temperature, top-k, top-p and the greedy choice. A mask
+  that allows nothing fails the row.
 """
 from __future__ import annotations
 
@@ -59,14 +62,33 @@ class Draw:
     failure: str | None = None
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[Draw]:
-    """logits [B, vocab] fp32 -> one Draw per row."""
+def unpack_allowed(packed: bytes, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """A packed token mask (bit t % 8 of byte t / 8 allows token t) -> bool [vocab_size]."""
+    bits = torch.frombuffer(bytearray(packed), dtype=torch.uint8).to(device)
+    shifts = torch.arange(8, dtype=torch.uint8, device=device)
+    return ((bits.unsqueeze(1) >> shifts) & 1).flatten()[:vocab_size].bool()
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+           allowed: list[torch.Tensor | None] | None = None) -> list[Draw]:
+    """logits [B, vocab] fp32 -> one Draw per row. `allowed`: per row a bool [vocab] mask of the
+    tokens it may take, or None (any); `logits` itself is left as it is."""
     finite = torch.isfinite(logits).all(dim=-1).tolist()
+    empty = [False] * len(params)
+    if allowed is not None and any(a is not None for a in allowed):
+        rows = [i for i, a in enumerate(allowed) if a is not None]
+        masks = torch.stack([allowed[i] for i in rows])
+        for i, none in zip(rows, (~masks.any(dim=-1)).tolist()):
+            empty[i] = none
+        logits = logits.clone()
+        logits[rows] = logits[rows].masked_fill(~masks, float("-inf"))
     greedy = logits.argmax(dim=-1).tolist()
     out = []
     for i, p in enumerate(params):
         if not finite[i]:
             out.append(Draw(failure="the model produced non-finite logits for this sequence"))
+        elif empty[i]:
+            out.append(Draw(failure="the constraint allows no token here"))
         elif p.temperature > 0:
             try:
                 out.append(Draw(sample_row(logits[i], p, positions[i])))

@@ -6,7 +6,7 @@ import torch
 import shard.runner as runner_module
 from common.model_source import resolve_model
 from protos import shard_pb2
-from shard.runner import ModelRunner, Span, pieces
+from shard.runner import ModelRunner, Span, mask_bytes, pieces
 from shard.weights import build_model
 
 PAGE = 8
@@ -126,3 +126,17 @@ def test_released_sequences_free_their_row_and_a_full_shard_refuses_more(model):
     assert not out.failures and set(runner.table.held) == {2, 3}
     assert runner.table.held[3].row == row and runner.table.tables[row, 0] == 2
     assert (runner.table.tables[row, 1:] == runner.kv.padding_page).all(), "a stale page stayed in a reused row"
+
+
+def test_a_token_mask_constrains_the_sampled_token_and_one_of_the_wrong_size_fails_its_sequence(model):
+    prompt = list(range(100, 111))
+    free = _runner(model).step(_plan(_first(1, prompt, [0, 1]))).tokens[0]
+    vocab = model.cfg.vocab_size
+    mask = bytearray(mask_bytes(vocab))
+    mask[5] = 1 << 3   # token 43 only
+    runner = _runner(model)
+    masked, wrong = _first(1, prompt, [0, 1]), _first(2, prompt, [3, 4])
+    masked.allowed_tokens, wrong.allowed_tokens = bytes(mask), bytes(mask[:-4])
+    out = runner.step(_plan(masked, wrong))
+    assert free != 43 and out.tokens == [43]
+    assert "token mask of" in out.failures[2] and 2 not in runner.table.held

@@ -1,6 +1,6 @@
 import torch
 
-from shard.sampler import SamplingParams, sample
+from shard.sampler import SamplingParams, sample, unpack_allowed
 
 
 def tokens(logits, params, positions) -> list[int]:
@@ -63,3 +63,41 @@ def test_a_row_with_non_finite_logits_fails_alone():
     out = sample(logits, [SamplingParams(), SamplingParams(temperature=1.0, seed=1), SamplingParams()], [0, 0, 0])
     assert out[0].token == logits[0].argmax() and out[2].token == logits[2].argmax()
     assert out[1].token is None and "non-finite" in out[1].failure
+
+
+def _packed(allowed: set[int], vocab: int) -> bytes:
+    """As llguidance packs a mask: bit t % 8 of byte t / 8, whole 32-bit words."""
+    out = bytearray(-(-vocab // 32) * 4)
+    for t in allowed:
+        out[t // 8] |= 1 << (t % 8)
+    return bytes(out)
+
+
+def test_a_packed_mask_unpacks_bit_by_bit():
+    allowed = {0, 7, 8, 31, 32, 99}
+    mask = unpack_allowed(_packed(allowed, 100), 100, torch.device("cpu"))
+    assert mask.shape == (100,) and set(mask.nonzero().flatten().tolist()) == allowed
+
+
+def test_a_masked_row_samples_only_allowed_tokens_and_its_neighbours_are_unchanged():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 64)
+    raw = logits.clone()
+    allowed = {3, 17, 40}
+    mask = unpack_allowed(_packed(allowed, 64), 64, torch.device("cpu"))
+    best_allowed = max(allowed, key=lambda t: logits[0, t])
+    out = sample(logits, [SamplingParams(), SamplingParams(), SamplingParams(temperature=1.0)], [0, 0, 0],
+                 [mask, None, None])
+    assert out[0].token == best_allowed != logits[0].argmax()
+    assert out[1].token == logits[1].argmax()
+    assert torch.equal(logits, raw), "the raw logits (what log-probabilities are of) stay as they were"
+    seen = {sample(logits[:1], [SamplingParams(temperature=5.0, seed=s)], [0], [mask])[0].token for s in range(60)}
+    assert seen == allowed
+
+
+def test_a_mask_that_allows_nothing_fails_its_row_alone():
+    logits = torch.randn(2, 40)
+    nothing = torch.zeros(40, dtype=torch.bool)
+    out = sample(logits, [SamplingParams(), SamplingParams()], [0, 0], [nothing, None])
+    assert out[0].token is None and "allows no token" in out[0].failure
+    assert out[1].token == logits[1].argmax()
