@@ -1,6 +1,7 @@
 """How a request becomes a running sequence, the same for every front end: validated
-(router/validation.py), tokenized on a worker thread, checked against the replica's capacity and
-the tenant's limits, registered under (tenant, request id) and queued in the engine.
+(router/validation.py), tokenized on a worker thread, its constraint compiled
+(router/constraints.py), checked against the replica's capacity and the tenant's limits,
+registered under (tenant, request id) and queued in the engine.
 
 Tokenizing and chat templating run on one worker thread with the GIL released while tokenizing,
 so a long prompt does not delay other streams' tokens, and a burst of long prompts queues there
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import random
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +24,24 @@ from router.replica import Replica
 from router.sequence import Sequence
 from router.tokenizer import TemplateError
 from router.validation import InvalidRequest, Limits, invalid, new_tokens, prompt_fits, sampling_of, validate
+
+
+def _template_message(m: pb.ChatMessage) -> dict:
+    """A message as a chat template reads it (as transformers hands it over: a tool call's
+    arguments as an object where they are JSON)."""
+    entry = {"role": m.role, "content": m.content}
+    if m.tool_calls_json:
+        entry["tool_calls"] = calls = json.loads(m.tool_calls_json)
+        for call in calls:
+            function = call.get("function", {})
+            try:
+                function["arguments"] = json.loads(function.get("arguments", ""))
+            except (TypeError, ValueError):
+                pass  # not JSON: the template gets the text
+    for name in ("tool_call_id", "name"):
+        if getattr(m, name):
+            entry[name] = getattr(m, name)
+    return entry
 
 
 def _exhausted(message: str) -> InvalidRequest:
@@ -70,6 +90,9 @@ class Admission:
             raise invalid(str(e)) from None
         max_new = new_tokens(req, len(ids), limits)
         prompt_fits(len(ids), max_new, limits)
+        constrained = await self.replica.grammars.constrained(req) if req.WhichOneof("constraint") else None
+        if constrained is not None and constrained.error:
+            raise invalid(constrained.error)
         if error := self.unavailable():  # the group may have failed while we tokenized
             raise error
         self._check_room(len(ids) + max_new, tenant, req.request_id)
@@ -81,7 +104,7 @@ class Admission:
                        logprobs=req.logprobs if req.HasField("logprobs") else None,
                        prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
                        stop_token_ids=frozenset() if req.ignore_eos else self.replica.eos_ids, span=span,
-                       after=after)
+                       after=after, constrained=constrained)
         # No await since _check_room: the id is still free.
         self._running[tenant, seq.request_id] = seq
         self.replica.engine.submit(seq, list(req.stop))
@@ -110,8 +133,9 @@ class Admission:
             return list(req.prompt_token_ids.ids)
         if kind == "prompt":
             return codec.encode(req.prompt)
-        chat = [{"role": m.role, "content": m.content} for m in req.messages.messages]
-        return codec.encode(codec.render_chat(chat))
+        chat = [_template_message(m) for m in req.messages.messages]
+        tools = json.loads(req.messages.tools_json) if req.messages.tools_json else None
+        return codec.encode(codec.render_chat(chat, tools))
 
     def _check_room(self, tokens: int, tenant: str, request_id: str) -> None:
         info, scheduler = self.replica.info, self.replica.engine.scheduler

@@ -95,6 +95,8 @@ class Engine:
                 end = seq.num_computed + len(inputs)
                 if end < len(seq.prompt_ids):
                     entry.next_token = seq.prompt_ids[end]
+            if emit and seq.constrained is not None:
+                entry.allowed_tokens = seq.constrained.mask
             self._announced[seq.seq_id] = len(seq.block_table)
         for o in self.observers:
             o.step_started(self.step_id, step, plan)
@@ -157,8 +159,12 @@ class Engine:
             o.token(seq, first)
         detok, stops = self._text[seq.seq_id]
         is_eos = token in seq.stop_token_ids
+        constrained = seq.constrained
+        if constrained is not None:
+            constrained.advance(token)
         text, stopped = stops.feed("" if is_eos else detok.push(token))
         reason = (FinishReason.STOP if stopped else FinishReason.EOS if is_eos else
+                  FinishReason.STOP if constrained is not None and constrained.complete else
                   FinishReason.LENGTH if len(seq.output_ids) >= seq.max_new_tokens
                   or seq.num_tokens >= self.max_position else None)
         if reason and not stopped:
@@ -168,6 +174,8 @@ class Engine:
                                       prompt_logprobs=seq.prompt_scores if first else []))
         if reason:
             self._finish(seq, reason)
+        elif constrained is not None and constrained.error:  # a dead end: this request alone
+            self.fail(seq, Failure("INTERNAL", constrained.error))
 
     def _finish(self, seq: Sequence, end: Ending) -> None:
         if seq.status is not Status.FINISHED:

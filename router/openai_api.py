@@ -15,6 +15,9 @@ one, on the router's event loop (FastAPI on uvicorn, router/http_server.py).
   `traceparent` header continues the client's trace as gRPC metadata does.
 - Log-probabilities are those of the model's raw distribution (before temperature, top-k and
   top-p), as in the gRPC API: chat's `logprobs.content[]`, text completions' legacy format.
+- `response_format` (json_object, json_schema) and vLLM's `structured_outputs` (json, regex,
+  grammar, choice) become the request's constraint (router/constraints.py); `tools` and
+  `tool_choice` become a grammar and are read back as `tool_calls` (router/openai_tools.py).
 """
 from __future__ import annotations
 
@@ -34,11 +37,13 @@ from starlette.exceptions import HTTPException
 
 from router.admission import Admission
 from router.auth import NO_TENANT, ApiKeys
+from router import openai_tools
 from router.openai_choices import Choices, generate_requests, running
 from router.openai_schema import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                                   ChatCompletionRequest, ChatLogprobs, ChatMessage, Completion, CompletionChoice,
                                   CompletionLogprobs, CompletionRequest, Delta, Error, ErrorResponse, Model, ModelList,
-                                  PromptTokensDetails, TokenLogprob, TopLogprob, Usage)
+                                  PromptTokensDetails, TokenLogprob, ToolCall, TopLogprob, Usage)
+from router.openai_tools import ToolCallReader, declares_calls
 from router.replica import Replica
 from router.sequence import FinishReason, Output
 from router.tracing import Tracing, request_attributes
@@ -174,7 +179,7 @@ class OpenAiApi:
         if self.tracing is not None:  # as the gRPC API: refused requests have a span too
             span = self.tracing.request_span(request.headers.items(), "chat" if chat else "text_completion", {})
         try:
-            body, choices = await self._start(request, schema, tenant, span)
+            body, choices = await self._start(request, schema, tenant, span, chat)
         except ApiError as e:
             if span is not None:
                 span.set_status(Status(StatusCode.ERROR, e.body.error.message))
@@ -185,7 +190,7 @@ class OpenAiApi:
             return _Stream(answer)
         return Response(await answer.whole(request), media_type="application/json")
 
-    async def _start(self, request: Request, schema: type, tenant: str, span) -> tuple:
+    async def _start(self, request: Request, schema: type, tenant: str, span, chat: bool) -> tuple:
         try:
             body = schema.model_validate(await _body(request))
         except ValidationError as e:
@@ -194,8 +199,9 @@ class OpenAiApi:
         if body.model != model:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {model!r}",
                            "not_found_error", param="model", code="model_not_found")
+        blocks = declares_calls(self.replica.codec.template_source)
         try:
-            reqs = generate_requests(body)
+            reqs = generate_requests(body, openai_tools.grammar(body, blocks) if chat else None)
         except ValueError as e:  # what protobuf cannot carry: a lone surrogate, an int past its field
             raise ApiError(400, f"the request cannot be served: {e}", "invalid_request_error") from None
         if span is not None:
@@ -240,16 +246,25 @@ class Answer:
         self.logprobs = [[] for _ in range(n)]   # chat: TokenLogprob; completions: (token, logprob, top, offset)
         self.offsets = [0] * n                   # completions: where the next token's text begins
         self.codec = api.replica.codec
+        blocks = declares_calls(self.codec.template_source)
+        kind = openai_tools.mode(body, blocks) if chat else None
+        self.readers = [ToolCallReader(kind, blocks) for _ in range(n)]
         self._closed = False
 
-    def _take(self, index: int, out: Output) -> str:
-        """Records an output; returns its text delta."""
+    def _take(self, index: int, out: Output) -> tuple[str, list[ToolCall]]:
+        """Records an output; returns its content delta and the tool calls it completed."""
         for entry in out.logprobs:
             self.logprobs[index].append(self._logprob(index, entry))
-        self.text[index] += out.text
+        reader = self.readers[index]
+        text, calls = reader.feed(out.text)
         if out.finish_reason:
+            rest, more = reader.end()
+            text, calls = text + rest, calls + more
             self.finish[index] = FINISH[out.finish_reason]
-        return out.text
+            if reader.calls and self.finish[index] == "stop":
+                self.finish[index] = "tool_calls"
+        self.text[index] += text
+        return text, calls
 
     def _logprob(self, index: int, entry):
         token = self.codec.token_text(entry.token_id)
@@ -316,13 +331,17 @@ class Answer:
         n = range(len(self.text))
         if self.chat:
             answer = ChatCompletion(id=self.id, created=self.created, model=self.model, usage=self._usage(), choices=[
-                ChatChoice(index=i, message=ChatMessage(content=self.text[i]), finish_reason=self.finish[i],
+                ChatChoice(index=i, message=self._message(i), finish_reason=self.finish[i],
                            logprobs=self._choice_logprobs(self.logprobs[i])) for i in n])
         else:
             answer = Completion(id=self.id, created=self.created, model=self.model, usage=self._usage(), choices=[
                 CompletionChoice(index=i, text=self.text[i], finish_reason=self.finish[i],
                                  logprobs=self._choice_logprobs(self.logprobs[i])) for i in n])
         return _json(answer)
+
+    def _message(self, index: int) -> ChatMessage:
+        calls = self.readers[index].calls
+        return ChatMessage(content=self.text[index] or None if calls else self.text[index], tool_calls=calls or None)
 
     async def stream(self) -> AsyncIterator[bytes]:
         try:
@@ -332,12 +351,15 @@ class Answer:
             async with contextlib.aclosing(self._outputs()) as outputs:
                 async for index, out in outputs:
                     seen = len(self.logprobs[index])
-                    delta = self._take(index, out)
-                    if not (delta or out.finish_reason or out.logprobs):
-                        continue  # withheld text (half a character, a possible stop string)
+                    delta, calls = self._take(index, out)
+                    if not (delta or calls or out.finish_reason or out.logprobs):
+                        continue  # withheld text (half a character, a possible stop string, a call)
                     entries = self.logprobs[index][seen:]
                     if self.chat:
-                        choice = ChatChunkChoice(index=index, delta=Delta(content=delta), finish_reason=self.finish[index],
+                        tool_calls = self.readers[index].deltas(calls) if calls else None
+                        content = delta if delta or not tool_calls else None
+                        choice = ChatChunkChoice(index=index, delta=Delta(content=content, tool_calls=tool_calls),
+                                                 finish_reason=self.finish[index],
                                                  logprobs=self._choice_logprobs(entries))
                         yield _sse(_json(self._chat_chunk([choice])))
                     else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from typing import AsyncIterator
 
 from opentelemetry import trace
@@ -25,10 +26,35 @@ from router.validation import InvalidRequest
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for text completions; chat: up to the context
 
 
-def generate_requests(body: ChatCompletionRequest | CompletionRequest) -> list[pb.GenerateRequest]:
-    """The choices' requests. max_new_tokens 0: open-ended (chat without a limit)."""
+def _constrain(req: pb.GenerateRequest, body: ChatCompletionRequest | CompletionRequest, tool_grammar: str | None):
+    """Sets the request's constraint: response_format's, structured_outputs', or the tool calls'."""
+    rf, so = body.response_format, body.structured_outputs
+    if rf is not None and rf.type == "json_object":
+        req.json_object = True
+    elif rf is not None and rf.type == "json_schema":
+        req.json_schema = json.dumps(rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {})
+    elif so is not None:
+        if so.json_ is not None:
+            req.json_schema = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)
+        elif so.json_object:
+            req.json_object = True
+        elif so.regex is not None:
+            req.regex = so.regex
+        elif so.grammar is not None:
+            req.grammar = so.grammar
+        else:
+            req.choice.options.extend(so.choice)
+    elif tool_grammar is not None:
+        req.grammar = tool_grammar
+
+
+def generate_requests(body: ChatCompletionRequest | CompletionRequest,
+                      tool_grammar: str | None = None) -> list[pb.GenerateRequest]:
+    """The choices' requests. max_new_tokens 0: open-ended (chat without a limit).
+    `tool_grammar`: what constrains the output to tool calls (router/openai_tools.py)."""
     req = pb.GenerateRequest(stop=body.stops(), ignore_eos=body.ignore_eos, priority=body.priority,
                              cache_salt=body.cache_salt or "")
+    _constrain(req, body, tool_grammar)
     s = req.sampling
     s.temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI's default
     if body.top_p is not None:
@@ -40,7 +66,11 @@ def generate_requests(body: ChatCompletionRequest | CompletionRequest) -> list[p
             req.logprobs = body.top_logprobs or 0
         for m in body.messages:
             role = "system" if m.role == "developer" else m.role
-            req.messages.messages.append(pb.ChatMessage(role=role, content=m.text()))
+            calls = json.dumps([c.model_dump() for c in m.tool_calls]) if m.tool_calls else ""
+            req.messages.messages.append(pb.ChatMessage(role=role, content=m.text(), tool_calls_json=calls,
+                                                        tool_call_id=m.tool_call_id or "", name=m.name or ""))
+        if body.tools:
+            req.messages.tools_json = json.dumps([t.model_dump(exclude_none=True) for t in body.tools])
     else:
         req.max_new_tokens = body.max_tokens or COMPLETION_DEFAULT_TOKENS
         if body.logprobs is not None:

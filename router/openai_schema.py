@@ -50,16 +50,63 @@ class TextPart(Closed):
     text: StrictStr
 
 
+class FunctionCall(Closed):
+    name: StrictStr
+    arguments: StrictStr     # JSON text
+
+
+class ToolCall(Closed):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(Closed):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[StrictStr, list[TextPart], None] = None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
 
     def text(self) -> str:
         if self.content is None:
             return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class JsonSchemaFormat(Closed):
+    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: StrictStr | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(Closed):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only with it")
+        return self
+
+
+class StructuredOutputs(Closed):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    json_: Union[dict, StrictStr, None] = Field(None, alias="json")
+    json_object: StrictBool | None = None
+    regex: StrictStr | None = None
+    grammar: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        if sum(v is not None and v is not False for v in (self.json_, self.json_object, self.regex,
+                                                          self.grammar, self.choice)) != 1:
+            raise ValueError("set exactly one of json, json_object, regex, grammar, choice")
+        return self
 
 
 class Sampling(Closed):
@@ -84,6 +131,8 @@ class Sampling(Closed):
     priority: StrictInt = Field(0, ge=-2**31, lt=2**31)
     cache_salt: StrictStr | None = None
     request_id: StrictStr | None = None
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -94,22 +143,67 @@ class Sampling(Closed):
             raise ValueError("stream_options: only allowed when stream is true")
         return self
 
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("response_format and structured_outputs: set one of them")
+        return self
+
+
+class Function(Closed):
+    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict | None = None   # a JSON schema of the arguments; none: any object
+    strict: StrictBool | None = None
+
+
+class Tool(Closed):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(Closed):
+    name: StrictStr
+
+
+class NamedToolChoice(Closed):
+    type: Literal["function"]
+    function: NamedFunction
+
 
 class ChatCompletionRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    # until constraints and tool calls exist
-    response_format: Annotated[dict | None, _unsupported((None, {"type": "text"}))] = None
-    tools: Annotated[list | None, _unsupported((None, []))] = None
-    tool_choice: Annotated[StrictStr | None, _unsupported((None, "none", "auto"))] = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: StrictBool = True
 
     @model_validator(mode="after")
     def _top_logprobs_with_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: logprobs must be true when top_logprobs is set")
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice_of_the_tools(self):
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two tools have the same name")
+        choice = self.tool_choice
+        if choice == "required" and not names:
+            raise ValueError("tool_choice: 'required' needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: no tool is named {choice.function.name!r}")
+        if self.calls_forced() and (self.structured_outputs is not None or
+                                    self.response_format is not None and self.response_format.type != "text"):
+            raise ValueError("tool_choice: a forced tool call and a response format cannot both constrain the output")
+        return self
+
+    def calls_forced(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
 
 class CompletionRequest(Sampling):
@@ -167,7 +261,8 @@ class CompletionLogprobs(BaseModel):
 
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -186,11 +281,24 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+
 class Delta(BaseModel):
-    """What a chunk adds to a choice: its role (in the first), or content."""
+    """What a chunk adds to a choice: its role (in the first), content, or tool calls."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _present(self, handler):

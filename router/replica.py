@@ -20,6 +20,7 @@ import logging
 from typing import Awaitable, Callable
 
 from protos import generation_pb2 as pb
+from router.constraints import Grammars
 from router.engine import Engine
 from router.page_manager import PageManager
 from router.scheduler import Scheduler
@@ -40,6 +41,7 @@ class Replica:
         self.engine: Engine | None = None
         self.info: pb.InfoResponse | None = None
         self.eos_ids: frozenset[int] = frozenset()
+        self.grammars: Grammars | None = None   # constraint compiler, once the vocabulary is known
         self.serving = False
         self.accepting = True          # false once a drain began
         self.down_reason = "connecting to the shards"
@@ -84,6 +86,9 @@ class Replica:
         if self.codec.eos_token_id is not None:
             eos.add(self.codec.eos_token_id)
         self.eos_ids = frozenset(eos)
+        if self.grammars is None:  # the model is the router's: it stays across reconnects
+            self.grammars = Grammars(self.codec.tokenizer.to_str(), head.vocab_size, sorted(eos),
+                                     args.constraint_timeout_s)
         pages = PageManager(num_pages, head.page_size, policy=args.eviction,
                             prefix_cache=args.prefix_cache == "on", protected_ratio=args.slru_protected_ratio,
                             model_key=f"{head.model}/{head.dtype}")

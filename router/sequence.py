@@ -16,7 +16,7 @@ class Status(enum.Enum):
 class FinishReason(enum.Enum):
     """Why a request ended, when it did not fail (a `Failure` says why it did)."""
 
-    STOP = "stop"            # a stop string matched
+    STOP = "stop"            # a stop string matched, or the constraint is complete
     EOS = "eos"              # the model's end-of-sequence token
     LENGTH = "length"        # max_new_tokens, or the model's context
     CANCELLED = "cancelled"  # by its client
@@ -91,6 +91,7 @@ class Sequence:
     # Admitted only once this sequence's prompt is computed (its full pages cached) or it ended:
     # the n choices of one request share the first one's prompt pages through the prefix cache.
     after: "Sequence | None" = None
+    constrained: object | None = None   # its router.constraints.Constrained, when it has a constraint
 
     @property
     def num_tokens(self) -> int:

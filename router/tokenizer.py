@@ -69,6 +69,7 @@ class TextCodec:
         if isinstance(template, list):  # named templates: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self._template = None
+        self.template_source: str | None = template or None
         if template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=["jinja2.ext.loopcontrols"])
@@ -90,11 +91,13 @@ class TextCodec:
         # prompt tokenized on a worker thread does not stall the event loop.
         return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The conversation as the model reads it; `tools` (OpenAI's definitions) go to the
+        template as transformers hands them over."""
         if self._template is None:
             raise TemplateError("the model has no chat template; send a prompt or token ids instead")
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True, **self.special)
+            return self._template.render(messages=messages, tools=tools, add_generation_prompt=True, **self.special)
         except jinja2.exceptions.TemplateError as e:
             raise TemplateError(f"the chat template refused the messages: {e}") from e
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:

@@ -8,6 +8,7 @@ is tokenized.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -96,6 +97,18 @@ def sampling_of(s: pb.SamplingParams, seed_if_unset: int) -> Sampling:
                     seed=s.seed if s.HasField("seed") else seed_if_unset)
 
 
+def _json_list(name: str, text: str) -> None:
+    """An optional JSON array of objects, given as text."""
+    if not text:
+        return
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise invalid(f"{name} is not JSON: {e}") from None
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise invalid(f"{name} must be a JSON array of objects")
+
+
 def _input(req: pb.GenerateRequest, limits: Limits) -> None:
     kind = req.WhichOneof("input")
     if kind == "prompt_token_ids":
@@ -117,7 +130,9 @@ def _input(req: pb.GenerateRequest, limits: Limits) -> None:
         for m in messages:
             if m.role not in CHAT_ROLES:
                 raise invalid(f"unknown chat role {m.role[:40]!r}; expected one of {sorted(CHAT_ROLES)}")
-        chars = sum(len(m.content) for m in messages)
+            _json_list("tool_calls_json", m.tool_calls_json)
+        _json_list("tools_json", req.messages.tools_json)
+        chars = sum(len(m.content) + len(m.tool_calls_json) for m in messages) + len(req.messages.tools_json)
     else:
         raise invalid("no input: set prompt, prompt_token_ids or messages")
     limit = limits.context_length * limits.max_token_chars

@@ -92,6 +92,9 @@ def _router_flags(p):
     add_flag(p, "step-timeout-s", 20.0, SECONDS,
          "a step running this long makes the router check that every shard still answers; "
          "one that does not within 5 s fails the replica")
+    add_flag(p, "constraint-timeout-s", 5.0, SECONDS,
+         "longest a request's constraint (JSON schema, regex, grammar) may take to compile; past it "
+         "the request is refused INVALID_ARGUMENT")
     add_flag(p, "prefix-cache", "on", help="reuse the KV pages of shared prompt prefixes",
          choices=["on", "off"])
     add_flag(p, "eviction", "lru", help="which cached pages are reclaimed first", choices=["lru", "slru"])

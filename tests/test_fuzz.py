@@ -67,6 +67,17 @@ def requests(draw) -> pb.GenerateRequest:
     req.ignore_eos = draw(st.booleans())
     req.cache_salt = _pick(draw, text(10), text(300))
     req.priority = draw(st.integers(-2**31, 2**31 - 1))
+    constraint = draw(st.sampled_from([None, None, "json_schema", "json_object", "regex", "grammar", "choice"]))
+    if constraint == "json_schema":
+        req.json_schema = _pick(draw, st.sampled_from(['{"type": "integer"}', '{"enum": ["a", "b"]}']), text(60))
+    elif constraint == "json_object":
+        req.json_object = True
+    elif constraint in ("regex", "grammar"):
+        setattr(req, constraint, _pick(draw, st.sampled_from(["[ab]{1,3}", 'start: "x" | "y"']), text(60)))
+    elif constraint == "choice":
+        req.choice.options.extend(_pick(draw, st.lists(text(6).filter(bool), min_size=1, max_size=3),
+                                        st.lists(text(6), max_size=3)))
+        req.choice.SetInParent()
     return req
 
 
@@ -127,6 +138,12 @@ HTTP_FIELDS = {  # field -> plausible values; any JSON value one time in four
     "top_k": st.integers(-1, 50), "ignore_eos": st.booleans(), "priority": st.integers(-3, 3),
     "cache_salt": text(10), "request_id": text(10), "user": text(10),
     "stream_options": st.just({"include_usage": True}),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"},
+                                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}]),
+    "structured_outputs": st.sampled_from([{"choice": ["a", "b"]}, {"regex": "[0-9]+"}, {"grammar": "start: x"},
+                                           {"json": {"type": "boolean"}}, {}, {"regex": "a", "choice": ["a"]}]),
+    "tools": st.just([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
 }
 
 
