@@ -83,7 +83,7 @@ class Constrained:
         self.mask = self.matcher.compute_bitmask()[:self._mask_bytes]
         if self.matcher.is_error():
             self.error = f"the constraint failed: {self.matcher.get_error()}"
-        elif not any(self.mask):
+        elif self.mask.count(0) == len(self.mask):
             self.error = "the constraint reached a dead end: no token can continue it"
 
 

@@ -266,10 +266,10 @@ class ModelRunner:
         if emitting:
             logits = self.model.logits(last[torch.tensor(emitting, device=self.device)])
             sampled_at = [states[i].next_pos for i in emitting]
-            width = logits.shape[-1]
-            allowed = [unpack_allowed(entries[i].allowed_tokens, width, self.device) if entries[i].allowed_tokens
-                       else None for i in emitting]
-            draws = sample(logits, [states[i].sampling for i in emitting], sampled_at, allowed)
+            masked = [row for row, i in enumerate(emitting) if entries[i].allowed_tokens]
+            allowed = unpack_allowed([entries[emitting[row]].allowed_tokens for row in masked], logits.shape[-1],
+                                     self.device) if masked else None
+            draws = sample(logits, [states[i].sampling for i in emitting], sampled_at, masked, allowed)
             for row, (i, draw) in enumerate(zip(emitting, draws)):
                 if draw.failure is not None:
                     out.failures[entries[i].seq_id] = draw.failure

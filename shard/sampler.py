@@ -50,8 +50,13 @@ def sample_row(logits: torch.Tensor, p: SamplingParams, position: int) -> int:
         drop[0] = False
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    # Inverse CDF with one uniform draw: torch.multinomial draws a random number per vocabulary
+    # entry (1.6 ms a row at 49k tokens on two cores, a quarter of a 16-stream step). A token of
+    # probability 0 is never picked: its CDF entry equals the one before it (right=True).
     gen = torch.Generator(device=logits.device).manual_seed(_mix(p.seed, position))
-    return int(torch.multinomial(probs, 1, generator=gen))
+    cdf = probs.cumsum(0, dtype=torch.float64)
+    u = torch.rand((), dtype=torch.float64, generator=gen, device=logits.device)
+    return int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp_(max=probs.numel() - 1))
 
 
 @dataclass(frozen=True)
@@ -62,26 +67,29 @@ class Draw:
     failure: str | None = None
 
 
-def unpack_allowed(packed: bytes, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """A packed token mask (bit t % 8 of byte t / 8 allows token t) -> bool [vocab_size]."""
-    bits = torch.frombuffer(bytearray(packed), dtype=torch.uint8).to(device)
+def unpack_allowed(packed: list[bytes], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Packed token masks of equal size (bit t % 8 of byte t / 8 allows token t) -> bool
+    [len(packed), vocab_size]."""
+    bits = torch.frombuffer(bytearray(b"".join(packed)), dtype=torch.uint8).to(device).view(len(packed), -1)
     shifts = torch.arange(8, dtype=torch.uint8, device=device)
-    return ((bits.unsqueeze(1) >> shifts) & 1).flatten()[:vocab_size].bool()
+    return ((bits.unsqueeze(-1) >> shifts) & 1).view(len(packed), -1)[:, :vocab_size].bool()
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
-           allowed: list[torch.Tensor | None] | None = None) -> list[Draw]:
-    """logits [B, vocab] fp32 -> one Draw per row. `allowed`: per row a bool [vocab] mask of the
-    tokens it may take, or None (any); `logits` itself is left as it is."""
+           masked: list[int] = (), allowed: torch.Tensor | None = None) -> list[Draw]:
+    """logits [B, vocab] fp32 -> one Draw per row. `masked` rows may take only the tokens
+    `allowed` [len(masked), vocab] marks; `logits` itself is left as it is."""
     finite = torch.isfinite(logits).all(dim=-1).tolist()
     empty = [False] * len(params)
-    if allowed is not None and any(a is not None for a in allowed):
-        rows = [i for i, a in enumerate(allowed) if a is not None]
-        masks = torch.stack([allowed[i] for i in rows])
-        for i, none in zip(rows, (~masks.any(dim=-1)).tolist()):
+    if masked:
+        for i, none in zip(masked, (~allowed.any(dim=-1)).tolist()):
             empty[i] = none
-        logits = logits.clone()
-        logits[rows] = logits[rows].masked_fill(~masks, float("-inf"))
+        minus_inf = torch.tensor(float("-inf"), device=logits.device)
+        if len(masked) == len(params):
+            logits = torch.where(allowed, logits, minus_inf)
+        else:
+            logits = logits.clone()
+            logits[masked] = torch.where(allowed, logits[masked], minus_inf)
     greedy = logits.argmax(dim=-1).tolist()
     out = []
     for i, p in enumerate(params):

@@ -75,8 +75,9 @@ def _packed(allowed: set[int], vocab: int) -> bytes:
 
 def test_a_packed_mask_unpacks_bit_by_bit():
     allowed = {0, 7, 8, 31, 32, 99}
-    mask = unpack_allowed(_packed(allowed, 100), 100, torch.device("cpu"))
-    assert mask.shape == (100,) and set(mask.nonzero().flatten().tolist()) == allowed
+    masks = unpack_allowed([_packed(allowed, 100), _packed({5}, 100)], 100, torch.device("cpu"))
+    assert masks.shape == (2, 100) and set(masks[0].nonzero().flatten().tolist()) == allowed
+    assert masks[1].nonzero().flatten().tolist() == [5]
 
 
 def test_a_masked_row_samples_only_allowed_tokens_and_its_neighbours_are_unchanged():
@@ -84,20 +85,19 @@ def test_a_masked_row_samples_only_allowed_tokens_and_its_neighbours_are_unchang
     logits = torch.randn(3, 64)
     raw = logits.clone()
     allowed = {3, 17, 40}
-    mask = unpack_allowed(_packed(allowed, 64), 64, torch.device("cpu"))
+    mask = unpack_allowed([_packed(allowed, 64)], 64, torch.device("cpu"))
     best_allowed = max(allowed, key=lambda t: logits[0, t])
-    out = sample(logits, [SamplingParams(), SamplingParams(), SamplingParams(temperature=1.0)], [0, 0, 0],
-                 [mask, None, None])
+    out = sample(logits, [SamplingParams(), SamplingParams(), SamplingParams(temperature=1.0)], [0, 0, 0], [0], mask)
     assert out[0].token == best_allowed != logits[0].argmax()
     assert out[1].token == logits[1].argmax()
     assert torch.equal(logits, raw), "the raw logits (what log-probabilities are of) stay as they were"
-    seen = {sample(logits[:1], [SamplingParams(temperature=5.0, seed=s)], [0], [mask])[0].token for s in range(60)}
+    seen = {sample(logits[:1], [SamplingParams(temperature=5.0, seed=s)], [0], [0], mask)[0].token for s in range(60)}
     assert seen == allowed
 
 
 def test_a_mask_that_allows_nothing_fails_its_row_alone():
     logits = torch.randn(2, 40)
-    nothing = torch.zeros(40, dtype=torch.bool)
-    out = sample(logits, [SamplingParams(), SamplingParams()], [0, 0], [nothing, None])
+    nothing = torch.zeros(1, 40, dtype=torch.bool)
+    out = sample(logits, [SamplingParams(), SamplingParams()], [0, 0], [0], nothing)
     assert out[0].token is None and "allows no token" in out[0].failure
     assert out[1].token == logits[1].argmax()
