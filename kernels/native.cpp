@@ -1,5 +1,5 @@
 // Registers Shardline's CPU kernels as torch operators, shardline_native::* (implementations in
-// int8_linear.cpp, paged_decode.cpp and decode_layer.cpp; shapes for tracing in native.py).
+// int8_linear.cpp, paged_decode.cpp, decode_layer.cpp and token_mask.cpp; shapes for tracing in native.py).
 
 #include "native.h"
 
@@ -11,10 +11,12 @@ TORCH_LIBRARY(shardline_native, m) {
         "Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor slots, Tensor block_tables, Tensor context_lens, "
         "int heads, float scale) -> Tensor");
   m.def("silu_mul(Tensor x) -> Tensor");
+  m.def("mask_logits(Tensor logits, Tensor packed) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(shardline_native, CPU, m) {
   m.impl("int8_linear", shardline::int8_linear);
   m.impl("paged_decode", shardline::paged_decode);
   m.impl("silu_mul", shardline::silu_mul);
+  m.impl("mask_logits", shardline::mask_logits);
 }

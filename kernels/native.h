@@ -22,6 +22,9 @@ at::Tensor paged_decode(const at::Tensor& qkv, const at::Tensor& cos, const at::
 
 at::Tensor silu_mul(const at::Tensor& x);
 
+// logits [rows, vocab] with -inf wherever the packed mask [rows, 4 x words] has a clear bit.
+at::Tensor mask_logits(const at::Tensor& logits, const at::Tensor& packed);
+
 // Each of `rows` rows of n floats, in place: x * rsqrt(mean(x^2) + eps) * w.
 void rms_norm_rows(float* x, int64_t rows, int64_t n, const float* w, double eps);
 

@@ -21,7 +21,8 @@ from common.files import cache_root
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / f for f in ("native.cpp", "int8_linear.cpp", "paged_decode.cpp", "decode_layer.cpp")]
+SOURCES = [HERE / f for f in ("native.cpp", "int8_linear.cpp", "paged_decode.cpp", "decode_layer.cpp",
+                                   "token_mask.cpp")]
 # fast-math: lets the compiler reassociate the attention and norm sums into vector lanes and call
 # vectorized exp (attention at batch 16 ran 1.7x faster); no input here is inf or NaN by design.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]

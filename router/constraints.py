@@ -6,9 +6,10 @@ step plan carries to the sampling shard) and is advanced by every sampled token.
   `timeout_s`, so a pathological one costs its own request a refusal (INVALID_ARGUMENT, with the
   compiler's message) and never stalls the event loop. Compiled constraints are kept by content
   (the last `CACHE_SIZE`); a sequence gets a copy of the compiled matcher, in microseconds.
-- A `Constrained` sequence's next mask is computed as soon as its previous token is consumed, so
-  a dead end (a matcher error, or a mask that allows nothing while the constraint is unfinished)
-  is found between steps and fails that request alone.
+- A `Constrained` sequence consumes each sampled token as it arrives; the next masks of a step's
+  sequences are then computed together (`next_masks`), so a dead end (a
+  matcher error, or a mask that allows nothing while the constraint is unfinished) is found
+  between steps and fails that request alone.
 - EOS is allowed only where the constraint is complete; once it admits nothing more the
   request finishes "stop".
 
@@ -62,29 +63,34 @@ class Constrained:
 
     def __init__(self, matcher: llg.LLMatcher, vocab_size: int):
         self.matcher = matcher
-        self._mask_bytes = -(-vocab_size // 32) * 4  # whole words; llguidance's own has one more
-        self.mask = b""
+        self.mask_bytes = -(-vocab_size // 32) * 4  # whole words (compute_bitmask's have one more)
         self.error: str | None = None
-        self._next_mask()
+        self._set_mask(matcher.compute_bitmask())
 
     @property
     def complete(self) -> bool:
         """The constraint admits no further token (its output is whole)."""
         return self.matcher.is_stopped() and not self.matcher.is_error()
 
-    def advance(self, token: int) -> None:
-        """Consumes a sampled token and computes the next mask; sets `error` at a dead end."""
+    def consume(self, token: int) -> None:
+        """Advances the matcher by a sampled token; `next_masks` then computes the next mask."""
         if not self.matcher.consume_token(token):
             self.error = f"token {token} does not fit the constraint: {self.matcher.get_error()}"
-        elif not self.matcher.is_stopped():
-            self._next_mask()
 
-    def _next_mask(self) -> None:
-        self.mask = self.matcher.compute_bitmask()[:self._mask_bytes]
+    def _set_mask(self, mask: bytes) -> None:
+        self.mask = mask[:self.mask_bytes]
         if self.matcher.is_error():
             self.error = f"the constraint failed: {self.matcher.get_error()}"
         elif self.mask.count(0) == len(self.mask):
             self.error = "the constraint reached a dead end: no token can continue it"
+
+
+def next_masks(sequences: list[Constrained]) -> None:
+    """The next mask of each (unfinished, not failed) sequence. One after the other on the
+    event loop's thread: llguidance's parallel executor measured slower end to end on two cores
+    (its pool threads spin after each batch, taking CPU from the shards and the event loop)."""
+    for c in sequences:
+        c._set_mask(c.matcher.compute_bitmask())
 
 
 class Grammars:

@@ -22,6 +22,7 @@ import time
 
 from protos import shard_pb2
 from router.events import RequestEvents
+from router.constraints import next_masks
 from router.scheduler import Phase, Scheduler, Step
 from router.sequence import Ending, Failure, FinishReason, Output, Sequence, Status
 from router.shard_client import ShardError, ShardGroup
@@ -139,6 +140,25 @@ class Engine:
             except Exception as e:  # a detokenizer or stop-string edge case: this request only
                 log.exception("request %s failed on token %d", seq.request_id, token)
                 self.fail(seq, Failure("INTERNAL", f"turning token {token} into text failed: {e!r}"))
+        self._next_masks(step)
+
+    def _next_masks(self, step: Step) -> None:
+        """The next token masks of the step's constrained sequences that go on; one that reached
+        a dead end fails alone."""
+        going = [seq for seq in step.seqs if seq.constrained is not None and seq.status is not Status.FINISHED
+                 and seq.output_ids]
+        if not going:
+            return
+        ok = [seq for seq in going if not seq.constrained.error]
+        try:
+            next_masks([seq.constrained for seq in ok])
+        except Exception as e:  # noqa: BLE001 - llguidance misused or broken: these requests only
+            log.exception("computing token masks failed")
+            for seq in ok:
+                seq.constrained.error = f"computing the token mask failed: {e!r}"
+        for seq in going:
+            if seq.constrained.error:
+                self.fail(seq, Failure("INTERNAL", seq.constrained.error))
 
     @staticmethod
     def _missing_logprobs(seq: Sequence, scores: shard_pb2.SequenceLogprobs | None) -> str | None:
@@ -161,7 +181,7 @@ class Engine:
         is_eos = token in seq.stop_token_ids
         constrained = seq.constrained
         if constrained is not None:
-            constrained.advance(token)
+            constrained.consume(token)
         text, stopped = stops.feed("" if is_eos else detok.push(token))
         reason = (FinishReason.STOP if stopped else FinishReason.EOS if is_eos else
                   FinishReason.STOP if constrained is not None and constrained.complete else
@@ -174,8 +194,6 @@ class Engine:
                                       prompt_logprobs=seq.prompt_scores if first else []))
         if reason:
             self._finish(seq, reason)
-        elif constrained is not None and constrained.error:  # a dead end: this request alone
-            self.fail(seq, Failure("INTERNAL", constrained.error))
 
     def _finish(self, seq: Sequence, end: Ending) -> None:
         if seq.status is not Status.FINISHED:

@@ -32,7 +32,8 @@ from shard.logprobs import MAX_TOP, from_logits, score
 from shard.decode_graphs import DecodeGraphs
 from shard.model import Transformer
 from shard.parallel import Layout
-from shard.sampler import SamplingParams, sample, unpack_allowed
+from kernels.token_mask import packed_masks
+from shard.sampler import SamplingParams, sample
 from shard.sequences import SequenceState, SequenceTable
 
 
@@ -267,9 +268,9 @@ class ModelRunner:
             logits = self.model.logits(last[torch.tensor(emitting, device=self.device)])
             sampled_at = [states[i].next_pos for i in emitting]
             masked = [row for row, i in enumerate(emitting) if entries[i].allowed_tokens]
-            allowed = unpack_allowed([entries[emitting[row]].allowed_tokens for row in masked], logits.shape[-1],
-                                     self.device) if masked else None
-            draws = sample(logits, [states[i].sampling for i in emitting], sampled_at, masked, allowed)
+            packed = packed_masks([entries[emitting[row]].allowed_tokens for row in masked],
+                                  self.device) if masked else None
+            draws = sample(logits, [states[i].sampling for i in emitting], sampled_at, masked, packed)
             for row, (i, draw) in enumerate(zip(emitting, draws)):
                 if draw.failure is not None:
                     out.failures[entries[i].seq_id] = draw.failure

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.token_mask import mask_logits
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -67,29 +69,21 @@ class Draw:
     failure: str | None = None
 
 
-def unpack_allowed(packed: list[bytes], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Packed token masks of equal size (bit t % 8 of byte t / 8 allows token t) -> bool
-    [len(packed), vocab_size]."""
-    bits = torch.frombuffer(bytearray(b"".join(packed)), dtype=torch.uint8).to(device).view(len(packed), -1)
-    shifts = torch.arange(8, dtype=torch.uint8, device=device)
-    return ((bits.unsqueeze(-1) >> shifts) & 1).view(len(packed), -1)[:, :vocab_size].bool()
-
-
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
-           masked: list[int] = (), allowed: torch.Tensor | None = None) -> list[Draw]:
-    """logits [B, vocab] fp32 -> one Draw per row. `masked` rows may take only the tokens
-    `allowed` [len(masked), vocab] marks; `logits` itself is left as it is."""
+           masked: list[int] = (), packed: torch.Tensor | None = None) -> list[Draw]:
+    """logits [B, vocab] fp32 -> one Draw per row. `masked` rows may take only the tokens their
+    packed masks (uint8 [len(masked), bytes], kernels/token_mask.py) allow; `logits` itself is
+    left as it is."""
     finite = torch.isfinite(logits).all(dim=-1).tolist()
     empty = [False] * len(params)
     if masked:
-        for i, none in zip(masked, (~allowed.any(dim=-1)).tolist()):
-            empty[i] = none
-        minus_inf = torch.tensor(float("-inf"), device=logits.device)
+        for i, some in zip(masked, packed.any(dim=-1).tolist()):
+            empty[i] = not some
         if len(masked) == len(params):
-            logits = torch.where(allowed, logits, minus_inf)
+            logits = mask_logits(logits.contiguous(), packed)
         else:
             logits = logits.clone()
-            logits[masked] = torch.where(allowed, logits[masked], minus_inf)
+            logits[masked] = mask_logits(logits[masked].contiguous(), packed)
     greedy = logits.argmax(dim=-1).tolist()
     out = []
     for i, p in enumerate(params):

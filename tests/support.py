@@ -87,6 +87,36 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     return out.sequences[0, len(prompt_ids):].tolist(), margins
 
 
+class _Masked:
+    """A logits processor: transformers' logits with llguidance's mask for the tokens so far."""
+
+    def __init__(self, matcher, prompt_len: int):
+        self.matcher, self.prompt_len = matcher, prompt_len
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] > self.prompt_len:
+            assert self.matcher.consume_token(int(input_ids[0, -1]))
+        bits = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
+        allowed = ((bits.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1).flatten()[:scores.shape[1]].bool()
+        return scores.masked_fill(~allowed, float("-inf"))
+
+
+@torch.no_grad()
+def hf_constrained_greedy(model, prompt_ids: list[int], req: pb.GenerateRequest, max_new_tokens: int) -> list[int]:
+    """The reference of constrained decoding: transformers' greedy tokens with the llguidance
+    mask of the request's constraint applied to its logits (SmolLM2's tokenizer, as the tiny
+    models and SmolLM2 have)."""
+    import llguidance as llg
+    from transformers import LogitsProcessorList
+    from router.constraints import grammar_of
+    tokenizer = llg.LLTokenizer(smollm2_codec().tokenizer.to_str(), n_vocab=model.config.vocab_size,
+                                eos_token=[model.config.eos_token_id])
+    matcher = llg.LLMatcher(tokenizer, grammar_of(req))
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                         logits_processor=LogitsProcessorList([_Masked(matcher, len(prompt_ids))]))
+    return out[0, len(prompt_ids):].tolist()
+
+
 def assert_greedy_match(got: list[int], want: list[int], margins: list[float], tie: float = 1e-3):
     """Token-for-token equality; a divergence is accepted only where the reference's top two
     logits were a near-tie (float reduction order may flip those), and only there."""

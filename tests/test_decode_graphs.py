@@ -11,7 +11,7 @@ from protos import shard_pb2
 from shard.decode_graphs import buckets_for
 from shard.runner import ModelRunner
 from shard.weights import build_model
-from tests.support import assert_greedy_match, hf_greedy, hf_model
+from tests.support import assert_greedy_match, hf_constrained_greedy, hf_greedy, hf_model
 
 PAGE, NEW = 8, 6
 
@@ -106,6 +106,12 @@ def test_a_replica_counts_launches_per_rank_and_pipeline_stages_stay_eager(llama
             st.eager_decode_steps - before.eager_decode_steps
         # 20 prompt tokens in chunks of 7, 7, 6: no one-token chunk; 7 decode steps follow.
         assert (graphs, eager) == ((7 * tp, 0) if pp == 1 else (0, 7 * pp))
+        # A constrained sequence decodes through the same graphs: its mask applies to their logits.
+        req = pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=prompt), max_new_tokens=12,
+                                 json_schema='{"type": "array", "items": {"type": "integer"}, "maxItems": 3}')
+        got = server.generate(**{f.name: v for f, v in req.ListFields()})[0]
+        assert got == hf_constrained_greedy(ref, prompt, req, 12)[:len(got)]
+        assert server.wait_idle().decode_graph_launches > st.decode_graph_launches or pp > 1
     finally:
         assert server.stop() == 0
 

@@ -1,6 +1,7 @@
 import torch
 
-from shard.sampler import SamplingParams, sample, unpack_allowed
+from kernels.token_mask import mask_logits, packed_masks, unpack
+from shard.sampler import SamplingParams, sample
 
 
 def tokens(logits, params, positions) -> list[int]:
@@ -73,11 +74,20 @@ def _packed(allowed: set[int], vocab: int) -> bytes:
     return bytes(out)
 
 
-def test_a_packed_mask_unpacks_bit_by_bit():
+CPU = torch.device("cpu")
+
+
+def test_a_packed_mask_unpacks_bit_by_bit_and_masks_the_same_in_torch_and_the_kernel(monkeypatch):
     allowed = {0, 7, 8, 31, 32, 99}
-    masks = unpack_allowed([_packed(allowed, 100), _packed({5}, 100)], 100, torch.device("cpu"))
-    assert masks.shape == (2, 100) and set(masks[0].nonzero().flatten().tolist()) == allowed
-    assert masks[1].nonzero().flatten().tolist() == [5]
+    packed = packed_masks([_packed(allowed, 100), _packed({5}, 100), _packed(set(range(100)), 100)], CPU)
+    masks = unpack(packed, 100)
+    assert masks.shape == (3, 100) and set(masks[0].nonzero().flatten().tolist()) == allowed
+    assert masks[1].nonzero().flatten().tolist() == [5] and bool(masks[2].all())
+    logits = torch.randn(3, 100)
+    ours = mask_logits(logits, packed)
+    monkeypatch.setattr("kernels.token_mask.native.usable", lambda t: False)
+    assert torch.equal(mask_logits(logits, packed), ours)
+    assert torch.equal(torch.isinf(ours), ~masks) and torch.equal(ours[masks], logits[masks])
 
 
 def test_a_masked_row_samples_only_allowed_tokens_and_its_neighbours_are_unchanged():
@@ -85,7 +95,7 @@ def test_a_masked_row_samples_only_allowed_tokens_and_its_neighbours_are_unchang
     logits = torch.randn(3, 64)
     raw = logits.clone()
     allowed = {3, 17, 40}
-    mask = unpack_allowed([_packed(allowed, 64)], 64, torch.device("cpu"))
+    mask = packed_masks([_packed(allowed, 64)], CPU)
     best_allowed = max(allowed, key=lambda t: logits[0, t])
     out = sample(logits, [SamplingParams(), SamplingParams(), SamplingParams(temperature=1.0)], [0, 0, 0], [0], mask)
     assert out[0].token == best_allowed != logits[0].argmax()
@@ -97,7 +107,7 @@ def test_a_masked_row_samples_only_allowed_tokens_and_its_neighbours_are_unchang
 
 def test_a_mask_that_allows_nothing_fails_its_row_alone():
     logits = torch.randn(2, 40)
-    nothing = torch.zeros(1, 40, dtype=torch.bool)
+    nothing = packed_masks([bytes(8)], CPU)
     out = sample(logits, [SamplingParams(), SamplingParams()], [0, 0], [0], nothing)
     assert out[0].token is None and "allows no token" in out[0].failure
     assert out[1].token == logits[1].argmax()

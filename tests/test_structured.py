@@ -10,16 +10,13 @@ import shutil
 
 import grpc
 import jsonschema
-import llguidance as llg
 import openai
 import pytest
-import torch
-from transformers import LogitsProcessor, LogitsProcessorList
 
 from harness.client import concurrently, token_request
 from protos import generation_pb2 as pb
-from router.constraints import grammar_of
-from tests.support import Server, hf_model, smollm2_codec
+from harness.schemas import SCHEMAS, prompt
+from tests.support import Server, hf_constrained_greedy, hf_model
 
 PAGE = 16
 SCHEMA = {"type": "object", "properties": {
@@ -133,32 +130,10 @@ def test_every_kind_of_constraint_holds_for_every_seed(chunked, kind):
 
 
 # -- exactness against transformers with the same mask ----------------------------------------------
-class Masked(LogitsProcessor):
-    """The reference: transformers' logits with llguidance's mask for the tokens so far."""
-
-    def __init__(self, matcher: llg.LLMatcher, prompt_len: int):
-        self.matcher, self.prompt_len = matcher, prompt_len
-
-    def __call__(self, input_ids, scores):
-        if input_ids.shape[1] > self.prompt_len:
-            assert self.matcher.consume_token(int(input_ids[0, -1]))
-        bits = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
-        allowed = ((bits.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1).flatten()[:scores.shape[1]].bool()
-        return scores.masked_fill(~allowed, float("-inf"))
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_models):
     model = hf_model(tiny_models["llama"])
-    tokenizer = llg.LLTokenizer(smollm2_codec().tokenizer.to_str(), n_vocab=model.config.vocab_size,
-                                eos_token=[model.config.eos_token_id])
-
-    def greedy(prompt: list[int], req: pb.GenerateRequest, max_new: int) -> list[int]:
-        matcher = llg.LLMatcher(tokenizer, grammar_of(req))
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, pad_token_id=0,
-                             logits_processor=LogitsProcessorList([Masked(matcher, len(prompt))]))
-        return out[0, len(prompt):].tolist()
-    return greedy
+    return lambda prompt, req, max_new: hf_constrained_greedy(model, prompt, req, max_new)
 
 
 @pytest.mark.parametrize("kind", ["json_schema", "grammar", "regex"])
@@ -336,3 +311,27 @@ def test_tool_call_blocks_stream_as_tool_call_deltas_and_auto_allows_text_or_cal
             kinds.add("text")
     assert "text" in kinds
     assert hermes.wait_idle().pages_referenced == 0
+
+
+# -- SmolLM2: JSON that validates -------------------------------------------------------------------
+@pytest.mark.smollm2
+def test_smollm2_sampled_answers_to_every_schema_validate(smollm2_server):
+    """harness/schemas.py's schemas, one seed each at temperature 1 (bench.structured runs many):
+    every answer that finishes parses and validates, and nearly all finish."""
+    client = client_of(smollm2_server)
+    model = model_of(smollm2_server)
+
+    def ask(i):
+        what, schema = SCHEMAS[i]
+        answer = client.chat.completions.create(model=model, messages=prompt(what), temperature=1.0, seed=i,
+                                                max_tokens=96, response_format={"type": "json_schema", "json_schema": {
+                                                    "name": "answer", "schema": schema}})
+        return schema, answer.choices[0]
+
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, range(len(SCHEMAS))))
+    finished = [(schema, c.message.content) for schema, c in answers if c.finish_reason == "stop"]
+    assert len(finished) >= len(SCHEMAS) - 3, [c.message.content for _, c in answers if c.finish_reason != "stop"]
+    for schema, text in finished:
+        jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
