@@ -5,11 +5,14 @@ step plan carries to the sampling shard) and is advanced by every sampled token.
 - One `Grammars` per served tokenizer. It compiles a constraint on a worker thread, within
   `timeout_s`, so a pathological one costs its own request a refusal (INVALID_ARGUMENT, with the
   compiler's message) and never stalls the event loop. Compiled constraints are kept by content
-  (the last `CACHE_SIZE`); a sequence gets a copy of the compiled matcher, in microseconds.
+  (the last `CACHE_SIZE`); a sequence gets a copy of the compiled matcher and its first mask.
 - A `Constrained` sequence consumes each sampled token as it arrives; the next masks of a step's
-  sequences are then computed together (`next_masks`), so a dead end (a
-  matcher error, or a mask that allows nothing while the constraint is unfinished) is found
-  between steps and fails that request alone.
+  sequences are then computed together (`next_masks`), so a dead end is found between steps and
+  fails that request alone, INVALID_ARGUMENT: a matcher error, a mask that allows nothing while
+  the constraint is unfinished, or a token the mask allowed that the matcher then refuses. All
+  three happen where the constraint asks for text the model's tokens cannot spell (SmolLM2's
+  vocabulary has no token for some control bytes, such as 0x14; llguidance then allows a token
+  it refuses on the next step).
 - EOS is allowed only where the constraint is complete; once it admits nothing more the
   request finishes "stop".
 
@@ -75,14 +78,15 @@ class Constrained:
     def consume(self, token: int) -> None:
         """Advances the matcher by a sampled token; `next_masks` then computes the next mask."""
         if not self.matcher.consume_token(token):
-            self.error = f"token {token} does not fit the constraint: {self.matcher.get_error()}"
+            self.error = ("the constraint cannot be continued with this model's tokens: "
+                          f"token {token} does not fit it ({self.matcher.get_error()})")
 
     def _set_mask(self, mask: bytes) -> None:
         self.mask = mask[:self.mask_bytes]
         if self.matcher.is_error():
             self.error = f"the constraint failed: {self.matcher.get_error()}"
         elif self.mask.count(0) == len(self.mask):
-            self.error = "the constraint reached a dead end: no token can continue it"
+            self.error = "the constraint reached a dead end: none of this model's tokens can continue it"
 
 
 def next_masks(sequences: list[Constrained]) -> None:

@@ -144,21 +144,19 @@ class Engine:
 
     def _next_masks(self, step: Step) -> None:
         """The next token masks of the step's constrained sequences that go on; one that reached
-        a dead end fails alone."""
+        a dead end (its constraint asks for what the model's tokens cannot spell) fails alone."""
         going = [seq for seq in step.seqs if seq.constrained is not None and seq.status is not Status.FINISHED
                  and seq.output_ids]
-        if not going:
-            return
-        ok = [seq for seq in going if not seq.constrained.error]
         try:
-            next_masks([seq.constrained for seq in ok])
+            next_masks([seq.constrained for seq in going if not seq.constrained.error])
         except Exception as e:  # noqa: BLE001 - llguidance misused or broken: these requests only
             log.exception("computing token masks failed")
-            for seq in ok:
-                seq.constrained.error = f"computing the token mask failed: {e!r}"
+            for seq in going:
+                self.fail(seq, Failure("INTERNAL", f"computing the token mask failed: {e!r}"))
+            return
         for seq in going:
             if seq.constrained.error:
-                self.fail(seq, Failure("INTERNAL", seq.constrained.error))
+                self.fail(seq, Failure("INVALID_ARGUMENT", seq.constrained.error))
 
     @staticmethod
     def _missing_logprobs(seq: Sequence, scores: shard_pb2.SequenceLogprobs | None) -> str | None:

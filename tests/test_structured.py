@@ -189,6 +189,12 @@ def test_a_constraint_that_fails_to_compile_or_takes_too_long_is_refused_alone(c
     with pytest.raises(grpc.RpcError) as refused:
         chunked.generate(prompt="Hi", max_new_tokens=8, choice=pb.Choice(options=["a", ""]))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Text SmolLM2's tokens cannot spell (no token holds the byte 0x14): refused when it is reached.
+    with pytest.raises(grpc.RpcError) as unspellable:
+        chunked.generate(prompt="Hi", max_new_tokens=8, choice=pb.Choice(options=["\u00bd\u00a3\u0014;"]))
+    assert unspellable.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cannot be continued with this model's tokens" in unspellable.value.details()
+    assert chunked.wait_idle().pages_referenced == 0
 
 
 async def _collect(call) -> list[int]:
