@@ -64,10 +64,10 @@ def validity(server: Server, seeds: int, max_new: int) -> tuple[dict, list]:
     counts = {}
     valid_outputs = []
     for (kind, name, want), s, req in zip(checks, streams, reqs):
-        c = counts.setdefault(kind, {"requests": 0, "finished": 0, "valid": 0, "errors": 0, "invalid": []})
+        c = counts.setdefault(kind, {"requests": 0, "finished": 0, "valid": 0, "errors": [], "invalid": []})
         c["requests"] += 1
         if s.error:
-            c["errors"] += 1
+            c["errors"].append(s.error)
             continue
         if s.finish_reason not in ("stop", "eos"):
             continue
@@ -83,7 +83,7 @@ def validity(server: Server, seeds: int, max_new: int) -> tuple[dict, list]:
             c["invalid"].append({"name": name, "text": s.text, "why": str(e)[:200]})
     for kind, c in counts.items():
         print(f"{kind}: {c['valid']}/{c['finished']} finished outputs valid ({c['requests']} requests, "
-              f"{c['errors']} errors)", flush=True)
+              f"{len(c['errors'])} errors)", flush=True)
     return counts, valid_outputs
 
 
@@ -196,7 +196,8 @@ def main() -> None:
     args = ap.parse_args()
     result = {"benchmark": "structured", **machine(), "weights": args.weights, "seeds": args.seeds,
               "streams": args.streams, "repeats": args.repeats, "max_new_tokens": args.max_new_tokens}
-    server = Server("--max-batch", str(max(32, args.streams)), "--weights", args.weights)
+    # Every validity request is sent at once: the queue holds them all.
+    server = Server("--max-batch", str(max(32, args.streams)), "--weights", args.weights, "--max-waiting", "4096")
     try:
         info = server.stub.Info(pb.InfoRequest(), timeout=30)
         result["validity"], valid_outputs = validity(server, args.seeds, args.max_new_tokens)
