@@ -92,29 +92,41 @@ class _Masked:
 
     def __init__(self, matcher, prompt_len: int):
         self.matcher, self.prompt_len = matcher, prompt_len
+        self.margins: list[float] = []   # per step, the gap between the two best allowed logits
 
     def __call__(self, input_ids, scores):
         if input_ids.shape[1] > self.prompt_len:
             assert self.matcher.consume_token(int(input_ids[0, -1]))
         bits = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
         allowed = ((bits.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1).flatten()[:scores.shape[1]].bool()
-        return scores.masked_fill(~allowed, float("-inf"))
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        best = scores[0].topk(2).values
+        self.margins.append(float(best[0] - best[1]))
+        return scores
 
 
 @torch.no_grad()
-def hf_constrained_greedy(model, prompt_ids: list[int], req: pb.GenerateRequest, max_new_tokens: int) -> list[int]:
+def hf_constrained_greedy(model, prompt_ids: list[int], req: pb.GenerateRequest,
+                          max_new_tokens: int) -> tuple[list[int], list[float]]:
     """The reference of constrained decoding: transformers' greedy tokens with the llguidance
     mask of the request's constraint applied to its logits (SmolLM2's tokenizer, as the tiny
-    models and SmolLM2 have)."""
+    models and SmolLM2 have), and at each step the gap between the two best allowed logits."""
     import llguidance as llg
     from transformers import LogitsProcessorList
     from router.constraints import grammar_of
     tokenizer = llg.LLTokenizer(smollm2_codec().tokenizer.to_str(), n_vocab=model.config.vocab_size,
                                 eos_token=[model.config.eos_token_id])
-    matcher = llg.LLMatcher(tokenizer, grammar_of(req))
+    masked = _Masked(llg.LLMatcher(tokenizer, grammar_of(req)), len(prompt_ids))
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-                         logits_processor=LogitsProcessorList([_Masked(matcher, len(prompt_ids))]))
-    return out[0, len(prompt_ids):].tolist()
+                         logits_processor=LogitsProcessorList([masked]))
+    return out[0, len(prompt_ids):].tolist(), masked.margins
+
+
+def assert_constrained_match(got: list[int], want: tuple[list[int], list[float]]):
+    """As assert_greedy_match, for a constrained answer that may end before the reference's
+    (which goes on to EOS once the constraint is complete)."""
+    tokens, margins = want
+    assert_greedy_match(got, tokens[:len(got)], margins)
 
 
 def assert_greedy_match(got: list[int], want: list[int], margins: list[float], tie: float = 1e-3):
