@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import llguidance as llg
 
+from common.token_masks import mask_bytes
 from protos import generation_pb2 as pb
 from router.validation import invalid
 
@@ -66,7 +67,7 @@ class Constrained:
 
     def __init__(self, matcher: llg.LLMatcher, vocab_size: int):
         self.matcher = matcher
-        self.mask_bytes = -(-vocab_size // 32) * 4  # whole words (compute_bitmask's have one more)
+        self.mask_bytes = mask_bytes(vocab_size)  # compute_bitmask's rows have a word more
         self.error: str | None = None
         self._set_mask(matcher.compute_bitmask())
 

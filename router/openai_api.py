@@ -117,6 +117,7 @@ class OpenAiApi:
                  keys: ApiKeys | None = None):
         self.replica, self.admission, self.tracing, self.keys = replica, admission, tracing, keys
         self.created = int(time.time())
+        self.tool_blocks = declares_calls(replica.codec.template_source)  # the model writes <tool_call> blocks
         self.app = FastAPI(title="Shardline", docs_url=None, redoc_url=None, openapi_url=None)
         self.app.add_exception_handler(ApiError, self._error)
         self.app.add_exception_handler(HTTPException, self._http_error)
@@ -199,9 +200,8 @@ class OpenAiApi:
         if body.model != model:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {model!r}",
                            "not_found_error", param="model", code="model_not_found")
-        blocks = declares_calls(self.replica.codec.template_source)
         try:
-            reqs = generate_requests(body, openai_tools.grammar(body, blocks) if chat else None)
+            reqs = generate_requests(body, openai_tools.grammar(body, self.tool_blocks) if chat else None)
         except ValueError as e:  # what protobuf cannot carry: a lone surrogate, an int past its field
             raise ApiError(400, f"the request cannot be served: {e}", "invalid_request_error") from None
         if span is not None:
@@ -246,7 +246,7 @@ class Answer:
         self.logprobs = [[] for _ in range(n)]   # chat: TokenLogprob; completions: (token, logprob, top, offset)
         self.offsets = [0] * n                   # completions: where the next token's text begins
         self.codec = api.replica.codec
-        blocks = declares_calls(self.codec.template_source)
+        blocks = api.tool_blocks
         kind = openai_tools.mode(body, blocks) if chat else None
         self.readers = [ToolCallReader(kind, blocks) for _ in range(n)]
         self._closed = False

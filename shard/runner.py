@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from common.token_masks import mask_bytes
 from protos import shard_pb2
 from kernels.attention import AttentionBatch, decode_capturable
 from shard.kv_cache import KVPages
@@ -39,11 +40,6 @@ from shard.sequences import SequenceState, SequenceTable
 
 log = logging.getLogger(__name__)
 PREFILL_PIECE_TOKENS = 512
-
-
-def mask_bytes(vocab_size: int) -> int:
-    """Bytes of a packed token mask: whole 32-bit words, as llguidance writes them."""
-    return -(-vocab_size // 32) * 4
 
 
 @dataclass(frozen=True)

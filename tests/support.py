@@ -105,6 +105,13 @@ class _Masked:
         return scores
 
 
+@functools.cache
+def _llg_tokenizer(vocab_size: int, eos_token_id: int):
+    """llguidance's view of SmolLM2's tokenizer (a third of a second to build)."""
+    import llguidance as llg
+    return llg.LLTokenizer(smollm2_codec().tokenizer.to_str(), n_vocab=vocab_size, eos_token=[eos_token_id])
+
+
 @torch.no_grad()
 def hf_constrained_greedy(model, prompt_ids: list[int], req: pb.GenerateRequest,
                           max_new_tokens: int) -> tuple[list[int], list[float]]:
@@ -114,8 +121,7 @@ def hf_constrained_greedy(model, prompt_ids: list[int], req: pb.GenerateRequest,
     import llguidance as llg
     from transformers import LogitsProcessorList
     from router.constraints import grammar_of
-    tokenizer = llg.LLTokenizer(smollm2_codec().tokenizer.to_str(), n_vocab=model.config.vocab_size,
-                                eos_token=[model.config.eos_token_id])
+    tokenizer = _llg_tokenizer(model.config.vocab_size, model.config.eos_token_id)
     masked = _Masked(llg.LLMatcher(tokenizer, grammar_of(req)), len(prompt_ids))
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
                          logits_processor=LogitsProcessorList([masked]))

@@ -6,7 +6,8 @@ import torch
 import shard.runner as runner_module
 from common.model_source import resolve_model
 from protos import shard_pb2
-from shard.runner import ModelRunner, Span, mask_bytes, pieces
+from common.token_masks import mask_bytes
+from shard.runner import ModelRunner, Span, pieces
 from shard.weights import build_model
 
 PAGE = 8
