@@ -68,6 +68,7 @@ class Scheduler:
         self.prefilling: deque[Sequence] = deque()   # admitted, prompt not fully computed
         self.decoding: list[Sequence] = []
         self._next_phase = 0
+        self._phase_steps = {Phase.DECODE: self._decode, Phase.CONTINUE: self._continue, Phase.ADMIT: self._admit}
 
     @property
     def running(self) -> list[Sequence]:
@@ -86,16 +87,13 @@ class Scheduler:
     def schedule(self) -> Step | None:
         for i in range(len(PHASES)):
             phase = (self._next_phase + i) % len(PHASES)
-            step = self._step_of(PHASES[phase])
+            step = self._phase_steps[PHASES[phase]]()
             if step is not None:
                 self._next_phase = (phase + 1) % len(PHASES)
                 return step
         return None
 
     # -- phases -----------------------------------------------------------------------------------
-    def _step_of(self, phase: Phase) -> Step | None:
-        return {Phase.DECODE: self._decode, Phase.CONTINUE: self._continue, Phase.ADMIT: self._admit}[phase]()
-
     def _decode(self) -> Step | None:
         if not self.decoding:
             return None
@@ -119,10 +117,9 @@ class Scheduler:
     def _admit(self) -> Step | None:
         pages, step, budget = self.pages, Step(Phase.ADMIT), self.max_batch_tokens
         while len(self.prefilling) + len(self.decoding) < self.max_batch:
-            ready = [s for s in self.waiting if _may_start(s)]
-            if not ready:
+            seq = self._most_urgent()
+            if seq is None:
                 break
-            seq = self._most_urgent(ready)
             if seq.prompt_hashes is None:
                 seq.prompt_hashes = pages.prompt_hashes(seq.prompt_ids, seq.cache_namespace)
             # Scoring the prompt needs its logits at every position: nothing of it is reused.
@@ -144,9 +141,11 @@ class Scheduler:
         return step if step.seqs else None
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _most_urgent(self, ready: list[Sequence]) -> Sequence:
+    def _most_urgent(self) -> Sequence | None:
+        """The waiting sequence that may start with the highest effective priority (one pass)."""
         now = self.clock()
-        return max(ready, key=lambda s: (s.priority + (now - s.arrival) / self.aging_s, -s.arrival))
+        return max((s for s in self.waiting if _may_start(s)), default=None,
+                   key=lambda s: (s.priority + (now - s.arrival) / self.aging_s, -s.arrival))
 
     def _chunk(self, seq: Sequence, budget: int, first: bool, computed: int | None = None) -> int:
         """Prompt tokens `seq` computes in this step: the rest of its prompt, cut to the chunk
