@@ -21,8 +21,8 @@ import logging
 import time
 
 from protos import shard_pb2
-from router.events import RequestEvents
 from router.constraints import next_masks
+from router.events import RequestEvents
 from router.scheduler import Phase, Scheduler, Step
 from router.sequence import Ending, Failure, FinishReason, Output, Sequence, Status
 from router.shard_client import ShardError, ShardGroup
