@@ -81,20 +81,19 @@ def dense_kind() -> DenseKind:
 
 @functools.cache
 def kernel_for(bits: int) -> Kernel:
-    """The kernel of `bits`-bit layers. 8 bits: ours unless torch's multiplies one row (decode's
-    usual case) at least 10% faster on this machine, since ours also serves a tied embedding from
-    the same codes (torch's needs a second copy: 28 MB for SmolLM2). Measured on a layer of
-    SmolLM2's LM-head shape, larger than a 2-core EPYC's L3 as decode's weights are (the two
-    differ by their activations' rounding, int8 or bf16). 4 bits: torch's (int8_linear.cpp says
-    why ours has no 4-bit form)."""
-    if bits == 4 or not native.available():
+    """The kernel of `bits`-bit layers: Shardline's unless torch's multiplies one row (decode's
+    usual case) at least 10% faster on this machine. Ours is preferred at a tie: its 4-bit kernel
+    keeps the activations fp32 (torch's rounds them to bf16), and its 8-bit one also serves a tied
+    embedding from the same codes (torch's needs a second copy: 28 MB for SmolLM2). Measured on a
+    layer of SmolLM2's LM-head shape, larger than a 2-core EPYC's L3 as decode's weights are."""
+    if not native.available():
         return Kernel.TORCH
 
     def measure() -> str:
         n, k = 49152, 576
-        codes = torch.randint(0, 255, (n, k), dtype=torch.int32)
+        codes = torch.randint(0, 16 if bits == 4 else 255, (n, k), dtype=torch.int32)
         scale, lo = torch.rand(n, k // GROUP) / 100, torch.randn(n, k // GROUP) / 10
-        ops = {Kernel.TORCH: torch_operands(codes, scale, lo, bits), Kernel.NATIVE: native_operands(codes, scale, lo)}
+        ops = {Kernel.TORCH: torch_operands(codes, scale, lo, bits), Kernel.NATIVE: native_operands(codes, scale, lo, bits)}
         with torch.inference_mode():
             x = torch.randn(1, k)
             times = {kernel: median_ms(functools.partial(multiply, kernel, held), x, runs=21)

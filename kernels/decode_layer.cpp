@@ -8,6 +8,7 @@
 //   0: torch's int4 kernel                 [packed, scales_zeros]
 //   1: torch's int4 kernel, 8 bits as two  [high packed, high scales_zeros, low packed, low scales_zeros]
 //   2: Shardline's int8 kernel             [codes, scale, lo]
+//   3: Shardline's int4 kernel             [packed, scale, lo], its rows straight from the codes
 
 #include "native.h"
 
@@ -27,6 +28,8 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind) {
     }
     case 2:
       return shardline::int8_linear(x, w[0], w[1], w[2]);
+    case 3:  // a fused step has at most the block's fewest direct rows (shard/transforms.py)
+      return shardline::int4_linear(x, w[0], w[1], w[2], x.size(0));
   }
   TORCH_CHECK(false, "unknown linear kind ", kind);
 }

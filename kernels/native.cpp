@@ -1,5 +1,5 @@
 // Registers Shardline's CPU kernels as torch operators, shardline_native::* (implementations in
-// int8_linear.cpp, paged_decode.cpp, decode_layer.cpp and token_mask.cpp; shapes for tracing in native.py).
+// int8_linear.cpp, int4_linear.cpp, paged_decode.cpp, decode_layer.cpp and token_mask.cpp; shapes for tracing in native.py).
 
 #include "native.h"
 
@@ -7,6 +7,8 @@
 
 TORCH_LIBRARY(shardline_native, m) {
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scale, Tensor lo) -> Tensor");
+  m.def("int4_pack(Tensor codes) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor lo, int max_direct_rows) -> Tensor");
   m.def("paged_decode(Tensor qkv, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, "
         "Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor slots, Tensor block_tables, Tensor context_lens, "
         "int heads, float scale) -> Tensor");
@@ -16,6 +18,8 @@ TORCH_LIBRARY(shardline_native, m) {
 
 TORCH_LIBRARY_IMPL(shardline_native, CPU, m) {
   m.impl("int8_linear", shardline::int8_linear);
+  m.impl("int4_pack", shardline::int4_pack);
+  m.impl("int4_linear", shardline::int4_linear);
   m.impl("paged_decode", shardline::paged_decode);
   m.impl("silu_mul", shardline::silu_mul);
   m.impl("mask_logits", shardline::mask_logits);

@@ -1,4 +1,4 @@
-// Shardline's CPU kernels (int8_linear.cpp, paged_decode.cpp), shared by their operators (native.cpp)
+// Shardline's CPU kernels (int8_linear.cpp, int4_linear.cpp, paged_decode.cpp), shared by their operators (native.cpp)
 // and the fused decoder layer (decode_layer.cpp).
 #pragma once
 
@@ -13,6 +13,14 @@
 namespace shardline {
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& lo);
+
+// codes [N, K] 0..15 -> int4_linear's packed weights [N, Kp/8] int32, K padded with zero codes to
+// Kp, a multiple of 64 (scale and lo [N, Kp/32] are padded with zeros to match).
+at::Tensor int4_pack(const at::Tensor& codes);
+
+// x [M, K] fp32 times weights lo + scale * code (int4_pack's codes, scale and lo [N, K/32]) -> [M, N].
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& lo,
+                       int64_t max_direct_rows);
 
 at::Tensor paged_decode(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                         const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,

@@ -1,11 +1,12 @@
-"""Weight-only quantized linear layers on grid-quantized weights (kernels/grid.py): 4-bit ones on
-torch's int4 CPU kernel, 8-bit ones on it or on Shardline's own, whichever the machine measured
-faster (kernels/choice.py, kernels/operands.py).
+"""Weight-only quantized linear layers on grid-quantized weights (kernels/grid.py), each on
+Shardline's kernel or torch's int4 one, whichever the machine measured faster (kernels/choice.py,
+kernels/operands.py).
 
 A step of many rows is faster on dense weights, by how much depends on the CPU. So an int8 layer
 (in practice the LM head) always keeps a dense copy, and int4 layers keep one when asked (for
 prefill, `dense_copy`); its kind and the row count above which it multiplies are measured once per
-machine and layer shape. Without a copy, int4 layers multiply every step in the int4 kernel.
+machine and layer shape. Shardline's int4 kernel needs no copy for that: above a row count it also
+measures (`direct_rows`), it multiplies through an fp32 GEMM on slices it dequantizes on the fly.
 """
 from __future__ import annotations
 
@@ -67,12 +68,18 @@ class QuantizedLinear(nn.Module):
         else:  # a buffer, so that the shard's weight bytes count it
             self.register_buffer("bias", linear.bias.detach(), persistent=False)
         self._forward_hooks = linear._forward_hooks
+        shape = f"{self.out_features}x{self.in_features}-{torch.get_num_threads()}threads"
+        self.direct_rows = ALWAYS
+        if self.kernel is Kernel.NATIVE and bits == 4:
+            self.direct_rows = crossover(f"int4-direct-{shape}", self._quantized,
+                                         lambda rows: multiply(self.kernel, self.operands, rows, direct_rows=0),
+                                         self.in_features)
         self.max_rows = ALWAYS if self.dense is None else crossover(
-            f"int{bits}-{self.out_features}x{self.in_features}-{self.kernel.value}-{self.dense.kind.value}"
-            f"-{torch.get_num_threads()}threads", self._quantized, self.dense, self.in_features)
+            f"int{bits}-{self.kernel.value}-{self.dense.kind.value}-{shape}", self._quantized, self.dense,
+            self.in_features)
 
     def _quantized(self, rows: torch.Tensor) -> torch.Tensor:
-        return multiply(self.kernel, self.operands, rows)
+        return multiply(self.kernel, self.operands, rows, self.direct_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)

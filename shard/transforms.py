@@ -106,7 +106,7 @@ def is_quantized(model: nn.Module) -> bool:
 
 # -- 5. one operator per decode layer -------------------------------------------------------------
 # The operand layouts kernels/decode_layer.cpp takes, by (kernel, bits).
-_LAYOUTS = {(Kernel.TORCH, 4): 0, (Kernel.TORCH, 8): 1, (Kernel.NATIVE, 8): 2}
+_LAYOUTS = {(Kernel.TORCH, 4): 0, (Kernel.TORCH, 8): 1, (Kernel.NATIVE, 8): 2, (Kernel.NATIVE, 4): 3}
 
 
 def _operands(layer: QuantizedLinear) -> list[torch.Tensor]:
@@ -123,13 +123,14 @@ class FusedDecodeBlock(nn.Module):
     """A `Block` whose decode steps run as one `decode_layer` call: one Python dispatch per layer
     instead of some twenty operators, which at one stream cost more than the layer's arithmetic.
     The block stays inside, holding the weights, and runs every other step itself (prefill,
-    chunks, decode graphs, batches above a layer's dense-copy crossover)."""
+    chunks, decode graphs, batches above a layer's dense-copy crossover or its int4 kernel's direct
+    rows)."""
 
     def __init__(self, block: nn.Module):
         super().__init__()
         self.block = block
         attn, linears = block.attn, _linears(block)
-        self.max_rows = min(layer.max_rows for layer in linears)
+        self.max_rows = min(min(layer.max_rows, layer.direct_rows) for layer in linears)
         qk_norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm else (None, None, 0.0)
         # decode_layer's arguments before and after the step's own, in its schema's order
         self.leading = (block.attn_norm.weight, block.mlp_norm.weight, block.attn_norm.eps,

@@ -93,7 +93,7 @@ def test_int8_linear_rejects_codes_of_the_wrong_shape():
                                  torch.zeros(8, 2))
 
 
-@pytest.mark.parametrize("kernel,bits", [("torch", 4), ("torch", 8), ("native", 8)])
+@pytest.mark.parametrize("kernel,bits", [("torch", 4), ("torch", 8), ("native", 4), ("native", 8)])
 def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_machine_choices):
     """Qwen3-like blocks (q/k norms, a qkv bias): the fused layer's output and K/V writes equal the
     block's own, for every kernel and width a layer may be loaded with; prefill and batches above

@@ -12,7 +12,7 @@ from gguf.quants import dequantize, quantize as gguf_quantize
 
 from kernels import choice
 from kernels.grid import GROUP, grid_groups
-from kernels.operands import Kernel, native_operands, torch_operands
+from kernels.operands import Kernel, multiply, native_operands, torch_operands
 from kernels.quantized import Int8Embedding, QuantizedLinear
 from shard.config import ModelConfig
 from shard.model import Transformer
@@ -74,16 +74,33 @@ def test_quantized_layers_compute_their_weights(rows):
                      (QuantizedLinear(nn_linear(256, 96, weight=q4, bias=dense.bias), 4, dense_copy=True), q4),
                      (QuantizedLinear(nn_linear(256, 96, weight=q8, bias=dense.bias), 8), q8)]:
         codes, scale, lo, _ = grid_groups(w, 16 if layer.bits == 4 else 255)
-        kernels = {Kernel.TORCH: torch_operands(codes, scale, lo, layer.bits)}
-        if layer.bits == 8:  # ours has no 4-bit form
-            kernels[Kernel.NATIVE] = native_operands(codes, scale, lo)
+        kernels = {Kernel.TORCH: torch_operands(codes, scale, lo, layer.bits),
+                   Kernel.NATIVE: native_operands(codes, scale, lo, layer.bits)}
         for layer.kernel, layer.operands in kernels.items():  # whichever measured faster here, and the other
             for layer.max_rows in [0, 1 << 30] if layer.dense is not None else [1 << 30]:  # the dense copy too
-                got = layer(x)
-                assert got.shape == (1, rows, 96) and got.dtype == torch.float32
-                want = _reference(w, x, dense.bias)
-                # bf16 (torch) or int8 (native) activations, bf16/fp16 scales: parts in a thousand.
-                assert (got - want).abs().max() <= 1e-2 * want.abs().max(), (layer.bits, layer.kernel, layer.max_rows)
+                for layer.direct_rows in [0, 1 << 30]:  # native int4: many rows through the GEMM, or straight
+                    got = layer(x)
+                    assert got.shape == (1, rows, 96) and got.dtype == torch.float32
+                    want = _reference(w, x, dense.bias)
+                    # bf16 (torch) or int8 (native) activations, bf16/fp16 scales: parts in a thousand.
+                    assert (got - want).abs().max() <= 1e-2 * want.abs().max(), (layer.bits, layer.kernel, layer.max_rows)
+
+
+@pytest.mark.parametrize("k", [64, 288, 576])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
+def test_the_native_int4_kernel_computes_the_dequantized_weights_in_fp32(rows, k):
+    """Exact up to the order of summation, at every row count, straight from the codes and through
+    the GEMM, whether or not the input dimension is whole tiles of 64 (288: a TP rank's slice)."""
+    torch.manual_seed(rows * k)
+    codes = torch.randint(0, 16, (40, k), dtype=torch.int32)
+    codes[0] = 15  # every nibble set: nibble 7 carries the word's sign bit
+    scale, lo, x = torch.rand(40, k // GROUP) / 50, torch.randn(40, k // GROUP) / 10, torch.randn(rows, k)
+    weights = lo.repeat_interleave(GROUP, 1) + scale.repeat_interleave(GROUP, 1) * codes
+    want = x.double() @ weights.double().t()
+    held = native_operands(codes, scale, lo, 4)
+    for direct_rows in (0, 1 << 30):
+        got = multiply(Kernel.NATIVE, held, x, direct_rows).double()
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), direct_rows
 
 
 def test_the_crossover_is_the_last_row_count_before_the_dense_kernel_measures_faster(own_machine_choices):
