@@ -1,23 +1,25 @@
-// Shardline's 4-bit linear kernel (shardline_native::int4_linear), fp32 activations.
+// Shardline's 4-bit linear kernel (shardline_native::int4_linear).
 //
 // Weights are groups of 32 along the input dimension, w = lo + scale * code with codes 0..15
 // (GGUF's Q4_0, Q4_1 and Q4_K blocks are such groups: kernels/grid.py), held 4 bits each in
-// tiles of 64 weights (the input dimension padded with zero weights to whole tiles): 8 int32 words, the word of lane j holding in its nibble i the code of
-// weight 8i + j. So one 256-bit load holds a tile, and nibble i of all lanes is the 8 codes
-// multiplied by the 8 contiguous activations x[8i .. 8i+8): no shuffles. A tile is two groups
-// (nibbles 0-3 and 4-7).
+// tiles of 64 weights (the input dimension padded with zero weights to whole tiles): 8 int32
+// words, the word of lane j holding in its bits 4q..4q+3 the code of weight 16q + j and in bits
+// 16+4q.. that of weight 16q + 8 + j (q = 0..3). So one 256-bit load holds a tile, and
+// (word >> 4q) & 0x000F000F is, per 32-bit lane, the int16 pair of codes that multiplies the
+// activations 16q + j and 16q + 8 + j: no shuffles. A tile is two groups (q = 0, 1 and 2, 3).
 //
-// The activations stay fp32, so a row's result is the dequantized weights' up to the order of
-// summation (quantizing them to int8, as llama.cpp does, cost SmolLM2 its quality gate). Codes are
-// taken from their nibbles with one AND, unshifted: nibble i's value is code * 16^i, exact in
-// fp32, and the activations it multiplies were scaled by 16^-i once per call (nibble 7 is shifted
-// instead: its sign bit). Per tile and activation row: 8 FMAs into a group's sum, and two more
-// to scale the two groups; the `lo` terms are one short dot per output, lo . (sums of x per group).
+// Decode's rows (`rows <= max_direct_rows`) are multiplied straight from the codes, with the
+// activations quantized to int16 per group of 32 (x ~= dx * xq, |xq| <= 32767; a relative error
+// of 2^-16 of the group's largest value, far below bf16's 2^-9, and llama.cpp's int8 activations
+// cost SmolLM2 its quality gate here): each pair of codes times a pair of activations is one
+// integer multiply-add (vpmaddwd), exact, and a group's sum is converted and scaled once, so a
+// tile costs per row 4 multiply-adds, 2 adds, 2 conversions and 2 FMAs (fp32 activations cost 8
+// conversions and 10 FMAs: decode on two cores is bound by those). The `lo` terms are one short
+// dot per output, lo . (fp32 sums of x per group).
 //
-// Decode's few rows (`rows <= max_direct_rows`) are multiplied so, straight from the codes, each
-// tile unpacked once per four rows. More rows (prefill, long chunks) dequantize the weights in
-// slices of output rows into an fp32 buffer and multiply each slice with torch's GEMM: the
-// unpacking is then paid once per slice for all rows, and no dense copy is kept.
+// More rows (prefill, long chunks) dequantize the weights in slices of output rows into an fp32
+// buffer and multiply each slice with torch's GEMM in fp32: the unpacking is paid once per slice
+// for all rows, and no dense copy is kept.
 
 #include "native.h"
 
@@ -25,6 +27,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -36,113 +39,136 @@ constexpr int64_t WORDS = TILE / 8;  // int32 words per tile
 constexpr int64_t ROW_BLOCK = 4;     // activation rows multiplied against one unpacked tile
 constexpr int64_t SLICE_BYTES = 1 << 20;  // fp32 weights dequantized at once on the GEMM path
 
-inline float nibble_weight(int64_t i) { return i == 7 ? 1.f : 1.f / static_cast<float>(1 << (4 * i)); }
+// The position, within its tile, of weight k's activation in the int16 pairs: the pair of lane j
+// for q holds activations 16q + j and 16q + 8 + j.
+inline int64_t pair_slot(int64_t k) {
+  const int64_t t = k / TILE, q = (k % TILE) / 16, j = k % 8, high = (k % 16) / 8;
+  return t * TILE + q * 16 + 2 * j + high;
+}
 
-// x [M, K] -> x padded with zeros to Kp (whole tiles), weight 8i + j of each tile scaled by 16^-i
-// (nibble_weight), and the sum of x over each group [M, Kp/32].
-void prepare_rows(const float* x, int64_t M, int64_t K, int64_t Kp, float* scaled, float* sums) {
+// The rows of x [M, K] quantized per group for the direct path, with K padded to whole tiles (Kp).
+struct Rows {
+  std::vector<int16_t> q;  // [M, Kp] in pair order (pair_slot)
+  std::vector<float> d;    // [M, Kp/32] each group's scale: x ~= d * q
+  std::vector<float> sum;  // [M, Kp/32] each group's fp32 sum of x (for the lo terms)
+};
+
+Rows prepare_rows(const float* x, int64_t M, int64_t K, int64_t Kp) {
+  const int64_t groups = Kp / G;
+  Rows rows{std::vector<int16_t>(M * Kp, 0), std::vector<float>(M * groups, 0.f), std::vector<float>(M * groups, 0.f)};
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t k = 0; k < Kp; ++k) scaled[m * Kp + k] = k < K ? x[m * K + k] * nibble_weight((k % TILE) / 8) : 0.f;
-    for (int64_t g = 0; g < Kp / G; ++g) {
-      float s = 0.f;
-      for (int64_t j = g * G; j < std::min(K, (g + 1) * G); ++j) s += x[m * K + j];
-      sums[m * (Kp / G) + g] = s;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t k0 = g * G, k1 = std::min(K, k0 + G);
+      float amax = 0.f, sum = 0.f;
+      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(x[m * K + k])), sum += x[m * K + k];
+      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+      for (int64_t k = k0; k < k1; ++k)
+        rows.q[m * Kp + pair_slot(k)] = static_cast<int16_t>(std::nearbyint(x[m * K + k] * inv));
+      rows.d[m * groups + g] = amax / 32767.f;
+      rows.sum[m * groups + g] = sum;
     }
   }
+  return rows;
 }
 
 // y[m, n] for the R activation rows from m0 and the NB outputs from n0 (constants, so that the sums
-// stay in registers). The two groups of a tile sum into separate registers, so NB * R * 2 chains
-// of FMAs are in flight: at one row and one output, two chains would leave the FMA units waiting
-// on their latency.
+// stay in registers).
 template <int NB, int R>
-void dot_block(const int32_t* words, const float* scale, const float* lo, const float* xs, const float* sums,
-               int64_t m0, int64_t n0, int64_t K, float* y, int64_t N) {
+void dot_block(const int32_t* words, const float* scale, const float* lo, const Rows& xs, int64_t m0, int64_t n0,
+               int64_t K, float* y, int64_t N) {
   const int64_t groups = K / G, tiles = K / TILE, stride = K / 8;
-  const float* xr[R];
-  for (int r = 0; r < R; ++r) xr[r] = xs + (m0 + r) * K;
   float out[NB][R];
+  const float* d[R];
+  for (int r = 0; r < R; ++r) d[r] = xs.d.data() + (m0 + r) * groups;
 #if defined(__AVX2__)
+  const int16_t* xq[R];
+  for (int r = 0; r < R; ++r) xq[r] = xs.q.data() + (m0 + r) * K;
+  const __m256i low = _mm256_set1_epi32(0x000F000F);
   __m256 total[NB][R];
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) total[b][r] = _mm256_setzero_ps();
   for (int64_t t = 0; t < tiles; ++t) {
-    __m256i w[NB];
-    __m256 acc[NB][R][2];
+    __m256i w[NB], acc[NB][R][2];
     for (int b = 0; b < NB; ++b) {
       // the next block's tile: decode's weights stream from L3 or memory, once per step
       _mm_prefetch(reinterpret_cast<const char*>(words + (n0 + NB + b) * stride + t * WORDS), _MM_HINT_T0);
       w[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + (n0 + b) * stride + t * WORDS));
-      for (int r = 0; r < R; ++r) acc[b][r][0] = acc[b][r][1] = _mm256_setzero_ps();
     }
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) {
-      __m256 x[R];
-      for (int r = 0; r < R; ++r) x[r] = _mm256_loadu_ps(xr[r] + t * TILE + 8 * i);
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      __m256i x[R];
+      for (int r = 0; r < R; ++r) x[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + t * TILE + 16 * q));
       for (int b = 0; b < NB; ++b) {
-        const __m256i bits = i == 7 ? _mm256_srli_epi32(w[b], 28) : _mm256_and_si256(w[b], _mm256_set1_epi32(0xF << (4 * i)));
-        const __m256 c = _mm256_cvtepi32_ps(bits);
-        for (int r = 0; r < R; ++r) acc[b][r][i / 4] = _mm256_fmadd_ps(c, x[r], acc[b][r][i / 4]);
+        const __m256i codes = _mm256_and_si256(q == 0 ? w[b] : _mm256_srli_epi32(w[b], 4 * q), low);
+        for (int r = 0; r < R; ++r) {
+          const __m256i p = _mm256_madd_epi16(codes, x[r]);
+          acc[b][r][q / 2] = q % 2 == 0 ? p : _mm256_add_epi32(acc[b][r][q / 2], p);
+        }
       }
     }
     for (int b = 0; b < NB; ++b) {
-      const __m256 s0 = _mm256_set1_ps(scale[(n0 + b) * groups + 2 * t]);
-      const __m256 s1 = _mm256_set1_ps(scale[(n0 + b) * groups + 2 * t + 1]);
-      for (int r = 0; r < R; ++r)
-        total[b][r] = _mm256_fmadd_ps(acc[b][r][1], s1, _mm256_fmadd_ps(acc[b][r][0], s0, total[b][r]));
+      const float* s = scale + (n0 + b) * groups + 2 * t;
+      for (int r = 0; r < R; ++r) {
+        const __m256 s0 = _mm256_set1_ps(s[0] * d[r][2 * t]), s1 = _mm256_set1_ps(s[1] * d[r][2 * t + 1]);
+        total[b][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[b][r][0]), s0, total[b][r]);
+        total[b][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[b][r][1]), s1, total[b][r]);
+      }
     }
   }
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) out[b][r] = shardline::hsum(total[b][r]);
 #else
   for (int b = 0; b < NB; ++b) {
-    for (int r = 0; r < R; ++r) out[b][r] = 0.f;
     const uint32_t* row = reinterpret_cast<const uint32_t*>(words + (n0 + b) * stride);
-    for (int64_t t = 0; t < tiles; ++t)
-      for (int64_t i = 0; i < 8; ++i) {
-        const float s = scale[(n0 + b) * groups + 2 * t + i / 4];
-        for (int64_t j = 0; j < 8; ++j) {
-          const uint32_t word = row[t * WORDS + j];
-          const float c = i == 7 ? static_cast<float>(word >> 28) : static_cast<float>(static_cast<int32_t>(word & (0xFu << (4 * i))));
-          for (int r = 0; r < R; ++r) out[b][r] += s * c * xr[r][t * TILE + 8 * i + j];
+    for (int r = 0; r < R; ++r) {
+      const int16_t* xq = xs.q.data() + (m0 + r) * K;
+      float acc = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t dot = 0;
+        for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+          const int64_t t = k / TILE, q = (k % TILE) / 16, j = k % 8, high = (k % 16) / 8;
+          dot += static_cast<int32_t>((row[t * WORDS + j] >> (4 * q + 16 * high)) & 0xF) * xq[pair_slot(k)];
         }
+        acc += static_cast<float>(dot) * scale[(n0 + b) * groups + g] * d[r][g];
       }
+      out[b][r] = acc;
+    }
   }
 #endif
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) {
-      float low = 0.f;
-      const float* xsum = sums + (m0 + r) * groups;
+      float low_terms = 0.f;
+      const float* xsum = xs.sum.data() + (m0 + r) * groups;
       const float* l = lo + (n0 + b) * groups;
-      for (int64_t g = 0; g < groups; ++g) low += l[g] * xsum[g];
-      y[(m0 + r) * N + n0 + b] = out[b][r] + low;
+      for (int64_t g = 0; g < groups; ++g) low_terms += l[g] * xsum[g];
+      y[(m0 + r) * N + n0 + b] = out[b][r] + low_terms;
     }
 }
 
-// A block shape per activation rows left (1 to ROW_BLOCK), each with 8 chains of FMAs; and the
-// one-output shape of the same rows, for the last outputs when NB does not divide N.
+// Outputs [n0, n1) in blocks of NB, the last ones one at a time.
 template <int NB, int R>
-void dot_rows(const int32_t* words, const float* scale, const float* lo, const float* xs, const float* sums,
-              int64_t m0, int64_t n0, int64_t n1, int64_t K, float* y, int64_t N) {
+void dot_rows(const int32_t* words, const float* scale, const float* lo, const Rows& xs, int64_t m0, int64_t n0,
+              int64_t n1, int64_t K, float* y, int64_t N) {
   int64_t n = n0;
-  for (; n + NB <= n1; n += NB) dot_block<NB, R>(words, scale, lo, xs, sums, m0, n, K, y, N);
-  for (; n < n1; ++n) dot_block<1, R>(words, scale, lo, xs, sums, m0, n, K, y, N);
+  for (; n + NB <= n1; n += NB) dot_block<NB, R>(words, scale, lo, xs, m0, n, K, y, N);
+  for (; n < n1; ++n) dot_block<1, R>(words, scale, lo, xs, m0, n, K, y, N);
 }
 
-using DotRows = void (*)(const int32_t*, const float*, const float*, const float*, const float*, int64_t, int64_t,
-                         int64_t, int64_t, float*, int64_t);
+// A block shape per activation rows left (1 to ROW_BLOCK): NB * R * 2 sums in flight, enough
+// independent chains to keep the units busy at one row.
+using DotRows = void (*)(const int32_t*, const float*, const float*, const Rows&, int64_t, int64_t, int64_t, int64_t,
+                         float*, int64_t);
 constexpr DotRows DOT_ROWS[ROW_BLOCK + 1] = {nullptr, dot_rows<4, 1>, dot_rows<2, 2>, dot_rows<1, 3>, dot_rows<1, 4>};
 
 // K: the padded input dimension (x's is padded as it is prepared).
 at::Tensor direct(const at::Tensor& x, const int32_t* words, const float* scale, const float* lo, int64_t N, int64_t K) {
-  const int64_t M = x.size(0), groups = K / G;
-  std::vector<float> scaled(M * K), sums(M * groups);
-  prepare_rows(x.const_data_ptr<float>(), M, x.size(1), K, scaled.data(), sums.data());
+  const int64_t M = x.size(0);
+  const Rows rows = prepare_rows(x.const_data_ptr<float>(), M, x.size(1), K);
   at::Tensor y = at::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK)
-      DOT_ROWS[std::min(ROW_BLOCK, M - m0)](words, scale, lo, scaled.data(), sums.data(), m0, n0, n1, K, out, N);
+      DOT_ROWS[std::min(ROW_BLOCK, M - m0)](words, scale, lo, rows, m0, n0, n1, K, out, N);
   });
   return y;
 }
@@ -157,17 +183,18 @@ void dequantize(const int32_t* words, const float* scale, const float* lo, int64
       for (int64_t t = 0; t < K / TILE; ++t) {
 #if defined(__AVX2__)
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + t * WORDS));
+        const __m256i nibble = _mm256_set1_epi32(0xF);
 #pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i) {
-          const __m256 c = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4 * i), _mm256_set1_epi32(0xF)));
-          const int64_t g = n * groups + 2 * t + i / 4;
-          _mm256_storeu_ps(out + t * TILE + 8 * i, _mm256_fmadd_ps(c, _mm256_set1_ps(scale[g]), _mm256_set1_ps(lo[g])));
+        for (int h = 0; h < 8; ++h) {  // weights 8h .. 8h+8: q = h / 2, the high half when h is odd
+          const __m256 c = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4 * (h / 2) + 16 * (h % 2)), nibble));
+          const int64_t g = n * groups + 2 * t + h / 4;
+          _mm256_storeu_ps(out + t * TILE + 8 * h, _mm256_fmadd_ps(c, _mm256_set1_ps(scale[g]), _mm256_set1_ps(lo[g])));
         }
 #else
-        for (int64_t i = 0; i < 8; ++i) {
-          const float s = scale[n * groups + 2 * t + i / 4], l = lo[n * groups + 2 * t + i / 4];
-          for (int64_t j = 0; j < 8; ++j)
-            out[t * TILE + 8 * i + j] = l + s * static_cast<float>((static_cast<uint32_t>(row[t * WORDS + j]) >> (4 * i)) & 0xF);
+        for (int64_t k = 0; k < TILE; ++k) {
+          const int64_t q = k / 16, j = k % 8, high = (k % 16) / 8, g = n * groups + 2 * t + k / G;
+          const uint32_t code = (static_cast<uint32_t>(row[t * WORDS + j]) >> (4 * q + 16 * high)) & 0xF;
+          out[t * TILE + k] = lo[g] + scale[g] * static_cast<float>(code);
         }
 #endif
       }
@@ -206,7 +233,9 @@ at::Tensor int4_pack(const at::Tensor& codes) {
       for (int64_t t = 0; t < K / TILE; ++t)
         for (int64_t j = 0; j < 8; ++j) {
           uint32_t word = 0;
-          for (int64_t i = 0; i < 8; ++i) word |= static_cast<uint32_t>(src[n * K + t * TILE + 8 * i + j] & 0xF) << (4 * i);
+          for (int64_t q = 0; q < 4; ++q)
+            for (int64_t high = 0; high < 2; ++high)
+              word |= static_cast<uint32_t>(src[n * K + t * TILE + 16 * q + 8 * high + j] & 0xF) << (4 * q + 16 * high);
           dst[n * (K / 8) + t * WORDS + j] = word;
         }
   });

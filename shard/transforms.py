@@ -123,19 +123,19 @@ class FusedDecodeBlock(nn.Module):
     """A `Block` whose decode steps run as one `decode_layer` call: one Python dispatch per layer
     instead of some twenty operators, which at one stream cost more than the layer's arithmetic.
     The block stays inside, holding the weights, and runs every other step itself (prefill,
-    chunks, decode graphs, batches above a layer's dense-copy crossover or its int4 kernel's direct
-    rows)."""
+    chunks, decode graphs, batches above a layer's dense-copy crossover)."""
 
     def __init__(self, block: nn.Module):
         super().__init__()
         self.block = block
         attn, linears = block.attn, _linears(block)
-        self.max_rows = min(min(layer.max_rows, layer.direct_rows) for layer in linears)
+        self.max_rows = min(layer.max_rows for layer in linears)
         qk_norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm else (None, None, 0.0)
         # decode_layer's arguments before and after the step's own, in its schema's order
         self.leading = (block.attn_norm.weight, block.mlp_norm.weight, block.attn_norm.eps,
                         *(_operands(layer) for layer in linears),
-                        [_LAYOUTS[(layer.kernel, layer.bits)] for layer in linears], attn.wqkv.bias)
+                        [_LAYOUTS[(layer.kernel, layer.bits)] for layer in linears],
+                        [layer.direct_rows for layer in linears], attn.wqkv.bias)
         self.qk_norms, self.heads, self.scale = qk_norms, attn.num_heads, attn.scale
 
     def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):

@@ -133,7 +133,11 @@ def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_
             for p, b in zip(pages, before):
                 p.copy_(b)
             got = fused(x, cos_sin, *pages, batch)
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+            # Shardline's int4 kernel rounds the activations to int16 (parts in 10^5 of a group's
+            # largest); the fused and the block's norms differ in the last fp32 bit, which moves
+            # some roundings: parts in 10^4 of the layer's output after four layers of it.
+            close = 1e-3 if (kernel, bits) == ("native", 4) else 1e-4
+            torch.testing.assert_close(got, want, rtol=close, atol=close * want.abs().max().item())
             for p, w in zip(pages, written):
                 torch.testing.assert_close(p, w, rtol=1e-5, atol=1e-5)
         fused = model.layers[0]

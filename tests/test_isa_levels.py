@@ -1,0 +1,62 @@
+"""The kernels built for a lower instruction set than the host's (SHARDLINE_CPU_ISA): an AVX-512
+host builds and runs the AVX2 paths too, and they compute what the weights say."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHECK = r"""
+import torch
+from kernels import native
+from kernels.operands import Kernel, multiply, native_operands
+assert native.available(), "the kernels did not build"
+assert native.isa_flag() in native.flags(), native.flags()
+print(native.isa_flag(), native.build_folder())
+torch.manual_seed(0)
+for bits, levels in ((4, 16), (8, 255)):
+    codes = torch.randint(0, levels, (72, 288), dtype=torch.int32)
+    scale, lo = torch.rand(72, 9) / 50, torch.randn(72, 9) / 10
+    weights = lo.repeat_interleave(32, 1) + scale.repeat_interleave(32, 1) * codes
+    held = native_operands(codes, scale, lo, bits)
+    for rows in (1, 2, 3, 5, 17):
+        x = torch.randn(rows, 288)
+        want = x.double() @ weights.double().t()
+        # the activations' rounding per group of 32: to int8 (8-bit layers) or int16 (4-bit, direct)
+        steps = 127 if bits == 8 else 32767
+        half_step = (x.abs().reshape(rows, -1, 32).amax(-1) / steps / 2).repeat_interleave(32, 1)
+        rounding = half_step.double() @ weights.abs().double().t() + 1e-5 * want.abs().max()
+        for direct_rows in (0, 1 << 30):
+            got = multiply(Kernel.NATIVE, held, x, direct_rows).double()
+            exact = bits == 4 and direct_rows == 0  # through the fp32 GEMM
+            limit = 1e-5 * want.abs().max() if exact else rounding
+            assert ((got - want).abs() <= limit).all(), (bits, rows, direct_rows, (got - want).abs().max())
+print("ok")
+"""
+
+
+def _has(flag: str) -> bool:
+    try:
+        return flag in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("level", ["avx2", "generic"])
+def test_a_lower_isa_build_computes_the_weights(level):
+    if level == "avx2" and not _has("avx2"):
+        pytest.skip("this CPU cannot run AVX2 code")
+    env = {**os.environ, "SHARDLINE_CPU_ISA": level}
+    done = subprocess.run([sys.executable, "-c", CHECK], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+    assert {"avx2": "x86-64-v3", "generic": "x86-64 "}[level] in done.stdout + " "
+
+
+def test_an_unknown_isa_level_is_refused():
+    env = {**os.environ, "SHARDLINE_CPU_ISA": "avx9"}
+    done = subprocess.run([sys.executable, "-c", "from kernels import native; native.available()"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "SHARDLINE_CPU_ISA must be one of" in done.stderr
