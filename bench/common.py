@@ -11,12 +11,34 @@ from pathlib import Path
 OUT = Path(__file__).resolve().parent / "out"
 
 
+# Variables that make an AVX-512 host compute as an AVX2 one (the closing notes say which ran)
+FORCING = ("SHARDLINE_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def isa_flags() -> list[str]:
+    """The CPU's vector-ISA flags (as lscpu lists them): avx2, avx512*, amx*, vnni, f16c, fma."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return sorted({f for f in line.split(":", 1)[1].split()
+                           if f.startswith(("avx", "amx")) or f in ("fma", "f16c")})
+    return []
+
+
 def machine() -> dict:
     import torch
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=OUT.parent).stdout.strip()
     return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit,
             "cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+            "cpu": cpu_model(), "isa_flags": isa_flags(),
+            "forced": {k: os.environ[k] for k in FORCING if k in os.environ},
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 

@@ -18,7 +18,7 @@ import statistics
 import httpx
 
 from bench.common import machine, save
-from harness.client import http_concurrently, http_workload, percentiles, run_scenario, warm_up
+from harness.client import decode_tok_s, http_concurrently, http_workload, percentiles, run_scenario, warm_up
 from harness.serve import CpuMeter, Server
 from protos import generation_pb2 as pb
 
@@ -28,7 +28,7 @@ def http_scenario(base_url: str, model: str, n: int, max_new: int, meter) -> dic
         wall, streams = asyncio.run(http_concurrently(base_url, http_workload(model, n, max_new)))
     tokens = sum(s.completion_tokens for s in streams)
     return {"concurrency": n, "wall_s": wall, "completion_tokens": tokens, "tok_s": tokens / wall,
-            "ttft_ms": percentiles(s.ttft_ms for s in streams), "itl_ms": percentiles(x for s in streams for x in s.itl_ms),
+            "decode_tok_s": decode_tok_s(streams), "ttft_ms": percentiles(s.ttft_ms for s in streams), "itl_ms": percentiles(x for s in streams for x in s.itl_ms),
             "errors": [s.error for s in streams if s.error], **meter.pct}
 
 

@@ -1,29 +1,41 @@
 """Shardline against its peers on the same prompts, one after the other (never two at once):
 `transformers` generate (fp32, batch 1 and 8), llama.cpp through `llama-cpp-python` on the same
-GGUF (one stream: its high-level API decodes one sequence), and Shardline with native and with
+GGUF (one stream: its high-level API decodes one sequence), llama.cpp's own `llama-server`
+(continuous batching, `-np` slots) at 1, 16 and 32 streams, and Shardline with native and with
 dequantized weights at 1, 8, 16 and 32 concurrent streams.
 
-    python -m bench.peers [--max-new-tokens 128] [--repeats 2]
+    python -m bench.peers [--max-new-tokens 128] [--repeats 2] [--llama-server PATH]
 
 llama.cpp is the optional `peers` extra (`pip install -e .[peers]`: builds from source, about ten
-minutes on two cores); without it that peer is reported as missing. tok/s is completion tokens
-over wall time from the first request to the last token, prefill included, for every peer; ITL is
-the gap between streamed tokens. Writes bench/out/peers-<time>.json and .png.
+minutes on two cores); without it that peer is reported as missing. `llama-server` is built with
+cmake from the llama.cpp source that the `llama-cpp-python` sdist vendors (the README says how);
+give its path with --llama-server or $LLAMA_SERVER. Shardline native and `llama-server` are
+driven through the same OpenAI-API client (bench/http.py) at the same concurrencies.
+
+Two rates per run: tok/s, completion tokens over wall time from the first request to the last
+token, prefill included; and decode tok/s, the tokens after each stream's first over the window
+from the first token to the last (what ITL measures). ITL is the gap between streamed tokens.
+Writes bench/out/peers-<time>.json and .png.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
+import os
+import shutil
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
 import grpc
 
 from bench.common import machine, save
+from bench.http import http_scenario, summary
 from bench.load import hf_run, hf_setup
-from harness.client import PROMPTS, run_scenario, warm_up
-from harness.serve import CpuMeter, Server
+from harness.client import PROMPTS, http_concurrently, http_workload, run_scenario, warm_up
+from harness.serve import CpuMeter, Server, free_port
 from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 
 
@@ -70,6 +82,45 @@ def llama_cpp_peer(max_new: int, repeats: int) -> dict:
             "tok_s": median([r["tok_s"] for r in runs]), "itl_ms_p50": median([r["itl_ms_p50"] for r in runs])}
 
 
+def http_runs(base_url: str, model: str, n: int, max_new: int, repeats: int, meter) -> dict:
+    """`n` streams through the OpenAI API at `base_url`, after an untimed warm-up of that shape."""
+    asyncio.run(http_concurrently(base_url, http_workload(model, n, 8)))
+    runs = summary([http_scenario(base_url, model, n, max_new, meter) for _ in range(repeats)])
+    runs["decode_tok_s"] = median([r["decode_tok_s"] for r in runs["runs"]])
+    return runs
+
+
+def llama_server_peer(path: str | None, streams: list[int], max_new: int, repeats: int) -> dict:
+    """llama.cpp's `llama-server` on the same GGUF, started per concurrency with that many slots
+    (`-np n`, continuous batching) and 2048 tokens of context per slot."""
+    if not path or not Path(path).is_file():
+        return {"missing": "no llama-server (build it from the llama-cpp-python sdist; --llama-server PATH)"}
+    out = {"path": path, "streams": {}}
+    for n in streams:
+        port = free_port()
+        proc = subprocess.Popen([path, "-m", str(gguf_path()), "-np", str(n), "-c", str(2048 * n), "-t",
+                                 str(os.cpu_count()), "--host", "127.0.0.1", "--port", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            import httpx
+            for _ in range(600):
+                try:
+                    if httpx.get(base + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.1)
+            out["streams"][n] = http_runs(base + "/v1", "smollm2", n, max_new, repeats, CpuMeter(None))
+            print(f"llama-server {n} streams: {out['streams'][n]['tok_s']:.1f} tok/s, "
+                  f"decode {out['streams'][n]['decode_tok_s']:.1f}, ITL p50 {out['streams'][n]['itl_ms_p50']:.1f} ms",
+                  flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    return out
+
+
 def transformers_peer(max_new: int, repeats: int) -> dict:
     model, tok = hf_setup("smollm2")
     out = {}
@@ -81,7 +132,8 @@ def transformers_peer(max_new: int, repeats: int) -> dict:
     return out
 
 
-def shardline_peer(weights: str, streams: list[int], max_new: int, repeats: int) -> dict:
+def shardline_peer(weights: str, streams: list[int], max_new: int, repeats: int, http: list[int]) -> dict:
+    """Over gRPC at each of `streams`, and over the OpenAI API at each of `http`."""
     server = Server("--weights", weights, "--max-batch", str(max(streams)))
     try:
         stub = pb_grpc.GenerationStub(grpc.insecure_channel(server.target))
@@ -98,6 +150,7 @@ def shardline_peer(weights: str, streams: list[int], max_new: int, repeats: int)
                 steps0 = stub.Stats(pb.StatsRequest(), timeout=10).steps
                 runs.append(run_scenario(stub, server.target, n, max_new, steps0, meter))
             out["streams"][n] = {"tok_s": median([r["tok_s"] for r in runs]),
+                                 "decode_tok_s": median([r["decode_tok_s"] for r in runs]),
                                  "itl_ms_p50": median([r["itl_ms"]["p50"] for r in runs]),
                                  "shard_decode_step_ms_p50": runs[-1]["stats"]["shard_decode_step_ms_p50"],
                                  "router_decode_step_ms_p50": runs[-1]["stats"]["decode_step_ms_p50"],
@@ -107,6 +160,11 @@ def shardline_peer(weights: str, streams: list[int], max_new: int, repeats: int)
                                  "runs": [r["tok_s"] for r in runs]}
             print(f"shardline {weights} {n} streams: {out['streams'][n]['tok_s']:.1f} tok/s, "
                   f"ITL p50 {out['streams'][n]['itl_ms_p50']:.1f} ms", flush=True)
+        model = info.model
+        out["http"] = {n: http_runs(server.http_url, model, n, max_new, repeats, meter) for n in http}
+        for n, r in out["http"].items():
+            print(f"shardline {weights} over HTTP, {n} streams: {r['tok_s']:.1f} tok/s, decode {r['decode_tok_s']:.1f}, "
+                  f"ITL p50 {r['itl_ms_p50']:.1f} ms", flush=True)
         out["memory_after_load"] = server.memory_mb()
         return out
     finally:
@@ -126,6 +184,12 @@ def plot(result: dict, png) -> None:
                    label=f"transformers fp32 batch {batch}")
     if "tok_s" in result["llama_cpp"]:
         ax.axhline(result["llama_cpp"]["tok_s"], ls="-.", color="tab:green", label="llama.cpp, 1 stream")
+    if "streams" in result["llama_server"]:
+        ls = result["llama_server"]["streams"]
+        xs = sorted(int(n) for n in ls)
+        ax.plot(xs, [ls[n]["tok_s"] for n in xs], "s--", color="tab:green", label="llama-server (HTTP)")
+        sl = result["shardline"]["native"]["http"]
+        ax.plot(xs, [sl[n]["tok_s"] for n in xs if n in sl], "s--", color="tab:cyan", label="Shardline native (HTTP)")
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel("tokens/s")
     ax.set_xscale("log", base=2)
@@ -142,6 +206,12 @@ def ratios(result: dict) -> dict:
            "native_16_streams/transformers_batch_8": native[16]["tok_s"] / hf[8]["tok_s"]}
     if "tok_s" in result["llama_cpp"]:
         out["native_1_stream/llama_cpp_1_stream"] = native[1]["tok_s"] / result["llama_cpp"]["tok_s"]
+    if "streams" in result["llama_server"]:
+        ours = result["shardline"]["native"]["http"]
+        for n, theirs in result["llama_server"]["streams"].items():
+            if n in ours:
+                out[f"native_http_{n}/llama_server_{n}"] = ours[n]["tok_s"] / theirs["tok_s"]
+                out[f"native_http_{n}/llama_server_{n}_decode"] = ours[n]["decode_tok_s"] / theirs["decode_tok_s"]
     rss = {w: result["shardline"][w]["memory_after_load"]["shard"]["rss_mb"] for w in ("native", "dequantized")}
     out["shard_rss_mb_saved_native_vs_dequantized"] = rss["dequantized"] - rss["native"]
     return out
@@ -152,13 +222,18 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--streams", default="1,8,16,32")
+    parser.add_argument("--server-streams", default="1,16,32", help="concurrencies against llama-server")
+    parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER") or shutil.which("llama-server"))
     args = parser.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
+    server_streams = [int(s) for s in args.server_streams.split(",")]
     result = {"benchmark": "peers", **machine(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
     # Shardline first: the peers that run inside this process (transformers' OpenMP team,
     # llama.cpp's thread pool) may leave threads behind that compete with a server started later.
-    result["shardline"] = {w: shardline_peer(w, streams, args.max_new_tokens, args.repeats)
+    result["shardline"] = {w: shardline_peer(w, streams, args.max_new_tokens, args.repeats,
+                                             server_streams if w == "native" else [])
                            for w in ("native", "dequantized")}
+    result["llama_server"] = llama_server_peer(args.llama_server, server_streams, args.max_new_tokens, args.repeats)
     result["transformers"] = transformers_peer(args.max_new_tokens, args.repeats)
     print("transformers:", {b: round(r["tok_s"], 1) for b, r in result["transformers"].items()}, flush=True)
     result["llama_cpp"] = llama_cpp_peer(args.max_new_tokens, max(3, args.repeats))

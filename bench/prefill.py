@@ -1,5 +1,6 @@
 """Prefill benchmark: time to first token of long prompts on `shardline serve`, whole and chunked,
-against a `transformers` forward over the same prompt with the same weights, in one run.
+against a `transformers` forward over the same prompt with the same weights, and llama.cpp's
+prompt evaluation of the same GGUF (`llama-cpp-python`, where installed), in one run.
 
     .venv/bin/python -m bench.prefill [--lengths 512,1024,2048,8191] [--repeats 3] [--long-repeats 1]
 
@@ -38,6 +39,25 @@ def hf_ttft_s(model, ids: list[int]) -> float:
     return time.perf_counter() - t0
 
 
+def llama_cpp_setup(model: str, longest: int):
+    """A llama.cpp context on the model's GGUF, or None without llama-cpp-python."""
+    import importlib.util
+    import os
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    import llama_cpp
+    from common.model_source import resolve_model
+    return llama_cpp.Llama(model_path=str(resolve_model(model).path), n_ctx=longest + 8, n_batch=512,
+                           n_threads=os.cpu_count(), n_threads_batch=os.cpu_count(), verbose=False)
+
+
+def llama_cpp_eval_s(llm, ids: list[int]) -> float:
+    llm.reset()  # from position 0: eval drops the cached positions from there on
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
@@ -54,16 +74,21 @@ def main() -> None:
     servers = {"whole": Server("--model", args.model, *extra),
                f"chunked {args.chunk_size}": Server("--model", args.model, "--chunk-size", str(args.chunk_size), *extra)}
     rng = random.Random(0)
-    runs = {name: {n: [] for n in lengths} for name in [*servers, "transformers"]}
+    llm = llama_cpp_setup(args.model, max(lengths))
+    runs = {name: {n: [] for n in lengths} for name in [*servers, "transformers", *(["llama.cpp"] if llm else [])]}
     try:
         for server in servers.values():
             server_ttft_s(server, [1, 2, 3])
         hf_ttft_s(model, [1, 2, 3])
+        if llm:
+            llama_cpp_eval_s(llm, [1, 2, 3])
         for n in lengths:
             for _ in range(args.long_repeats if n > 4096 else args.repeats):
                 for name, server in servers.items():
                     runs[name][n].append(server_ttft_s(server, [rng.randrange(vocab) for _ in range(n)]))
                 runs["transformers"][n].append(hf_ttft_s(model, [rng.randrange(vocab) for _ in range(n)]))
+                if llm:
+                    runs["llama.cpp"][n].append(llama_cpp_eval_s(llm, [rng.randrange(vocab) for _ in range(n)]))
                 print(n, {name: round(r[n][-1], 2) for name, r in runs.items()}, flush=True)
     finally:
         for server in servers.values():
@@ -74,6 +99,8 @@ def main() -> None:
               "threads": torch.get_num_threads(), "runs_s": runs, "median_s": medians,
               "speedup_vs_transformers": {name: {n: hf[n] / m[n] for n in lengths}
                                           for name, m in medians.items() if name != "transformers"},
+              "speedup_vs_llama_cpp": {name: {n: medians["llama.cpp"][n] / m[n] for n in lengths}
+                                       for name, m in medians.items() if name != "llama.cpp"} if llm else {},
               "chunked_over_whole": {n: medians[f"chunked {args.chunk_size}"][n] / medians["whole"][n]
                                      for n in lengths}}
     for n in lengths:

@@ -119,6 +119,16 @@ def workload(n: int, max_new: int) -> list[pb.GenerateRequest]:
     return [text_request(PROMPTS[i % len(PROMPTS)], max_new) for i in range(n)]
 
 
+def decode_tok_s(streams: list[Stream]) -> float | None:
+    """Tokens after each stream's first, over the window from the earliest first token to the
+    latest last one: the decode rate that ITL measures, without prefill."""
+    timed = [s for s in streams if len(s.times) > 1]
+    if not timed:
+        return None
+    window = max(s.times[-1] for s in timed) - min(s.times[0] for s in timed)
+    return sum(len(s.times) - 1 for s in timed) / window if window > 0 else None
+
+
 def run_scenario(stub, target: str, n: int, max_new: int, group_steps0: int, meter) -> dict:
     """`n` streams of the standard workload, measured: tok/s (completion tokens over the wall
     time from the first send to the last message, prefill included), TTFT and ITL percentiles,
@@ -131,7 +141,7 @@ def run_scenario(stub, target: str, n: int, max_new: int, group_steps0: int, met
     router_ms, shard_ms = st.decode_step_ms_p50, st.shard_decode_step_ms_p50
     return {
         "concurrency": n, "wall_s": wall, "completion_tokens": tokens, "tok_s": tokens / wall,
-        "ttft_ms": percentiles(s.ttft_ms for s in streams),
+        "decode_tok_s": decode_tok_s(streams), "ttft_ms": percentiles(s.ttft_ms for s in streams),
         "itl_ms": percentiles(x for s in streams for x in s.itl_ms),
         "errors": [s.error for s in streams if s.error],
         "finish_reasons": sorted({s.finish_reason for s in streams}),
