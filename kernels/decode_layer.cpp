@@ -9,7 +9,8 @@
 //   1: torch's int4 kernel, 8 bits as two  [high packed, high scales_zeros, low packed, low scales_zeros]
 //   2: Shardline's int8 kernel             [codes, scale, lo]
 //   3: Shardline's int4 kernel             [packed, scale, lo], straight from the codes up to the
-//      layer's `direct_rows`, through the GEMM above
+//      layer's `direct_rows`, through the GEMM above; with [.., packed, scales_zeros] of torch's
+//      int4 kernel as well, that kernel above the layer's `torch_rows`
 
 #include "native.h"
 
@@ -18,7 +19,7 @@
 
 namespace {
 
-at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind, int64_t direct_rows) {
+at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind, int64_t direct_rows, int64_t torch_rows) {
   switch (kind) {
     case 0:
       return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w[0], 32, w[1]).to(at::kFloat);
@@ -30,6 +31,8 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind, int64_t d
     case 2:
       return shardline::int8_linear(x, w[0], w[1], w[2]);
     case 3:
+      if (w.size() == 5 && x.size(0) > torch_rows)
+        return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w[3], 32, w[4]).to(at::kFloat);
       return shardline::int4_linear(x, w[0], w[1], w[2], direct_rows);
   }
   TORCH_CHECK(false, "unknown linear kind ", kind);
@@ -43,28 +46,30 @@ at::Tensor normed(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& attn_norm, const at::Tensor& mlp_norm, double eps,
                         at::TensorList qkv_w, at::TensorList wo_w, at::TensorList w13_w, at::TensorList w2_w,
-                        at::IntArrayRef kinds, at::IntArrayRef direct_rows, const std::optional<at::Tensor>& qkv_bias, const at::Tensor& cos,
+                        at::IntArrayRef kinds, at::IntArrayRef direct_rows, at::IntArrayRef torch_rows,
+                        const std::optional<at::Tensor>& qkv_bias, const at::Tensor& cos,
                         const at::Tensor& sin, const std::optional<at::Tensor>& q_norm,
                         const std::optional<at::Tensor>& k_norm, double qk_eps, at::Tensor k_pages,
                         at::Tensor v_pages, const at::Tensor& slots, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, int64_t heads, double scale) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be [tokens, hidden] float32");
-  TORCH_CHECK(kinds.size() == 4 && direct_rows.size() == 4, "one kind and one direct_rows per linear layer");
+  TORCH_CHECK(kinds.size() == 4 && direct_rows.size() == 4 && torch_rows.size() == 4,
+              "one kind, direct_rows and torch_rows per linear layer");
   const at::Tensor x = x_in.contiguous();
-  at::Tensor qkv = linear(normed(x, attn_norm, eps), qkv_w, kinds[0], direct_rows[0]);
+  at::Tensor qkv = linear(normed(x, attn_norm, eps), qkv_w, kinds[0], direct_rows[0], torch_rows[0]);
   if (qkv_bias) qkv.add_(*qkv_bias);
   const at::Tensor attended = shardline::paged_decode(qkv, cos, sin, q_norm, k_norm, qk_eps, k_pages, v_pages, slots,
                                                       block_tables, context_lens, heads, scale);
-  at::Tensor h = linear(attended, wo_w, kinds[1], direct_rows[1]).add_(x);
-  const at::Tensor gate_up = linear(normed(h, mlp_norm, eps), w13_w, kinds[2], direct_rows[2]);
-  return linear(shardline::silu_mul(gate_up), w2_w, kinds[3], direct_rows[3]).add_(h);
+  at::Tensor h = linear(attended, wo_w, kinds[1], direct_rows[1], torch_rows[1]).add_(x);
+  const at::Tensor gate_up = linear(normed(h, mlp_norm, eps), w13_w, kinds[2], direct_rows[2], torch_rows[2]);
+  return linear(shardline::silu_mul(gate_up), w2_w, kinds[3], direct_rows[3], torch_rows[3]).add_(h);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(shardline_native, m) {
   m.def("decode_layer(Tensor x, Tensor attn_norm, Tensor mlp_norm, float eps, Tensor[] qkv, Tensor[] wo, "
-        "Tensor[] w13, Tensor[] w2, int[] kinds, int[] direct_rows, Tensor? qkv_bias, Tensor cos, Tensor sin, Tensor? q_norm, "
+        "Tensor[] w13, Tensor[] w2, int[] kinds, int[] direct_rows, int[] torch_rows, Tensor? qkv_bias, Tensor cos, Tensor sin, Tensor? q_norm, "
         "Tensor? k_norm, float qk_eps, Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor slots, Tensor block_tables, "
         "Tensor context_lens, int heads, float scale) -> Tensor");
 }

@@ -39,8 +39,8 @@ constexpr int64_t WORDS = TILE / 8;  // int32 words per tile
 constexpr int64_t ROW_BLOCK = 4;     // activation rows multiplied against one unpacked tile
 constexpr int64_t SLICE_BYTES = 1 << 20;  // fp32 weights dequantized at once on the GEMM path
 
-// The position, within its tile, of weight k's activation in the int16 pairs: the pair of lane j
-// for q holds activations 16q + j and 16q + 8 + j.
+// Where weight k's activation goes in a row of int16 pairs: in each tile, the pair of lane j for
+// q holds activations 16q + j and 16q + 8 + j, as the codes' nibbles are placed.
 inline int64_t pair_slot(int64_t k) {
   const int64_t t = k / TILE, q = (k % TILE) / 16, j = k % 8, high = (k % 16) / 8;
   return t * TILE + q * 16 + 2 * j + high;
@@ -90,7 +90,8 @@ void dot_block(const int32_t* words, const float* scale, const float* lo, const 
   for (int64_t t = 0; t < tiles; ++t) {
     __m256i w[NB], acc[NB][R][2];
     for (int b = 0; b < NB; ++b) {
-      // the next block's tile: decode's weights stream from L3 or memory, once per step
+      // the next block's tile: decode's weights stream from L3 or memory, once per step (past the
+      // last row this touches nothing: prefetches do not fault)
       _mm_prefetch(reinterpret_cast<const char*>(words + (n0 + NB + b) * stride + t * WORDS), _MM_HINT_T0);
       w[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + (n0 + b) * stride + t * WORDS));
     }

@@ -6,10 +6,13 @@ A step of many rows is faster on dense weights, by how much depends on the CPU. 
 (in practice the LM head) always keeps a dense copy, and int4 layers keep one when asked (for
 prefill, `dense_copy`); its kind and the row count above which it multiplies are measured once per
 machine and layer shape. Shardline's int4 kernel needs no copy for that: above a row count it also
-measures (`direct_rows`), it multiplies through an fp32 GEMM on slices it dequantizes on the fly.
+measures (`direct_rows`), it multiplies through an fp32 GEMM on slices it dequantizes on the fly;
+and where torch's int4 kernel measured faster from some row count on (`torch_rows`: CPUs with
+native bf16), a layer keeps its operands too and uses it there.
 """
 from __future__ import annotations
 
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +21,7 @@ from torch import nn
 from kernels.choice import ALWAYS, DenseKind, crossover, dense_kind, kernel_for
 from kernels.grid import grid_groups, grid_weights
 from kernels.linear import onednn_linear
-from kernels.operands import Kernel, multiply, operands
+from kernels.operands import Kernel, multiply, operands, torch_operands
 
 def _flat(nested) -> list[torch.Tensor]:
     if isinstance(nested, torch.Tensor):
@@ -69,16 +72,27 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("bias", linear.bias.detach(), persistent=False)
         self._forward_hooks = linear._forward_hooks
         shape = f"{self.out_features}x{self.in_features}-{torch.get_num_threads()}threads"
-        self.direct_rows = ALWAYS
+        self.direct_rows, self.torch_rows, self.torch_operands = ALWAYS, ALWAYS, None
         if self.kernel is Kernel.NATIVE and bits == 4:
             self.direct_rows = crossover(f"int4-direct-{shape}", self._quantized,
                                          lambda rows: multiply(self.kernel, self.operands, rows, direct_rows=0),
                                          self.in_features)
+            # Where the CPU computes bf16 natively, torch's int4 kernel may beat ours at batch rows:
+            # kept for those only where it measured faster (never on a 2-core AVX2 EPYC).
+            held = functools.cache(lambda: torch_operands(codes, scale, lo, bits))  # built only if needed
+            self.torch_rows = crossover(f"int4-torch-{shape}", self._quantized,
+                                        lambda rows: multiply(Kernel.TORCH, held(), rows), self.in_features)
+            if self.torch_rows < ALWAYS:
+                self.torch_operands = held()
+                for i, t in enumerate(_flat(self.torch_operands)):
+                    self.register_buffer(f"torch_held{i}", t, persistent=False)
         self.max_rows = ALWAYS if self.dense is None else crossover(
             f"int{bits}-{self.kernel.value}-{self.dense.kind.value}-{shape}", self._quantized, self.dense,
             self.in_features)
 
     def _quantized(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.shape[0] > self.torch_rows:
+            return multiply(Kernel.TORCH, self.torch_operands, rows)
         return multiply(self.kernel, self.operands, rows, self.direct_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

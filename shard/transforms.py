@@ -110,8 +110,8 @@ _LAYOUTS = {(Kernel.TORCH, 4): 0, (Kernel.TORCH, 8): 1, (Kernel.NATIVE, 8): 2, (
 
 
 def _operands(layer: QuantizedLinear) -> list[torch.Tensor]:
-    if layer.kernel is Kernel.NATIVE:
-        return list(layer.operands)
+    if layer.kernel is Kernel.NATIVE:  # and torch's int4 operands, where it serves the batch rows
+        return [*layer.operands, *(layer.torch_operands[0] if layer.torch_operands else ())]
     return [t for pair in layer.operands for t in pair]
 
 
@@ -135,7 +135,8 @@ class FusedDecodeBlock(nn.Module):
         self.leading = (block.attn_norm.weight, block.mlp_norm.weight, block.attn_norm.eps,
                         *(_operands(layer) for layer in linears),
                         [_LAYOUTS[(layer.kernel, layer.bits)] for layer in linears],
-                        [layer.direct_rows for layer in linears], attn.wqkv.bias)
+                        [layer.direct_rows for layer in linears], [layer.torch_rows for layer in linears],
+                        attn.wqkv.bias)
         self.qk_norms, self.heads, self.scale = qk_norms, attn.num_heads, attn.scale
 
     def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):

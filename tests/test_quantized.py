@@ -86,6 +86,20 @@ def test_quantized_layers_compute_their_weights(rows):
                     assert (got - want).abs().max() <= 1e-2 * want.abs().max(), (layer.bits, layer.kernel, layer.max_rows)
 
 
+def test_a_native_int4_layer_hands_batch_rows_to_torchs_kernel_where_that_measured_faster(monkeypatch):
+    measured = choice.crossover
+    monkeypatch.setattr("kernels.quantized.crossover",
+                        lambda name, *a: 2 if name.startswith("int4-torch") else measured(name, *a))
+    monkeypatch.setattr("kernels.quantized.kernel_for", lambda bits: Kernel.NATIVE)
+    layer = QuantizedLinear(nn_linear(256, 96, weight=torch.randn(96, 256) / 10, bias=None), 4)
+    assert layer.torch_rows == 2 and layer.torch_operands is not None
+    for rows in (1, 2, 3, 8):
+        x = torch.randn(rows, 256)
+        want = (multiply(Kernel.TORCH, layer.torch_operands, x) if rows > 2 else
+                multiply(Kernel.NATIVE, layer.operands, x, layer.direct_rows))
+        torch.testing.assert_close(layer(x), want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("k", [64, 288, 576])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
 def test_the_native_int4_kernel_computes_the_dequantized_weights(rows, k):
