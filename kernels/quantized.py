@@ -13,6 +13,7 @@ native bf16), a layer keeps its operands too and uses it there.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,28 @@ def _flat(nested) -> list[torch.Tensor]:
     if isinstance(nested, torch.Tensor):
         return [nested]
     return [t for part in nested for t in _flat(part)]
+
+
+COLD_BYTES = 16 << 20  # more than a 2-core EPYC's L2, as decode's stream of every layer's weights is
+
+
+def _beyond_cache(ours, theirs):
+    """Endless iterators over copies of our and (lazily built) torch's operands, enough copies that
+    each multiply reads its weights from beyond the L2 cache: in the model, decode streams every
+    layer's weights once per step, and a kernel timed on one warm copy measures another case (on
+    a 2-core AVX2 EPYC torch's measured faster warm from 2-4 rows, and made 16 streams slower)."""
+    copies = max(1, COLD_BYTES // sum(t.numel() * t.element_size() for t in _flat(ours)))
+    return (itertools.cycle([ours, *(_clone(ours) for _ in range(copies - 1))]),
+            _lazy_cycle(lambda: [theirs(), *(_clone(theirs()) for _ in range(copies - 1))]))
+
+
+def _clone(nested):
+    return nested.clone() if isinstance(nested, torch.Tensor) else [_clone(part) for part in nested]
+
+
+def _lazy_cycle(make):
+    """itertools.cycle over make()'s list, made at the first next()."""
+    yield from itertools.cycle(make())
 
 
 class DenseCopy(nn.Module):
@@ -80,8 +103,10 @@ class QuantizedLinear(nn.Module):
             # Where the CPU computes bf16 natively, torch's int4 kernel may beat ours at batch rows:
             # kept for those only where it measured faster (never on a 2-core AVX2 EPYC).
             held = functools.cache(lambda: torch_operands(codes, scale, lo, bits))  # built only if needed
-            self.torch_rows = crossover(f"int4-torch-{shape}", self._quantized,
-                                        lambda rows: multiply(Kernel.TORCH, held(), rows), self.in_features)
+            ours, theirs = _beyond_cache(self.operands, held)
+            self.torch_rows = crossover(f"int4-torch-{shape}",
+                                        lambda rows: multiply(self.kernel, next(ours), rows, self.direct_rows),
+                                        lambda rows: multiply(Kernel.TORCH, next(theirs), rows), self.in_features)
             if self.torch_rows < ALWAYS:
                 self.torch_operands = held()
                 for i, t in enumerate(_flat(self.torch_operands)):
