@@ -30,15 +30,15 @@ def _flat(nested) -> list[torch.Tensor]:
     return [t for part in nested for t in _flat(part)]
 
 
-COLD_BYTES = 16 << 20  # more than a 2-core EPYC's L2, as decode's stream of every layer's weights is
+COLD_BYTES = 16 << 20  # more than two cores' L2, as decode's stream of every layer's weights is
 
 
 def _beyond_cache(ours, theirs):
     """Endless iterators over copies of our and (lazily built) torch's operands, enough copies (up
     to 64: a tiny layer needs no thousands) that each multiply reads its weights from beyond the L2
-    cache: in the model, decode streams every
-    layer's weights once per step, and a kernel timed on one warm copy measures another case (on
-    a 2-core AVX2 EPYC torch's measured faster warm from 2-4 rows, and made 16 streams slower)."""
+    cache: in the model, decode streams every layer's weights once per step, and a kernel timed
+    on one warm copy measures another case (with the AVX2 build, torch's measured faster warm
+    from 2-4 rows, and made 16 streams slower)."""
     copies = max(1, min(64, COLD_BYTES // sum(t.numel() * t.element_size() for t in _flat(ours))))
     return (itertools.cycle([ours, *(_clone(ours) for _ in range(copies - 1))]),
             _lazy_cycle(lambda: [theirs(), *(_clone(theirs()) for _ in range(copies - 1))]))
