@@ -83,7 +83,7 @@ def dense_kind() -> DenseKind:
 def kernel_for(bits: int) -> Kernel:
     """The kernel of `bits`-bit layers: Shardline's unless torch's multiplies one row (decode's
     usual case) at least 10% faster on this machine. Ours is preferred at a tie: its 4-bit kernel
-    keeps the activations fp32 (torch's rounds them to bf16), and its 8-bit one also serves a tied
+    rounds the activations to int16 (torch's to bf16, 128 times coarser), and its 8-bit one serves a tied
     embedding from the same codes (torch's needs a second copy: 28 MB for SmolLM2). Measured on a
     layer of SmolLM2's LM-head shape, larger than a 2-core EPYC's L3 as decode's weights are."""
     if not native.available():
@@ -102,16 +102,18 @@ def kernel_for(bits: int) -> Kernel:
     return Kernel(machine_choice(f"kernel-int{bits}", measure))
 
 
-def crossover(name: str, quantized: Callable, dense: Callable, in_features: int) -> int:
+def crossover(name: str, quantized: Callable, dense: Callable, in_features: int, margin: float = 1.0) -> int:
     """The most rows a step may have for `quantized` to be used rather than `dense`: the row
-    count (of 1, 2, 4, ..., MAX_PROBE_ROWS) below the first at which `dense` measured faster.
-    Per machine and `name` (a layer's bits, shape, kernels and thread count)."""
+    count (of 1, 2, 4, ..., MAX_PROBE_ROWS) below the first at which `dense` measured faster
+    (by `margin`: 1.1 asks it to be 10% faster, where `quantized` computes more exactly and a
+    near-tie should not flip with the noise of timing). Per machine and `name` (a layer's bits,
+    shape, kernels and thread count)."""
     def measure() -> str:
         best, rows = 0, 1
         with torch.inference_mode():
             while rows <= MAX_PROBE_ROWS:
                 x = torch.randn(rows, in_features)
-                if median_ms(quantized, x) > median_ms(dense, x):
+                if median_ms(quantized, x) > margin * median_ms(dense, x):
                     break
                 best, rows = rows, rows * 2
         return str(best if best < MAX_PROBE_ROWS else ALWAYS)

@@ -5,8 +5,8 @@ takes:
   scales); an 8-bit layer multiplies as two int4 halves of its codes.
 - `Kernel.NATIVE`: Shardline's own, fp32 scales: for 8 bits kernels/int8_linear.cpp (activations
   quantized to int8 per group of 32 as llama.cpp does, integer dot products), for 4 bits
-  kernels/int4_linear.cpp (fp32 activations, codes unpacked in registers; many rows through an
-  fp32 GEMM on slices dequantized on the fly).
+  kernels/int4_linear.cpp (codes unpacked in registers, activations rounded to int16 per group;
+  many rows through an fp32 GEMM on slices dequantized on the fly).
 """
 from __future__ import annotations
 

@@ -33,24 +33,20 @@ def _flat(nested) -> list[torch.Tensor]:
 COLD_BYTES = 16 << 20  # more than two cores' L2, as decode's stream of every layer's weights is
 
 
-def _beyond_cache(ours, theirs):
-    """Endless iterators over copies of our and (lazily built) torch's operands, enough copies (up
-    to 64: a tiny layer needs no thousands) that each multiply reads its weights from beyond the L2
-    cache: in the model, decode streams every layer's weights once per step, and a kernel timed
-    on one warm copy measures another case (with the AVX2 build, torch's measured faster warm
-    from 2-4 rows, and made 16 streams slower)."""
-    copies = max(1, min(64, COLD_BYTES // sum(t.numel() * t.element_size() for t in _flat(ours))))
-    return (itertools.cycle([ours, *(_clone(ours) for _ in range(copies - 1))]),
-            _lazy_cycle(lambda: [theirs(), *(_clone(theirs()) for _ in range(copies - 1))]))
+def _cold(make):
+    """An endless iterator over copies of the operands `make()` returns, made at the first next()
+    (a measurement read back from the machine's choices never asks), enough copies (up to 64: a
+    tiny layer needs no thousands) that each multiply reads its weights from beyond the L2 cache:
+    in the model, decode streams every layer's weights once per step, and a kernel timed on one
+    warm copy measures another case (with the AVX2 build, torch's measured faster warm from 2-4
+    rows, and made 16 streams slower)."""
+    first = make()
+    copies = max(1, min(64, COLD_BYTES // sum(t.numel() * t.element_size() for t in _flat(first))))
+    yield from itertools.cycle([first, *(_clone(first) for _ in range(copies - 1))])
 
 
 def _clone(nested):
     return nested.clone() if isinstance(nested, torch.Tensor) else [_clone(part) for part in nested]
-
-
-def _lazy_cycle(make):
-    """itertools.cycle over make()'s list, made at the first next()."""
-    yield from itertools.cycle(make())
 
 
 class DenseCopy(nn.Module):
@@ -102,12 +98,13 @@ class QuantizedLinear(nn.Module):
                                          lambda rows: multiply(self.kernel, self.operands, rows, direct_rows=0),
                                          self.in_features)
             # Where the CPU computes bf16 natively, torch's int4 kernel may beat ours at batch rows:
-            # kept for those only where it measured faster (never on a 2-core AVX2 EPYC).
+            # kept for those only where it measured faster (measured cold, never with the AVX2 build).
             held = functools.cache(lambda: torch_operands(codes, scale, lo, bits))  # built only if needed
-            ours, theirs = _beyond_cache(self.operands, held)
+            ours, theirs = _cold(lambda: self.operands), _cold(held)
             self.torch_rows = crossover(f"int4-torch-{shape}",
                                         lambda rows: multiply(self.kernel, next(ours), rows, self.direct_rows),
-                                        lambda rows: multiply(Kernel.TORCH, next(theirs), rows), self.in_features)
+                                        lambda rows: multiply(Kernel.TORCH, next(theirs), rows), self.in_features,
+                                        margin=1.1)  # ours rounds activations to int16, torch's to bf16
             if self.torch_rows < ALWAYS:
                 self.torch_operands = held()
                 for i, t in enumerate(_flat(self.torch_operands)):

@@ -89,7 +89,7 @@ def test_quantized_layers_compute_their_weights(rows):
 def test_a_native_int4_layer_hands_batch_rows_to_torchs_kernel_where_that_measured_faster(monkeypatch):
     measured = choice.crossover
     monkeypatch.setattr("kernels.quantized.crossover",
-                        lambda name, *a: 2 if name.startswith("int4-torch") else measured(name, *a))
+                        lambda name, *a, **kw: 2 if name.startswith("int4-torch") else measured(name, *a, **kw))
     monkeypatch.setattr("kernels.quantized.kernel_for", lambda bits: Kernel.NATIVE)
     layer = QuantizedLinear(nn_linear(256, 96, weight=torch.randn(96, 256) / 10, bias=None), 4)
     assert layer.torch_rows == 2 and layer.torch_operands is not None
@@ -129,6 +129,12 @@ def test_the_crossover_is_the_last_row_count_before_the_dense_kernel_measures_fa
     assert choice.crossover("test-1", slow_above(4), lambda x: time.sleep(0.001), 8) == 4
     assert choice.crossover("test-2", slow_above(0), lambda x: time.sleep(0.001), 8) == 0
     assert choice.crossover("test-3", slow_above(1 << 20), lambda x: time.sleep(0.001), 8) >= 1 << 20
+
+
+def test_the_crossover_keeps_the_quantized_kernel_unless_dense_wins_by_the_margin(own_machine_choices):
+    slower = lambda x: time.sleep(0.002)  # noqa: E731 - the kernel being kept, 33% slower
+    assert choice.crossover("margin-1", slower, lambda x: time.sleep(0.0015), 8) == 0
+    assert choice.crossover("margin-2", slower, lambda x: time.sleep(0.0015), 8, margin=1.5) >= 1 << 20
 
 
 def test_the_crossover_is_measured_once_per_machine(own_machine_choices):
