@@ -31,6 +31,18 @@ def isa_flags() -> list[str]:
     return []
 
 
+def llama_cpp_model(model: str = "smollm2", n_ctx: int = 2048, **options):
+    """llama.cpp (`llama-cpp-python`, the optional `peers` extra) on the model's GGUF with all the
+    machine's threads, or None where it is not installed."""
+    import importlib.util
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    import llama_cpp
+    from common.model_source import resolve_model
+    return llama_cpp.Llama(model_path=str(resolve_model(model).path), n_ctx=n_ctx, n_threads=os.cpu_count(),
+                           n_threads_batch=os.cpu_count(), verbose=False, **options)
+
+
 def machine() -> dict:
     import torch
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import os
 import shutil
 import statistics
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.common import machine, save
+from bench.common import llama_cpp_model, machine, save
 from bench.http import http_scenario, summary
 from bench.load import hf_run, hf_setup
 from harness.client import PROMPTS, http_concurrently, http_workload, run_scenario, warm_up
@@ -49,7 +48,8 @@ def gguf_path() -> Path:
 
 
 def llama_cpp_peer(max_new: int, repeats: int) -> dict:
-    if importlib.util.find_spec("llama_cpp") is None:
+    llm = llama_cpp_model()
+    if llm is None:
         return {"missing": "llama-cpp-python is not installed (pip install -e .[peers])"}
     import llama_cpp
     from transformers import AutoTokenizer
@@ -57,9 +57,6 @@ def llama_cpp_peer(max_new: int, repeats: int) -> dict:
     from router.tokenizer_files import tokenizer_folder
 
     tok = AutoTokenizer.from_pretrained(tokenizer_folder(resolve_model("smollm2")))
-    import os
-    llm = llama_cpp.Llama(model_path=str(gguf_path()), n_ctx=2048, n_threads=os.cpu_count(),
-                          n_threads_batch=os.cpu_count(), verbose=False)
     no_eos = {llm.token_eos(): -1e9}  # always max_new tokens, as the other peers generate
 
     def one(prompt_ids: list[int], n: int) -> dict:

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from bench.common import machine, save
+from bench.common import llama_cpp_model, machine, save
 from bench.load import hf_setup
 from harness.client import stream, token_request
 from harness.serve import Server
@@ -37,18 +37,6 @@ def hf_ttft_s(model, ids: list[int]) -> float:
     logits = model(torch.tensor([ids]), logits_to_keep=1).logits
     int(logits[0, -1].argmax())
     return time.perf_counter() - t0
-
-
-def llama_cpp_setup(model: str, longest: int):
-    """A llama.cpp context on the model's GGUF, or None without llama-cpp-python."""
-    import importlib.util
-    import os
-    if importlib.util.find_spec("llama_cpp") is None:
-        return None
-    import llama_cpp
-    from common.model_source import resolve_model
-    return llama_cpp.Llama(model_path=str(resolve_model(model).path), n_ctx=longest + 8, n_batch=512,
-                           n_threads=os.cpu_count(), n_threads_batch=os.cpu_count(), verbose=False)
 
 
 def llama_cpp_eval_s(llm, ids: list[int]) -> float:
@@ -74,7 +62,7 @@ def main() -> None:
     servers = {"whole": Server("--model", args.model, *extra),
                f"chunked {args.chunk_size}": Server("--model", args.model, "--chunk-size", str(args.chunk_size), *extra)}
     rng = random.Random(0)
-    llm = llama_cpp_setup(args.model, max(lengths))
+    llm = llama_cpp_model(args.model, max(lengths) + 8, n_batch=512)
     runs = {name: {n: [] for n in lengths} for name in [*servers, "transformers", *(["llama.cpp"] if llm else [])]}
     try:
         for server in servers.values():

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 
-import importlib.util
-import os
 
-from bench.common import machine, save
+from bench.common import llama_cpp_model, machine, save
 from harness.quality import TOP, compare, prompt_scores, reference_text
 from harness.serve import Server
 from protos import generation_pb2 as pb
@@ -29,14 +27,11 @@ from protos import generation_pb2 as pb
 def llama_cpp_scores(model: str, ids: list[int]) -> list[pb.TokenLogprob] | None:
     """llama.cpp's teacher-forced log-probabilities of ids[1:] on the model's GGUF, as
     `prompt_scores` gives a server's; None without llama-cpp-python."""
-    if importlib.util.find_spec("llama_cpp") is None:
+    llm = llama_cpp_model(model, len(ids) + 8, n_batch=512, logits_all=True)
+    if llm is None:
         return None
-    import llama_cpp
     import numpy as np
-    from common.model_source import resolve_model
 
-    llm = llama_cpp.Llama(model_path=str(resolve_model(model).path), n_ctx=len(ids) + 8, n_batch=512,
-                          logits_all=True, n_threads=os.cpu_count(), n_threads_batch=os.cpu_count(), verbose=False)
     llm.eval(ids)
     out = []
     for i in range(len(ids) - 1):
