@@ -1,10 +1,11 @@
 """Loads Shardline's CPU kernels (kernels/*.cpp) as torch operators, `torch.ops.shardline_native.*`.
 
 The source is compiled on first use for the machine it runs on (`-march=native`: AVX2, and
-AVX-512 VNNI where the CPU has it, or the level SHARDLINE_CPU_ISA forces), into the cache folder beside the converted weights, keyed by
-the source and the CPU's flags; `./setup.sh` builds it once (`python -m kernels`), so servers
-start without the wait. Where it cannot be built (no C++ compiler, a CUDA-only deployment), `available()` is False and
-the callers keep torch's own kernels; `SHARDLINE_NATIVE_KERNELS=0` asks for that (comparisons).
+AVX-512 VNNI where the CPU has it, or the x86 level SHARDLINE_CPU_ISA forces), into the cache
+folder beside the converted weights, keyed by the source, the flags and the CPU's; `./setup.sh`
+builds it once (`python -m kernels`), so servers start without the wait. Where it cannot be built
+(no C++ compiler, a CUDA-only deployment), `available()` is False and the callers keep torch's own
+kernels; `SHARDLINE_NATIVE_KERNELS=0` asks for that (comparisons).
 """
 from __future__ import annotations
 
