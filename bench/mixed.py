@@ -1,9 +1,9 @@
 """The workload chunked prefill exists for, on SmolLM2: one stream decoding; after its 8th token a
 2048-token prompt arrives, and 20 ms later a 128-token prompt.
 
-Reports, per configuration (chunking off, --chunk-size 256, 512), the medians over runs of: the
-active stream's maximum and p95 inter-token latency, the short late request's TTFT, the long
-request's TTFT, and the output rate in the window (from the long prompt's arrival until both new
+Reports, per configuration (chunking off, --chunk-size 256 and 512, each also with --mixed-steps
+on), the medians over runs of: the active stream's maximum and p95 inter-token latency, the short
+late request's TTFT, the long request's TTFT, and the output rate in the window (from the long prompt's arrival until both new
 requests have their first token). Writes JSON and a PNG timeline of tokens over time.
 
     .venv/bin/python -m bench.mixed [--runs 3]
@@ -23,7 +23,9 @@ from harness.client import Stream, astream, percentiles, token_request
 from harness.serve import Server
 from protos import generation_pb2_grpc as pb_grpc
 
-CONFIGS = {"off": [], "chunk 256": ["--chunk-size", "256"], "chunk 512": ["--chunk-size", "512"]}
+CONFIGS = {"off": [], "chunk 256": ["--chunk-size", "256"], "chunk 512": ["--chunk-size", "512"],
+           "mixed 256": ["--chunk-size", "256", "--mixed-steps", "on"],
+           "mixed 512": ["--chunk-size", "512", "--mixed-steps", "on"]}
 
 
 async def _arrivals(target: str, rng: random.Random) -> tuple[Stream, Stream, Stream]:
@@ -87,7 +89,7 @@ def main() -> None:
               f"short TTFT {med['short_ttft_ms']:6.0f} ms; long TTFT {med['long_ttft_ms']:6.0f} ms; "
               f"window {med['window_tokens_per_s']:.1f} tok/s", flush=True)
     off = result["configs"]["off"]["median"]
-    for name in ("chunk 256", "chunk 512"):
+    for name in CONFIGS.keys() - {"off"}:
         on = result["configs"][name]["median"]
         result["configs"][name]["vs_off"] = {m: on[m] / off[m] - 1 for m in METRICS}
         v = result["configs"][name]["vs_off"]

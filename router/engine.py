@@ -77,7 +77,7 @@ class Engine:
         self.step_id += 1
         if step.phase is Phase.ADMIT:
             now = time.monotonic()
-            for seq in step.seqs:
+            for seq, _ in step.chunks:
                 seq.admitted_at = now
                 for o in self.observers:
                     o.admitted(seq)

@@ -76,7 +76,8 @@ class Replica:
             context_length=head.context_length, vocab_size=head.vocab_size, dtype=head.dtype,
             device=head.device, prefix_cache=args.prefix_cache == "on", eviction_policy=args.eviction,
             slru_protected_ratio=args.slru_protected_ratio, chunk_size=args.chunk_size,
-            max_batch_tokens=args.max_batch_tokens, step_timeout_s=args.step_timeout_s,
+            max_batch_tokens=args.max_batch_tokens, mixed_steps=args.mixed_steps == "on",
+            step_timeout_s=args.step_timeout_s,
             drain_timeout_s=args.drain_timeout_s, shard_weight_bytes=max(i.weight_bytes for i in infos),
             shard_kv_pool_bytes=max(w.kv_pool_bytes for w in warmups),
             decode_graphs=bool(warmups[0].decode_graph_buckets), decode_graph_buckets=warmups[0].decode_graph_buckets,
@@ -93,7 +94,7 @@ class Replica:
                             prefix_cache=args.prefix_cache == "on", protected_ratio=args.slru_protected_ratio,
                             model_key=f"{head.model}/{head.dtype}")
         scheduler = Scheduler(pages, args.max_batch, args.max_batch_tokens, chunk_size=args.chunk_size,
-                              aging_s=args.priority_aging_s)
+                              aging_s=args.priority_aging_s, mixed_steps=args.mixed_steps == "on")
         if self.engine is None:
             self.engine = Engine(scheduler, self.shards, self.codec, head.context_length, self.observers)
         else:  # the old pool described KV that is gone: start from an empty one

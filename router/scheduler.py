@@ -6,7 +6,10 @@
 
 Steps rotate over the phases that can run, so a phase with work runs at least once in every
 three steps: decodes are never starved by prefills, and new requests join a running batch
-without waiting for it to drain (continuous batching). With `chunk_size` 0 a prompt runs whole
+without waiting for it to drain (continuous batching). With `mixed_steps` (as Sarathi-Serve and
+vLLM v1 run), every step carries the Decode rows and the rotation is over Continue and Admit
+alone: a decoding sequence then waits one step for each chunk, not a Decode, a Continue and an
+Admit step. With `chunk_size` 0 a prompt runs whole
 in its Admit step; otherwise prompts are cut into chunks of at most `chunk_size` tokens, and
 only the final chunk of a prompt samples a token.
 
@@ -45,25 +48,37 @@ PHASES = list(Phase)  # the rotation's order
 
 @dataclass
 class Step:
+    """A step's sequences: its first `num_decode` decode one token each, the others compute a
+    prompt chunk in `phase` (DECODE: a step of decode rows only)."""
+
     phase: Phase
     seqs: list[Sequence] = field(default_factory=list)
     inputs: list[list[int]] = field(default_factory=list)  # per sequence, the tokens this step computes
     emits: list[bool] = field(default_factory=list)        # per sequence, whether it samples its next token
+    num_decode: int = 0
 
     @property
     def is_prefill(self) -> bool:
+        """Whether the step computes prompt chunks (a mixed step has decode rows too)."""
         return self.phase is not Phase.DECODE
+
+    @property
+    def chunks(self) -> list[tuple[Sequence, list[int]]]:
+        """(sequence, its prompt tokens) of each prompt chunk of the step."""
+        return list(zip(self.seqs[self.num_decode:], self.inputs[self.num_decode:]))
 
 
 class Scheduler:
     def __init__(self, pages: PageManager, max_batch: int, max_batch_tokens: int, chunk_size: int = 0,
-                 aging_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
+                 aging_s: float = 1.0, clock: Callable[[], float] = time.monotonic, mixed_steps: bool = False):
         if max_batch < 1 or max_batch_tokens < 1 or chunk_size < 0 or not aging_s > 0:
             raise ValueError(f"scheduler limits out of range: max_batch {max_batch}, max_batch_tokens "
                              f"{max_batch_tokens}, chunk_size {chunk_size}, aging_s {aging_s}")
         self.pages = pages
         self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
         self.chunk_size, self.aging_s, self.clock = chunk_size, aging_s, clock
+        self.mixed_steps = mixed_steps
+        self._rotation = [Phase.CONTINUE, Phase.ADMIT] if mixed_steps else PHASES
         self.waiting: list[Sequence] = []
         self.prefilling: deque[Sequence] = deque()   # admitted, prompt not fully computed
         self.decoding: list[Sequence] = []
@@ -84,18 +99,33 @@ class Scheduler:
         return self.pages.pages_for(num_tokens) <= self.pages.num_pages
 
     def schedule(self) -> Step | None:
-        for i in range(len(PHASES)):
-            phase = (self._next_phase + i) % len(PHASES)
-            step = self._step_of(PHASES[phase])
+        if not self.mixed_steps:
+            return self._rotate(self.max_batch_tokens)
+        decode = self._decode()
+        # The decode rows take their share of the step's token budget before the chunk does.
+        chunks = self._rotate(self.max_batch_tokens - len(decode.seqs) if decode else self.max_batch_tokens)
+        if decode is None or chunks is None:
+            return decode or chunks
+        return Step(chunks.phase, decode.seqs + chunks.seqs, decode.inputs + chunks.inputs,
+                    decode.emits + chunks.emits, num_decode=len(decode.seqs))
+
+    def _rotate(self, budget: int) -> Step | None:
+        """The step of the next phase in the rotation that has work."""
+        rotation = self._rotation
+        for i in range(len(rotation)):
+            phase = (self._next_phase + i) % len(rotation)
+            step = self._step_of(rotation[phase], budget)
             if step is not None:
-                self._next_phase = (phase + 1) % len(PHASES)
+                self._next_phase = (phase + 1) % len(rotation)
                 return step
         return None
 
     # -- phases -----------------------------------------------------------------------------------
-    def _step_of(self, phase: Phase) -> Step | None:
+    def _step_of(self, phase: Phase, budget: int) -> Step | None:
         # Looked up per call, not bound once: a test watches the phases by replacing them.
-        return {Phase.DECODE: self._decode, Phase.CONTINUE: self._continue, Phase.ADMIT: self._admit}[phase]()
+        if phase is Phase.DECODE:
+            return self._decode()
+        return {Phase.CONTINUE: self._continue, Phase.ADMIT: self._admit}[phase](budget)
 
     def _decode(self) -> Step | None:
         if not self.decoding:
@@ -103,10 +133,10 @@ class Scheduler:
         for seq in self.decoding:
             self._grow(seq, seq.num_tokens)
         seqs = list(self.decoding)
-        return Step(Phase.DECODE, seqs, [s.output_ids[-1:] for s in seqs], [True] * len(seqs))
+        return Step(Phase.DECODE, seqs, [s.output_ids[-1:] for s in seqs], [True] * len(seqs), len(seqs))
 
-    def _continue(self) -> Step | None:
-        step, budget = Step(Phase.CONTINUE), self.max_batch_tokens
+    def _continue(self, budget: int) -> Step | None:
+        step = Step(Phase.CONTINUE)
         for _ in range(len(self.prefilling)):
             seq = self.prefilling[0]
             n = self._chunk(seq, budget, first=not step.seqs)
@@ -117,8 +147,8 @@ class Scheduler:
             budget -= n
         return step if step.seqs else None
 
-    def _admit(self) -> Step | None:
-        pages, step, budget = self.pages, Step(Phase.ADMIT), self.max_batch_tokens
+    def _admit(self, budget: int) -> Step | None:
+        pages, step = self.pages, Step(Phase.ADMIT)
         while len(self.prefilling) + len(self.decoding) < self.max_batch:
             seq = self._most_urgent()
             if seq is None:
@@ -178,12 +208,13 @@ class Scheduler:
         `failed` (ids), which the shards left out and which are to be finished. Advances each
         other sequence, publishes the pages that became full, and moves finished prefills to
         the decode phase."""
+        chunked = {id(seq) for seq, _ in step.chunks}
         for seq, inputs in zip(step.seqs, step.inputs):
             if seq.seq_id in failed:
                 continue
             seq.num_computed += len(inputs)
             self._publish(seq)
-            if step.is_prefill and seq.num_computed == len(seq.prompt_ids) \
+            if id(seq) in chunked and seq.num_computed == len(seq.prompt_ids) \
                     and seq.status is Status.RUNNING:
                 self.prefilling.remove(seq)
                 self.decoding.append(seq)

@@ -61,8 +61,8 @@ class Tracing(RequestEvents):
 
     # -- steps ------------------------------------------------------------------------------------
     def step_started(self, step_id: int, step, plan) -> None:
-        for seq, inputs in zip(step.seqs, step.inputs):
-            if step.is_prefill and seq.span is not None:
+        for seq, inputs in step.chunks:
+            if seq.span is not None:
                 seq.span.add_event("prefill_chunk", {"shardline.chunk.start": seq.num_computed,
                                                      "shardline.chunk.tokens": len(inputs), "shardline.step.id": step_id})
         links = [Link(seq.span.get_span_context()) for seq in step.seqs if seq.span is not None]

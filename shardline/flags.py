@@ -86,6 +86,9 @@ def _router_flags(p):
     add_flag(p, "max-batch", 32, number(int, 1, 4096), "most sequences in one step")
     add_flag(p, "max-batch-tokens", 4096, COUNT, "most prompt tokens in one step")
     add_flag(p, "chunk-size", 0, SIZE, "most prompt tokens of one sequence in one step (0: whole prompts)")
+    add_flag(p, "mixed-steps", "off", help="every step carries the decode rows beside its prompt chunk "
+             "(Sarathi-Serve's stall-free batching) instead of rotating decode, chunk and admission steps",
+             choices=["on", "off"])
     add_flag(p, "priority-aging-s", 1.0, SECONDS, "seconds of waiting that raise a request's priority by one")
     add_flag(p, "max-waiting", 256, COUNT, "most queued requests before RESOURCE_EXHAUSTED")
     add_flag(p, "shard-timeout", 300.0, SECONDS, "seconds to wait for the shards to come up")

@@ -2,6 +2,7 @@
 every phase."""
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -32,6 +33,26 @@ def test_tiny_greedy_tokens_do_not_depend_on_chunking(tiny_models, reference, ch
     try:
         assert_serves_like_reference(server, prompts, wants, cache)
         assert server.stub.Info(pb.InfoRequest()).chunk_size == chunk
+    finally:
+        assert server.stop() == 0
+
+
+def test_mixed_steps_decode_beside_chunks_with_the_same_greedy_tokens(tiny_models, reference):
+    """Every prompt at once, twice: decode rows ride in the steps that compute the others' chunks."""
+    _, prompts, wants = reference
+    server = Server("--model", str(tiny_models["qwen3"]), "--page-size", str(PAGE), "--chunk-size", "7",
+                    "--mixed-steps", "on", "--max-batch-tokens", "512")
+    try:
+        assert server.stub.Info(pb.InfoRequest()).mixed_steps
+        for _ in range(2):
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                runs = list(pool.map(lambda p: server.generate(prompt_token_ids=pb.PromptTokens(ids=p),
+                                                               max_new_tokens=10, ignore_eos=True), prompts))
+            for (got, _, _), (want, margins) in zip(runs, wants):
+                assert_greedy_match(got, want, margins)
+        st = server.wait_idle()
+        assert st.mixed_steps > 0 and st.pages_referenced == 0
+        assert st.pages_free + st.pages_evictable == st.pages_total
     finally:
         assert server.stop() == 0
 

@@ -22,10 +22,10 @@ def _seq(i, prompt_len, max_new, priority=0, base=0):
 @settings(max_examples=150, deadline=None)
 @given(chunk=st.sampled_from([1, 3, 7, 64]), budget=st.sampled_from([4, 16, 100]),
        reqs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 6), st.integers(0, 3)), min_size=1, max_size=12),
-       cancel_at=st.lists(st.integers(0, 60), max_size=3))
-def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at):
+       cancel_at=st.lists(st.integers(0, 60), max_size=3), mixed=st.booleans())
+def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, mixed):
     pages = PageManager(40, 4)
-    sched = Scheduler(pages, max_batch=4, max_batch_tokens=budget, chunk_size=chunk)
+    sched = Scheduler(pages, max_batch=4, max_batch_tokens=budget, chunk_size=chunk, mixed_steps=mixed)
     seqs = [_seq(i, p, n, base=100 * (i % 3)) for i, (p, n, _) in enumerate(reqs)]
     arrivals = {s: a for s, (_, _, a) in zip(seqs, reqs)}
     last_ran = {Phase.DECODE: 0, Phase.CONTINUE: 0}
@@ -35,8 +35,8 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at):
     asked = []
     real_admit = sched._admit
 
-    def admit():
-        step = real_admit()
+    def admit(budget):
+        step = real_admit(budget)
         asked.append(step)
         return step
     sched._admit = admit
@@ -49,6 +49,7 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at):
             sched.finish(sched.running[0])
         had = {Phase.DECODE: bool(sched.decoding), Phase.CONTINUE: bool(sched.prefilling)}
         before = {s: s.num_computed for s in sched.running}
+        decoding = len(sched.decoding)
         step = sched.schedule()
         if step is None:
             asked.clear()
@@ -58,17 +59,22 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at):
             continue
         assert len(set(step.seqs)) == len(step.seqs), "a request twice in one step"
         if asked:
-            assert asked[-1] is None or step is asked[-1], "admit offered a step that did not run"
+            offered = asked[-1]
+            assert offered is None or offered.chunks == step.chunks, "admit offered a step that did not run"
         last_asked = steps + 1 if asked else last_asked
         asked.clear()
+        assert all(len(i) == 1 for i in step.inputs[:step.num_decode])
         if step.phase is not Phase.DECODE:
-            assert sum(len(i) for i in step.inputs) <= budget or len(step.seqs) == 1
-            assert all(len(i) <= chunk for i in step.inputs)
+            assert sum(len(i) for i in step.inputs) <= budget or len(step.chunks) == 1
+            assert all(len(i) <= chunk for _, i in step.chunks)
+        if mixed:  # every step decodes every decoding sequence
+            assert step.num_decode == decoding
         steps += 1
+        ran = {Phase.DECODE: step.num_decode > 0, Phase.CONTINUE: step.phase is Phase.CONTINUE}
         for phase in last_ran:  # rotation bound: a phase with work runs at least every 3 steps
-            if step.phase is phase or not had[phase]:
+            if ran[phase] or not had[phase]:
                 last_ran[phase] = steps
-            assert steps - last_ran[phase] < 3, f"{phase} starved"
+            assert steps - last_ran[phase] < (2 if mixed and phase is Phase.DECODE else 3), f"{phase} starved"
         if sched.waiting or step.phase is Phase.ADMIT:
             assert steps - last_asked < 3, "admit not asked for 3 steps while requests waited"
         else:
