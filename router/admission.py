@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import random
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -19,29 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from protos import generation_pb2 as pb
-from router.auth import cache_namespace
+from common.auth import cache_namespace
+from common.prompts import prompt_ids
 from router.replica import Replica
 from router.sequence import Sequence
-from router.tokenizer import TemplateError
+from common.tokenizer import TemplateError
 from router.validation import InvalidRequest, Limits, invalid, new_tokens, prompt_fits, sampling_of, validate
-
-
-def _template_message(m: pb.ChatMessage) -> dict:
-    """A message as a chat template reads it (as transformers hands it over: a tool call's
-    arguments as an object where they are JSON)."""
-    entry = {"role": m.role, "content": m.content}
-    if m.tool_calls_json:
-        entry["tool_calls"] = calls = json.loads(m.tool_calls_json)
-        for call in calls:
-            function = call.get("function", {})
-            try:
-                function["arguments"] = json.loads(function.get("arguments", ""))
-            except (TypeError, ValueError):
-                pass  # not JSON: the template gets the text
-    for name in ("tool_call_id", "name"):
-        if getattr(m, name):
-            entry[name] = getattr(m, name)
-    return entry
 
 
 def _exhausted(message: str) -> InvalidRequest:
@@ -85,7 +67,7 @@ class Admission:
         limits = self.limits()
         validate(req, limits, open_ended)
         try:
-            ids = await asyncio.get_running_loop().run_in_executor(self._text_worker, self._prompt_ids, req)
+            ids = await asyncio.get_running_loop().run_in_executor(self._text_worker, prompt_ids, self.replica.codec, req)
         except TemplateError as e:
             raise invalid(str(e)) from None
         max_new = new_tokens(req, len(ids), limits)
@@ -125,17 +107,6 @@ class Admission:
             return False
         self.replica.engine.cancel(seq)
         return True
-
-    def _prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
-        """Tokenizes (and templates) the input; runs on the worker thread."""
-        codec, kind = self.replica.codec, req.WhichOneof("input")
-        if kind == "prompt_token_ids":
-            return list(req.prompt_token_ids.ids)
-        if kind == "prompt":
-            return codec.encode(req.prompt)
-        chat = [_template_message(m) for m in req.messages.messages]
-        tools = json.loads(req.messages.tools_json) if req.messages.tools_json else None
-        return codec.encode(codec.render_chat(chat, tools))
 
     def _check_room(self, tokens: int, tenant: str, request_id: str) -> None:
         info, scheduler = self.replica.info, self.replica.engine.scheduler

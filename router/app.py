@@ -22,7 +22,8 @@ from common.process import exit_soon
 from common.telemetry import setup_tracing
 from common.tls import ShardTls, http_ssl_context, server_credentials
 from router.admission import Admission
-from router.auth import ApiKeys
+from router.fleet import CacheWatchers, add_fleet_service
+from common.auth import ApiKeys
 from router.http_server import HttpServer
 from router.metrics import Metrics
 from router.openai_api import OpenAiApi
@@ -30,8 +31,8 @@ from router.replica import Replica
 from router.server import SERVICE, GenerationService, add_services
 from router.shard_client import ShardGroup
 from router.stats import StatsCounters
-from router.tokenizer import TextCodec
-from router.tokenizer_files import tokenizer_folder
+from common.tokenizer import TextCodec
+from common.tokenizer_files import tokenizer_folder
 from router.tracing import Tracing
 
 log = logging.getLogger("shardline.router")
@@ -76,6 +77,9 @@ async def serve_router(args) -> int:
     admission = Admission(replica, args.max_waiting, args.tenant_max_requests, args.tenant_max_waiting,
                           share_cache=args.prefix_cache_sharing == "all")
     add_services(server, GenerationService(replica, admission, stats, tracing, keys), health_servicer)
+    watchers = CacheWatchers(replica, tenants_share_cache=args.prefix_cache_sharing == "all")
+    add_fleet_service(server, watchers)
+    publisher = asyncio.ensure_future(watchers.run())
     if bool(args.tls_cert_file) != bool(args.tls_key_file) or (args.tls_client_ca_file and not args.tls_cert_file):
         raise SystemExit("--tls-cert-file and --tls-key-file go together (and --tls-client-ca-file needs them)")
     port = (server.add_secure_port(address, server_credentials(args.tls_cert_file, args.tls_key_file,
@@ -94,6 +98,8 @@ async def serve_router(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await replica.run(stop)  # returns once a stop was asked for and the drain is over
+    watchers.tick()          # the watchers hear that the replica stopped serving
+    publisher.cancel()
     exit_soon(15)            # whatever hangs from here on, the process ends
     if http is not None:
         await http.stop()

@@ -27,7 +27,7 @@ from router.scheduler import Phase, Scheduler, Step
 from router.sequence import Ending, Failure, FinishReason, Output, Sequence, Status
 from router.shard_client import ShardError, ShardGroup
 from router.stop_strings import StopMatcher
-from router.tokenizer import Detokenizer, TextCodec
+from common.tokenizer import Detokenizer, TextCodec
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from router.admission import Admission
-from router.auth import NO_TENANT, ApiKeys
+from common.auth import NO_TENANT, ApiKeys
 from router import openai_tools
 from router.openai_choices import Choices, generate_requests, running
 from router.openai_schema import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,

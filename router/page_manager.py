@@ -19,20 +19,18 @@ operation):
    protected queue never exceeds `protected_ratio * pool`, overflow demotes its oldest page to
    the newest end of probation, and probation is reclaimed first.
 
-Prefix hashes are SHA-256 (truncated to 128 bits) chained over full pages: parent hash + the page's
-token ids, rooted in the model key and the request's cache salt. A cryptographic hash makes a
-collision, which would hand one request another's KV, practically impossible without storing and
-comparing every page's tokens, which would cost more memory than the KV index itself.
+Prefix hashes chain over full pages (common/prefix_hash.py, which a gateway shares). Every
+change of the index (a page published, reclaimed or dropped by a reset) is appended to `changes`
+while it is a list: (True, hash) published, (False, hash) gone (router/fleet.py streams them).
 """
 from __future__ import annotations
 
-import hashlib
 from array import array
 
+from common import prefix_hash
 from router.page_queue import PageLinks, PageQueue
 
 LRU, SLRU = "lru", "slru"
-HASH_BYTES = 16  # 128 bits of SHA-256: a collision stays out of reach (birthday bound 2^64)
 
 
 class PageManager:
@@ -45,7 +43,7 @@ class PageManager:
         self.num_pages, self.page_size = num_pages, page_size
         self.policy, self.prefix_cache = policy, prefix_cache
         self.protected_bound = int(protected_ratio * num_pages)
-        self.model_key = model_key.encode()
+        self.model_key = model_key
         self.ref = array("i", [0]) * num_pages
         self.hash: list[bytes | None] = [None] * num_pages
         self.parent: list[bytes | None] = [None] * num_pages
@@ -59,6 +57,7 @@ class PageManager:
         self.reserved = 0
         self.hit_tokens = 0
         self.query_tokens = 0
+        self.changes: list[tuple[bool, bytes]] | None = None
 
     # -- counts -----------------------------------------------------------------------------------
     @property
@@ -86,20 +85,13 @@ class PageManager:
         return -(-num_tokens // self.page_size)
 
     # -- prefix hashing and lookup ---------------------------------------------------------------
-    def root_hash(self, salt: str = "") -> bytes:
-        return hashlib.sha256(self.model_key + b"\0" + salt.encode()).digest()[:HASH_BYTES]
+    def root_hash(self, namespace: str = "") -> bytes:
+        return prefix_hash.root_hash(self.model_key, namespace)
 
-    def chain(self, parent: bytes, tokens: list[int]) -> bytes:
-        return hashlib.sha256(parent + array("I", tokens).tobytes()).digest()[:HASH_BYTES]
+    chain = staticmethod(prefix_hash.chain)
 
-    def prompt_hashes(self, prompt: list[int], salt: str = "") -> list[bytes]:
-        """Hashes of the prompt pages a hit may cover: full pages, leaving at least the last token
-        to compute so that its logits exist."""
-        hashes, h = [], self.root_hash(salt)
-        for i in range((len(prompt) - 1) // self.page_size):
-            h = self.chain(h, prompt[i * self.page_size:(i + 1) * self.page_size])
-            hashes.append(h)
-        return hashes
+    def prompt_hashes(self, prompt: list[int], namespace: str = "") -> list[bytes]:
+        return prefix_hash.prompt_hashes(prompt, self.page_size, self.model_key, namespace)
 
     def lookup(self, hashes: list[bytes]) -> list[int]:
         """Pages of the longest indexed prefix; walks from the first page, stops at the first miss.
@@ -145,6 +137,8 @@ class PageManager:
             if len(queue):
                 page = queue.pop_oldest()
                 del self.index[self.hash[page]]
+                if self.changes is not None:
+                    self.changes.append((False, self.hash[page]))
                 self.hash[page] = self.parent[page] = None
                 self.protected_flag[page] = 0
                 return page
@@ -169,6 +163,8 @@ class PageManager:
         assert self.ref[page] > 0 and self.hash[page] is None
         self.index[page_hash] = page
         self.hash[page], self.parent[page] = page_hash, parent
+        if self.changes is not None:
+            self.changes.append((True, page_hash))
         return True
 
     def release(self, pages: list[int]) -> None:
@@ -196,6 +192,8 @@ class PageManager:
         for queue in (self.probation, self.protected):
             while len(queue):
                 page = queue.pop_oldest()
+                if self.changes is not None:
+                    self.changes.append((False, self.hash[page]))
                 self.hash[page] = self.parent[page] = None
                 self.protected_flag[page] = 0
                 self._free.append(page)

@@ -26,7 +26,7 @@ from router.page_manager import PageManager
 from router.scheduler import Scheduler
 from router.sequence import Failure
 from router.shard_client import ShardError, ShardGroup
-from router.tokenizer import TextCodec
+from common.tokenizer import TextCodec
 
 log = logging.getLogger("shardline.router")
 BACKOFF_S = (0.5, 1, 2, 4, 5)

@@ -78,7 +78,7 @@ class Sequence:
     num_computed: int = 0         # tokens whose K/V is written on every shard
     cancelled: bool = False
     cached_prompt_tokens: int = 0
-    cache_namespace: str = ""     # cached pages are shared only within one (router/auth.py)
+    cache_namespace: str = ""     # cached pages are shared only within one (common/auth.py)
     tenant: str = ""
     priority: int = 0
     logprobs: int | None = None          # alternatives to report per sampled token (None: no logprobs)

@@ -11,9 +11,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace import Status, StatusCode
 
-from protos import generation_pb2 as pb
+from protos import fleet_pb2, generation_pb2 as pb
 from router.admission import Admission
-from router.auth import NO_TENANT, ApiKeys
+from common.auth import NO_TENANT, ApiKeys
 from router.replica import Replica
 from router.stats import StatsCounters, stats_response
 from router.tracing import Tracing, request_attributes
@@ -139,5 +139,6 @@ def add_services(server: grpc.aio.Server, service: GenerationService,
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    names = (SERVICE, fleet_pb2.DESCRIPTOR.services_by_name["Fleet"].full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)

@@ -3,7 +3,9 @@
 A shard is judged failed when its stream breaks (it died, or its connection did), when it ends a
 step with an error, or when a step has run for `step_timeout_s` and the shard then does not
 answer a health check within `probe_timeout_s` (a hung or SIGSTOPped process). A step that runs
-long on shards that still answer is a long prefill, not a failure, and is left to finish.
+long on shards that still answer may be a long prefill, and is left to finish, up to
+HUNG_AFTER_TIMEOUTS step timeouts: past that its compute hangs (a deadlock that leaves the gRPC
+threads alive), and the shard fails all the same.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.process import FAST_RECONNECT, hang_detection_s
 from protos import shard_pb2, shard_pb2_grpc
+
+HUNG_AFTER_TIMEOUTS = 3
 
 class ShardError(RuntimeError):
     """A shard failed or went away; the replica cannot serve until its group is back."""
@@ -151,7 +155,7 @@ class ShardGroup:
         tasks = [asyncio.ensure_future(s.step(plan)) for s in self.shards]
         t0 = time.monotonic()
         try:
-            while True:
+            for _ in range(HUNG_AFTER_TIMEOUTS):
                 done, pending = await asyncio.wait(tasks, timeout=self.step_timeout_s,
                                                    return_when=asyncio.FIRST_EXCEPTION)
                 for task in done:
@@ -170,6 +174,10 @@ class ShardGroup:
                     raise ShardError(f"step {plan.step_id} has run {time.monotonic() - t0:.0f} s and shard(s) "
                                      f"{', '.join(silent)} did not answer a health check within "
                                      f"{self.probe_timeout_s:.0f} s")
+            late = [s.address for s, t in zip(self.shards, tasks) if not t.done()]
+            raise ShardError(f"step {plan.step_id} has not returned after {time.monotonic() - t0:.0f} s "
+                             f"({HUNG_AFTER_TIMEOUTS} step timeouts) on shard(s) {', '.join(late)}, which "
+                             "still answer health checks: their compute hangs")
         finally:
             for task in tasks:
                 task.cancel()

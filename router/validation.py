@@ -16,7 +16,7 @@ import grpc
 
 from protos import generation_pb2 as pb
 from router.sequence import Sampling
-from router.tokenizer import CHAT_ROLES
+from common.tokenizer import CHAT_ROLES
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
 MAX_ID_CHARS = 256        # request_id, cache_salt

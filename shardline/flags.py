@@ -94,7 +94,7 @@ def _router_flags(p):
     add_flag(p, "shard-timeout", 300.0, SECONDS, "seconds to wait for the shards to come up")
     add_flag(p, "step-timeout-s", 20.0, SECONDS,
          "a step running this long makes the router check that every shard still answers; "
-         "one that does not within 5 s fails the replica")
+         "one that does not within 5 s fails the replica, and so does a step not done after 3 of these")
     add_flag(p, "constraint-timeout-s", 5.0, SECONDS,
          "longest a request's constraint (JSON schema, regex, grammar) may take to compile; past it "
          "the request is refused INVALID_ARGUMENT")

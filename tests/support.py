@@ -12,7 +12,7 @@ import torch
 from common.model_source import resolve_model
 from harness.serve import ROOT, Server, free_port  # noqa: F401  (re-exported for the tests)
 from protos import generation_pb2 as pb
-from router.tokenizer_files import tokenizer_folder
+from common.tokenizer_files import tokenizer_folder
 from shardline.processes import free_ports  # noqa: F401
 
 TINY_CONFIGS = {
@@ -36,7 +36,7 @@ def smollm2_tokenizer():
 @functools.cache
 def smollm2_codec():
     """The router's own tokenizer of the default model."""
-    from router.tokenizer import TextCodec
+    from common.tokenizer import TextCodec
     return TextCodec(tokenizer_folder(resolve_model(None)))
 
 

@@ -86,6 +86,22 @@ def test_a_sigstopped_shard_is_detected_and_its_group_restarted(tiny_models, ref
         assert server.stop() == 0
 
 
+def test_a_step_whose_compute_hangs_while_the_shard_answers_health_fails_the_replica(tiny_models, reference):
+    hang = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "faults"), os.environ.get("PYTHONPATH", "")]),
+            "SHARDLINE_TEST_HANG_SEED": "777", "SHARDLINE_TEST_HANG_S": "6"}
+    server = Server("--model", str(tiny_models["llama"]), "--page-size", "16", "--step-timeout-s", "1", env=hang)
+    try:
+        (shard,) = server.shard_pids()
+        stream = server.stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=[5, 6, 7]),
+                                                         max_new_tokens=5, sampling=pb.SamplingParams(
+                                                             temperature=1.0, seed=777)), timeout=120)
+        err = _fails_unavailable_soon(stream, time.monotonic())
+        assert "still answer health checks: their compute hangs" in err.details()
+        _answers_correctly_again(server, reference)
+    finally:
+        assert server.stop() == 0
+
+
 def test_the_launcher_gives_up_after_its_restart_limit(tiny_models):
     server = Server("--model", str(tiny_models["llama"]), "--page-size", "16", "--shard-restarts", "0")
     try:

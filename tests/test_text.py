@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from router.stop_strings import StopMatcher
-from router.tokenizer import TemplateError, TextCodec
+from common.tokenizer import TemplateError, TextCodec
 from tests.support import smollm2_codec, smollm2_tokenizer
 
 TEXT = "Grüße aus Köln 🚀🚀 — naïve café, 東京タワー!\n  indented <|im_end|> \x00\x07 tab\tend"
@@ -50,7 +50,7 @@ def test_template_errors_are_template_errors(tmp_path):
 
 def CODEC_FOLDER():
     from common.model_source import resolve_model
-    from router.tokenizer_files import tokenizer_folder
+    from common.tokenizer_files import tokenizer_folder
     return tokenizer_folder(resolve_model(None))
 
 

@@ -1,6 +1,6 @@
-"""`python -m router.gguf_tokenizer GGUF FOLDER`: writes a GGUF's tokenizer as Hugging Face files.
+"""`python -m common.gguf_tokenizer GGUF FOLDER`: writes a GGUF's tokenizer as Hugging Face files.
 
-Runs as a child process of the router (router/tokenizer_files.py), never inside it: importing
+Runs as a child process of the router (common/tokenizer_files.py), never inside it: importing
 `transformers` maps torch, which the router process does not load.
 """
 from __future__ import annotations

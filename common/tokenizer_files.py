@@ -2,7 +2,7 @@
 `tokenizer_config.json` (special tokens, chat template) and maybe `chat_template.jinja`.
 
 A GGUF carries its tokenizer as metadata. `transformers` converts it once into the cache folder,
-in a child process (router/gguf_tokenizer.py): `transformers` maps torch, and the router process
+in a child process (common/gguf_tokenizer.py): `transformers` maps torch, and the router process
 stays free of it.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ def tokenizer_folder(source: ModelSource) -> Path:
         return source.path
     folder = source.cache_dir / "tokenizer"
     if not (folder / "tokenizer.json").is_file():
-        done = subprocess.run([sys.executable, "-m", "router.gguf_tokenizer", str(source.path), str(folder)],
+        done = subprocess.run([sys.executable, "-m", "common.gguf_tokenizer", str(source.path), str(folder)],
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"converting the tokenizer of {source.path} failed:\n{done.stderr[-2000:]}")
