@@ -39,7 +39,7 @@ def median_tree(rows: list[dict]) -> dict:
 def hf_setup(model_spec: str):
     from transformers import AutoTokenizer
     from common.model_source import resolve_model
-    from router.tokenizer_files import tokenizer_folder
+    from common.tokenizer_files import tokenizer_folder
     from harness.reference import transformers_model
     source = resolve_model(model_spec)
     tok = AutoTokenizer.from_pretrained(tokenizer_folder(source))  # the files the router reads

@@ -54,7 +54,7 @@ def llama_cpp_peer(max_new: int, repeats: int) -> dict:
     import llama_cpp
     from transformers import AutoTokenizer
     from common.model_source import resolve_model
-    from router.tokenizer_files import tokenizer_folder
+    from common.tokenizer_files import tokenizer_folder
 
     tok = AutoTokenizer.from_pretrained(tokenizer_folder(resolve_model("smollm2")))
     no_eos = {llm.token_eos(): -1e9}  # always max_new tokens, as the other peers generate

@@ -75,9 +75,9 @@ def main() -> None:
         server = Server("--model", args.model, "--weights", weights)
         try:
             if "ids" not in result:
-                from router.tokenizer import TextCodec
+                from common.tokenizer import TextCodec
                 from common.model_source import resolve_model
-                from router.tokenizer_files import tokenizer_folder
+                from common.tokenizer_files import tokenizer_folder
                 codec = TextCodec(tokenizer_folder(resolve_model(args.model)))
                 result["ids"] = codec.encode(reference_text())[:args.tokens]
             result[f"weight_formats_{weights}"] = dict(server.stub.Info(pb.InfoRequest()).weight_formats)

@@ -32,8 +32,8 @@ from harness.schemas import SCHEMAS, prompt
 from harness.serve import Server
 from protos import generation_pb2 as pb
 from router.constraints import Grammars, grammar_of
-from router.tokenizer import TextCodec
-from router.tokenizer_files import tokenizer_folder
+from common.tokenizer import TextCodec
+from common.tokenizer_files import tokenizer_folder
 
 OTHERS = [  # (name, constraint fields, what a valid output fullmatches)
     ("regex: a date", dict(regex=r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"), r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"),
