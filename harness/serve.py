@@ -63,7 +63,8 @@ class Server:
         def pump():  # keeps draining the pipe so the server's logging never blocks on it
             for line in self.proc.stdout:
                 self.log.append(line)
-                if line.startswith("ready ") and self.startup_s is None:
+                # `serve --replicas N` passes on its replicas' own ready lines: the one on our port counts.
+                if line.startswith("ready ") and line.rstrip().endswith(f":{self.port}") and self.startup_s is None:
                     self.startup_s = time.perf_counter() - t0
                     self._ready.set()
             self._ready.set()  # exited: let the waiter see it

@@ -17,18 +17,19 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from common.generation_service import SERVICE, add_generation_service
 from common.model_source import resolve_model
 from common.process import exit_soon
 from common.telemetry import setup_tracing
 from common.tls import ShardTls, http_ssl_context, server_credentials
 from router.admission import Admission
-from router.fleet import CacheWatchers, add_fleet_service
+from router.fleet import FLEET_SERVICE, CacheWatchers, add_fleet_service
 from common.auth import ApiKeys
 from router.http_server import HttpServer
 from router.metrics import Metrics
 from router.openai_api import OpenAiApi
 from router.replica import Replica
-from router.server import SERVICE, GenerationService, add_services
+from router.server import GenerationService
 from router.shard_client import ShardGroup
 from router.stats import StatsCounters
 from common.tokenizer import TextCodec
@@ -76,7 +77,8 @@ async def serve_router(args) -> int:
         raise SystemExit(f"--api-keys-file: {e}") from None
     admission = Admission(replica, args.max_waiting, args.tenant_max_requests, args.tenant_max_waiting,
                           share_cache=args.prefix_cache_sharing == "all")
-    add_services(server, GenerationService(replica, admission, stats, tracing, keys), health_servicer)
+    add_generation_service(server, GenerationService(replica, admission, stats, tracing, keys), health_servicer,
+                           other_services=(FLEET_SERVICE,))
     watchers = CacheWatchers(replica, tenants_share_cache=args.prefix_cache_sharing == "all")
     add_fleet_service(server, watchers)
     publisher = asyncio.ensure_future(watchers.run())

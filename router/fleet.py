@@ -2,8 +2,9 @@
 gateways in front of many replicas.
 
 One publisher task looks every PERIOD_S: it takes the page pool's change log (router/page_manager.py
-appends every page published or reclaimed to it) and the load, and when either changed sends one
-message to every watcher. Everything runs on the router's event loop, between steps, so a
+appends every page published or reclaimed to it) and the load, and when either changed, or
+HEARTBEAT_S passed without a message, sends one message to every watcher: a watcher that hears
+nothing for a few heartbeats knows the router is gone, even where no connection reset tells it. Everything runs on the router's event loop, between steps, so a
 snapshot and the changes after it are consistent. A replica that reconnects its shard group
 starts with a new page pool: the publisher sees the new pool, starts a new epoch, and sends
 every watcher a snapshot of it (empty), which replaces what the watcher knew.
@@ -15,6 +16,7 @@ The stream carries page hashes and counts, never tokens; it is meant for the fle
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import grpc
@@ -22,7 +24,9 @@ import grpc
 from protos import fleet_pb2 as fpb, fleet_pb2_grpc
 from router.page_manager import PageManager
 
+FLEET_SERVICE = fpb.DESCRIPTOR.services_by_name["Fleet"].full_name
 PERIOD_S = 0.02
+HEARTBEAT_S = 1.0
 WATCHER_BACKLOG = 256
 
 
@@ -34,6 +38,7 @@ class CacheWatchers:
         self.epoch, self.seq = "", 0
         self._pool: PageManager | None = None
         self._load: fpb.Load | None = None
+        self._sent_at = 0.0
         self._queues: set[asyncio.Queue] = set()
 
     # -- what is sent ---------------------------------------------------------------------------
@@ -77,7 +82,7 @@ class CacheWatchers:
             self._send_all(self.snapshot)
             return
         changes, load = (pool.changes or []) if pool is not None else [], self.load()
-        if not changes and load == self._load:
+        if not changes and load == self._load and time.monotonic() - self._sent_at < HEARTBEAT_S:
             return
         if pool is not None:
             pool.changes = []
@@ -90,6 +95,7 @@ class CacheWatchers:
         self._send_all(lambda: event)
 
     def _send_all(self, message) -> None:
+        self._sent_at = time.monotonic()
         for queue in self._queues:
             if queue.qsize() >= WATCHER_BACKLOG:  # fallen behind: a snapshot instead of the backlog
                 while not queue.empty():

@@ -1,5 +1,6 @@
-"""The public gRPC API (`shardline.v1.Generation`), health and reflection: a front end of the
-replica's admission (router/admission.py), which every front end shares.
+"""The public gRPC API (`shardline.v1.Generation`): a front end of the replica's admission
+(router/admission.py), which every front end shares; served with health and reflection by
+common/generation_service.py.
 
 Bytes that do not parse are INVALID_ARGUMENT (not gRPC's INTERNAL); a failure of one request
 ends its stream with that request's status.
@@ -7,36 +8,16 @@ ends its stream with that request's status.
 from __future__ import annotations
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace import Status, StatusCode
 
-from protos import fleet_pb2, generation_pb2 as pb
+from common.generation_service import Malformed
+from protos import generation_pb2 as pb
 from router.admission import Admission
 from common.auth import NO_TENANT, ApiKeys
 from router.replica import Replica
 from router.stats import StatsCounters, stats_response
 from router.tracing import Tracing, request_attributes
 from router.validation import InvalidRequest, invalid
-
-SERVICE = "shardline.v1.Generation"
-
-
-class Malformed:
-    """Stands in for a request whose bytes did not parse; the handler answers INVALID_ARGUMENT."""
-
-    def __init__(self, message: str):
-        self.message = message
-
-
-def _parser(cls):
-    def parse(data: bytes):
-        try:
-            return cls.FromString(data)
-        except Exception as e:  # DecodeError, or whatever else hostile bytes provoke
-            return Malformed(f"the request does not parse as {cls.DESCRIPTOR.full_name}: {e}")
-    return parse
-
 
 class GenerationService:
     """The gRPC front end of `admission` (router/admission.py); `keys`: API keys (None: open to all)."""
@@ -119,26 +100,3 @@ def _public_logprob(entry) -> pb.TokenLogprob:
     """A shard's TokenLogprob (parallel id and value lists) as the API's message."""
     return pb.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob,
                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in zip(entry.top_ids, entry.top_logprobs)])
-
-
-def add_services(server: grpc.aio.Server, service: GenerationService,
-                 health_servicer: health.aio.HealthServicer) -> None:
-    handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            service.Generate, request_deserializer=_parser(pb.GenerateRequest),
-            response_serializer=pb.GenerateResponse.SerializeToString),
-        "Cancel": grpc.unary_unary_rpc_method_handler(
-            service.Cancel, request_deserializer=_parser(pb.CancelRequest),
-            response_serializer=pb.CancelResponse.SerializeToString),
-        "Stats": grpc.unary_unary_rpc_method_handler(
-            service.Stats, request_deserializer=_parser(pb.StatsRequest),
-            response_serializer=pb.StatsResponse.SerializeToString),
-        "Info": grpc.unary_unary_rpc_method_handler(
-            service.Info, request_deserializer=_parser(pb.InfoRequest),
-            response_serializer=pb.InfoResponse.SerializeToString),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (SERVICE, fleet_pb2.DESCRIPTOR.services_by_name["Fleet"].full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)

@@ -1,4 +1,5 @@
-"""`shardline` command line: serve (router + shards), router, shard, generate, health, certs.
+"""`shardline` command line: serve (router + shards, or several replicas behind a gateway),
+router, shard, gateway, generate, health, certs.
 
 The services' flags are defined in shardline/flags.py; every one can also be set through the
 environment as SHARDLINE_<FLAG> (e.g. SHARDLINE_PORT), and numeric ones are range-checked before
@@ -19,7 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     helps = {"serve": "start the router and its shard(s); print 'ready HOST:PORT'",
              "router": "run the router alone, driving already running shards",
-             "shard": "run one shard alone"}
+             "shard": "run one shard alone",
+             "gateway": "run a gateway in front of running routers (--routers)"}
     for command, groups in SERVICES.items():
         service = sub.add_parser(command, help=helps[command])
         for add in groups:
@@ -71,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     from common.telemetry import log_with_trace_ids
     log_with_trace_ids(f"%(asctime)s {args.command} %(levelname)s %(name)s%(trace_ids)s: %(message)s",
                        os.environ.get("SHARDLINE_LOG_LEVEL", "INFO"))
+    if args.command == "serve" and args.replicas > 1:
+        from shardline.fleet import serve_fleet
+        _exit_now(serve_fleet(args))
     if args.command == "serve":
         from shardline.launcher import serve
         _exit_now(serve(args))
@@ -81,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.shards:
             parser.error("router: --shards is required")
         _exit_now(asyncio.run(serve_router(args)))
+    if args.command == "gateway":
+        import asyncio
+        from gateway.app import serve_gateway
+        if not [e for e in args.routers.split(",") if e]:
+            parser.error("gateway: --routers is required")
+        _exit_now(asyncio.run(serve_gateway(args)))
     if args.command == "shard":
         if args.tp_rank >= args.tp or args.pp_stage >= args.pp:
             parser.error(f"shard: --tp-rank {args.tp_rank} / --pp-stage {args.pp_stage} outside "

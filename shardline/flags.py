@@ -141,6 +141,33 @@ def _telemetry_flags(p):
 def _serve_flags(p):
     add_flag(p, "shard-restarts", 5, SIZE,
          "restarts of a failed shard group in a row before `serve` gives up and exits 1")
+    add_flag(p, "replicas", 1, number(int, 1, 64), "replicas (a router and its shard group each) on this host; "
+         "above 1 a gateway serves --port and the routers take the next free ports")
+
+
+def _routing_flags(p):
+    add_flag(p, "routing", "prefix", help="how the gateway picks a replica: prefix (fewest uncached prompt "
+         "tokens plus load), least-load, or round-robin", choices=["prefix", "least-load", "round-robin"])
+    add_flag(p, "load-weight", 64.0, number(float, 0),
+         "prefix routing: the prefill tokens one request running or waiting on a replica counts as")
+    add_flag(p, "balance-abs-threshold", 8, SIZE, "imbalance guard: a replica with more than this many "
+         "requests above the least loaded one ...")
+    add_flag(p, "balance-rel-threshold", 1.5, number(float, 1),
+         "... and more than this many times its requests is ranked last, whatever it caches")
+
+
+def _gateway_only_flags(p):
+    add_flag(p, "host", "127.0.0.1", help="address the gateway's gRPC API listens on")
+    add_flag(p, "port", 50051, number(int, 1, 65535), "port of the gateway's gRPC API")
+    add_flag(p, "routers", "", help="comma-separated router addresses HOST:PORT; each name is resolved "
+         "again every --resolve-interval-s and every address it resolves to is a replica "
+         "(a Kubernetes headless Service)")
+    add_flag(p, "resolve-interval-s", 5.0, SECONDS, "seconds between resolutions of --routers")
+    add_flag(p, "api-keys-file", "", help="the routers' API keys file: the gateway checks keys too, to know "
+         "each request's tenant (whose cache namespace its prompt is hashed in)")
+    add_flag(p, "router-tls-ca-file", "", help="connect to the routers over TLS, trusting this CA (PEM)")
+    add_flag(p, "router-tls-cert-file", "", help="and present this client certificate (mutual TLS)")
+    add_flag(p, "router-tls-key-file", "", help="its private key")
 
 
 def _router_only_flags(p):
@@ -158,11 +185,12 @@ def _shard_only_flags(p):
 # shards whose own command has it (shardline/launcher.py); the `*_only` flags it sets itself.
 SERVICES = {
     "serve": (_model_flags, _shard_flags, _router_flags, _parallel_flags, _drain_flags, _telemetry_flags,
-              _serve_flags),
+              _serve_flags, _routing_flags),
     "router": (_model_flags, _router_flags, _drain_flags, _telemetry_flags, _public_tls_flags, _shard_tls_flags,
                _router_only_flags),
     "shard": (_model_flags, _shard_flags, _drain_flags, _telemetry_flags, _shard_tls_flags, _parallel_flags,
               _shard_only_flags),
+    "gateway": (_model_flags, _drain_flags, _public_tls_flags, _routing_flags, _gateway_only_flags),
 }
 
 

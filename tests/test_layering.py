@@ -4,9 +4,11 @@ others), and the router process imports no torch."""
 import ast
 from pathlib import Path
 
+import pytest
+
 from tests.support import ROOT
 
-PRODUCT = ("protos", "common", "kernels", "shard", "router", "shardline")
+PRODUCT = ("protos", "common", "kernels", "shard", "router", "gateway", "shardline")
 # part -> the parts it may import (DESIGN.md, "Layers")
 MAY_IMPORT = {
     "protos": set(),
@@ -14,7 +16,8 @@ MAY_IMPORT = {
     "kernels": {"common"},
     "shard": {"common", "protos", "kernels"},
     "router": {"common", "protos"},
-    "shardline": {"common", "protos", "router", "shard"},
+    "gateway": {"common", "protos"},
+    "shardline": {"common", "protos", "router", "shard", "gateway"},
     "harness": {*PRODUCT},
     "tests": {*PRODUCT, "harness"},
     "bench": {*PRODUCT, "harness"},
@@ -97,12 +100,13 @@ def test_no_two_modules_import_each_other():
     assert not cycles, "\n".join(cycles)
 
 
-def test_the_router_process_imports_no_torch():
-    """Nothing the router process imports imports torch (or what maps it): what loading the
-    command line imports, and whatever router.app imports through any chain of project modules.
-    tests/test_launcher.py checks the running process's memory maps as well."""
+@pytest.mark.parametrize("app", ["router.app", "gateway.app"])
+def test_the_router_and_gateway_processes_import_no_torch(app):
+    """Nothing the router (or gateway) process imports imports torch (or what maps it): what
+    loading the command line imports, and whatever its app imports through any chain of project
+    modules. tests/test_launcher.py checks the running router's memory maps as well."""
     cli = _imports(MODULES["shardline.cli"], when_loaded=True)
-    seen, todo, heavy = set(), ["router.app", *_project(cli)], [m for m in cli if m.split(".")[0] in TORCH]
+    seen, todo, heavy = set(), [app, *_project(cli)], [m for m in cli if m.split(".")[0] in TORCH]
     while todo:
         module = todo.pop()
         if module in seen:

@@ -1,0 +1,151 @@
+"""The gateway's `shardline.v1.Generation`: the router's public API, each request passed to the
+replica that serves it best (gateway/choice.py) and its stream passed back.
+
+A request that fails UNAVAILABLE before its first token (the replica went down, or is draining)
+is retried once on the next replica in its order; after the first token the client sees the
+failure, as it would from a router. The gateway gives every request an id when it has none, so
+a Cancel finds the replica that runs it. Routers check API keys themselves; the gateway checks
+them too, to know the tenant whose cache namespace the prompt's page hashes are in.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from common.auth import NO_TENANT, ApiKeys, cache_namespace
+from common.prompts import prompt_ids
+from common.tokenizer import TextCodec
+from gateway.choice import PREFIX, Candidate, Weights, rank
+from gateway.replicas import Replica, Replicas
+from protos import generation_pb2 as pb
+
+FORWARDED_OUT = ("grpc-", ":", "user-agent", "content-type", "te")  # not passed on to the router
+
+
+def _forwarded(metadata) -> tuple:
+    return tuple((k, v) for k, v in (metadata or ()) if not k.startswith(FORWARDED_OUT))
+
+
+class GatewayService:
+    def __init__(self, replicas: Replicas, codec: TextCodec, keys: ApiKeys | None, weights: Weights,
+                 policy: str = PREFIX, seed: int | None = None):
+        self.replicas, self.codec, self.keys, self.weights, self.policy = replicas, codec, keys, weights, policy
+        self.rng = random.Random(seed)
+        self.accepting = True
+        self.in_flight = 0
+        self._turns = itertools.count()
+        self._running: dict[tuple[str, str], Replica] = {}
+        self._text_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+    async def _tenant(self, context) -> str:
+        if self.keys is None:
+            return NO_TENANT
+        tenant = self.keys.tenant(context.invocation_metadata())
+        if tenant is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "a valid API key is required: send 'authorization: Bearer <key>'")
+        return tenant
+
+    async def _prompt(self, request) -> list[int] | None:
+        """The prompt's token ids as the routers will compute them; None when they cannot be
+        (the router then refuses the request with its reason)."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._text_worker, prompt_ids, self.codec, request)
+        except Exception:  # a template or tool-list error: the router's to report
+            return None
+
+    def order(self, prompt: list[int] | None, tenant: str, salt: str) -> list[tuple[Replica, int]]:
+        """The routable replicas, best first, each with the prompt tokens it is predicted to cache."""
+        def namespace_of(shared: bool) -> str:
+            return cache_namespace(None if shared else tenant, salt)
+
+        replicas = {r.address: r for r in self.replicas.routable()}
+        cached = {a: r.cached_tokens(prompt, namespace_of) if prompt else 0 for a, r in replicas.items()}
+        candidates = [Candidate(a, cached[a], r.requests, r.queued_tokens) for a, r in replicas.items()]
+        ranked = rank(candidates, len(prompt or ()), self.weights, self.rng, self.policy, next(self._turns))
+        return [(replicas[c.key], cached[c.key]) for c in ranked]
+
+    async def Generate(self, request, context):
+        tenant = await self._tenant(context)
+        if not self.accepting:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down")
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex
+        prompt = await self._prompt(request)
+        order = self.order(prompt, tenant, request.cache_salt)
+        if not order:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no replica is serving")
+        metadata, key = _forwarded(context.invocation_metadata()), (tenant, request.request_id)
+        self.in_flight += 1
+        try:
+            for attempt, (replica, predicted) in enumerate(order[:2]):
+                uncached = len(prompt or ()) - predicted
+                replica.counters.requests_routed += 1
+                replica.in_flight += 1
+                replica.pending_tokens += uncached
+                self._running[key] = replica
+                call = replica.stub.Generate(request, metadata=metadata, timeout=context.time_remaining())
+                first = True
+                try:
+                    async for msg in call:
+                        if first:
+                            first = False
+                            replica.pending_tokens -= uncached
+                        if msg.finish_reason:
+                            replica.counters.predicted_cached_tokens += predicted
+                            replica.counters.reported_cached_tokens += msg.usage.cached_prompt_tokens
+                        yield msg
+                    return
+                except grpc.aio.AioRpcError as e:
+                    if first and e.code() == grpc.StatusCode.UNAVAILABLE and attempt == 0 and len(order) > 1:
+                        replica.counters.failovers += 1
+                        continue
+                    await context.abort(e.code(), e.details() or "")
+                finally:
+                    call.cancel()
+                    replica.in_flight -= 1
+                    if first:
+                        replica.pending_tokens -= uncached
+                    if self._running.get(key) is replica:
+                        del self._running[key]
+        finally:
+            self.in_flight -= 1
+
+    async def Cancel(self, request, context):
+        tenant = await self._tenant(context)
+        replica = self._running.get((tenant, request.request_id))
+        if replica is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no running request has request_id {request.request_id!r}")
+        try:
+            return await replica.stub.Cancel(request, metadata=_forwarded(context.invocation_metadata()), timeout=10)
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), e.details() or "")
+
+    async def Stats(self, request, context):
+        await self._tenant(context)
+        st = pb.StatsResponse(serving=self.serving, requests_running=self.in_flight)
+        for r in self.replicas:
+            c = r.counters
+            st.replicas.add(address=r.address, serving=r.serving, epoch=r.epoch, pages_cached=len(r.index),
+                            requests_running=r.load.requests_running, requests_waiting=r.load.requests_waiting,
+                            requests_routed=c.requests_routed, predicted_cached_tokens=c.predicted_cached_tokens,
+                            reported_cached_tokens=c.reported_cached_tokens, failovers=c.failovers)
+        return st
+
+    async def Info(self, request, context):
+        await self._tenant(context)
+        for replica in self.replicas.routable():
+            try:
+                return await replica.stub.Info(request, metadata=_forwarded(context.invocation_metadata()), timeout=10)
+            except grpc.aio.AioRpcError:
+                continue
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "no replica is serving")
+
+    @property
+    def serving(self) -> bool:
+        return self.accepting and bool(self.replicas.routable())

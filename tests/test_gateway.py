@@ -1,0 +1,131 @@
+"""The gateway end to end: `shardline serve --replicas 2` (two tiny-model replicas, each a router
+and its shard, behind a gateway), driven over gRPC with API keys of two tenants."""
+import os
+import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import generation_pb2 as pb
+from tests.support import Server, wait_for
+
+KEYS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-0123456789abcdef"}
+PAGE = 16
+
+
+def _auth(tenant: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {KEYS[tenant]}")]
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_models, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys"
+    keys.write_text("".join(f"{k} {t}\n" for t, k in KEYS.items()))
+    server = Server("--model", str(tiny_models["llama"]), "--page-size", str(PAGE), "--replicas", "2",
+                    "--api-keys-file", str(keys), "--num-pages", "512")
+    server.metadata = _auth("alice")
+    wait_for(lambda: sum(r.serving for r in server.stats().replicas) == 2, 30, "both replicas to be routable")
+    yield server
+    assert server.stop() == 0
+
+
+def _generate(fleet, ids, tenant="alice", **kw) -> pb.GenerateResponse:
+    replies = list(fleet.stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=2,
+                                                          ignore_eos=True, **kw), metadata=_auth(tenant), timeout=60))
+    return replies[-1]
+
+
+def _routed(fleet) -> dict[str, int]:
+    return {r.address: r.requests_routed for r in fleet.stats().replicas}
+
+
+def _prompt(rng, n):
+    return [rng.randrange(10, 250) for _ in range(n)]
+
+
+def test_follow_ups_of_a_shared_prefix_go_to_the_replica_that_caches_it(fleet):
+    rng = random.Random(1)
+    system = _prompt(rng, 6 * PAGE)
+    before = _routed(fleet)
+    first = _generate(fleet, system + _prompt(rng, 5))
+    assert first.usage.cached_prompt_tokens == 0
+    (home,) = [a for a, n in _routed(fleet).items() if n > before[a]]
+    time.sleep(0.1)  # the router's index reaches the gateway within its publishing period (20 ms)
+    for _ in range(4):
+        assert _generate(fleet, system + _prompt(rng, 5)).usage.cached_prompt_tokens == 6 * PAGE
+    after = _routed(fleet)
+    assert after[home] - before[home] == 5 and sum(after.values()) - sum(before.values()) == 5
+    st = {r.address: r for r in fleet.stats().replicas}[home]
+    assert st.reported_cached_tokens >= 4 * 6 * PAGE and st.predicted_cached_tokens == st.reported_cached_tokens
+
+
+def test_new_prefixes_spread_over_both_replicas(fleet):
+    rng = random.Random(2)
+    before = _routed(fleet)
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda p: _generate(fleet, p), [_prompt(rng, 3 * PAGE) for _ in range(8)]))
+    after = _routed(fleet)
+    assert all(after[a] > before[a] for a in after), (before, after)
+
+
+def test_tenants_never_meet_in_the_gateways_index(fleet):
+    rng = random.Random(3)
+    shared = _prompt(rng, 4 * PAGE)
+    _generate(fleet, shared, "alice")
+    time.sleep(0.1)
+    predicted = sum(r.predicted_cached_tokens for r in fleet.stats().replicas)
+    bob = _generate(fleet, shared, "bob")
+    assert bob.usage.cached_prompt_tokens == 0
+    assert sum(r.predicted_cached_tokens for r in fleet.stats().replicas) == predicted  # nothing predicted for bob
+    time.sleep(0.1)
+    assert _generate(fleet, shared, "alice").usage.cached_prompt_tokens == 3 * PAGE  # the last token is computed
+    with pytest.raises(grpc.RpcError) as err:
+        list(fleet.stub.Generate(pb.GenerateRequest(prompt="hi", max_new_tokens=1), timeout=10))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_cancel_through_the_gateway_reaches_the_replica_that_runs_it(fleet):
+    stream = fleet.stub.Generate(pb.GenerateRequest(request_id="long-one", prompt="hello", max_new_tokens=2000,
+                                                    ignore_eos=True), metadata=_auth("alice"), timeout=60)
+    next(stream)
+    fleet.stub.Cancel(pb.CancelRequest(request_id="long-one"), metadata=_auth("alice"), timeout=10)
+    assert list(stream)[-1].finish_reason == "cancelled"
+    with pytest.raises(grpc.RpcError) as err:  # a tenant cancels only its own
+        fleet.stub.Cancel(pb.CancelRequest(request_id="long-one"), metadata=_auth("bob"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def _replica_pid(fleet, address: str) -> int:
+    port = address.rpartition(":")[2]
+    return next(p.pid for p in psutil.Process(fleet.proc.pid).children()
+                if "serve" in p.cmdline() and port in p.cmdline())
+
+
+def test_a_replica_killed_gets_no_requests_and_comes_back_resynced(fleet):
+    rng = random.Random(4)
+    system = _prompt(rng, 4 * PAGE)
+    _generate(fleet, system)
+    time.sleep(0.1)
+    replicas = {r.address: r for r in fleet.stats().replicas}
+    victim = max(replicas.values(), key=lambda r: r.pages_cached).address
+    assert replicas[victim].pages_cached > 0
+    os.kill(_replica_pid(fleet, victim), signal.SIGKILL)
+    t0 = time.monotonic()
+    wait_for(lambda: not {r.address: r for r in fleet.stats().replicas}[victim].serving, 5, "the gateway to drop it")
+    assert time.monotonic() - t0 < 5
+    health = health_pb2_grpc.HealthStub(fleet.channel)
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+    before = _routed(fleet)
+    for _ in range(6):  # the system prompt's follow-ups too: served by the replica left
+        assert _generate(fleet, system + _prompt(rng, 3)).finish_reason == "length"
+    after = _routed(fleet)
+    assert after[victim] == before[victim]
+    # `serve` starts the replica again; the gateway resyncs to its empty cache (a new epoch).
+    wait_for(lambda: {r.address: r for r in fleet.stats().replicas}[victim].serving, 60, "the replica to be back")
+    back = {r.address: r for r in fleet.stats().replicas}[victim]
+    assert back.epoch != replicas[victim].epoch and back.pages_cached == 0
