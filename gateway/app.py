@@ -1,5 +1,5 @@
-"""The gateway process: `shardline.v1.Generation` (with health and reflection) on --host/--port,
-in front of the routers that `--routers` names.
+"""The gateway process: `shardline.v1.Generation` (with health and reflection) on --host/--port
+and the OpenAI-compatible HTTP API on --http-port, in front of the routers that `--routers` names.
 
 It listens at once. Its health is SERVING while at least one replica is routable and it is not
 draining. SIGTERM drains as a router does: NOT_SERVING at once, new requests UNAVAILABLE, the
@@ -16,12 +16,14 @@ from grpc_health.v1 import health, health_pb2
 
 from common.auth import ApiKeys
 from common.generation_service import SERVICE, add_generation_service
+from common.http_server import HttpServer
 from common.model_source import resolve_model
 from common.process import exit_soon
-from common.tls import channel_credentials, server_credentials
+from common.tls import channel_credentials, http_ssl_context, server_credentials
 from common.tokenizer import TextCodec
 from common.tokenizer_files import tokenizer_folder
 from gateway.choice import Weights
+from gateway.http_proxy import HttpProxy
 from gateway.replicas import Replicas
 from gateway.service import GatewayService
 
@@ -69,6 +71,14 @@ async def serve_gateway(args) -> int:
     await server.start()
     resolver = asyncio.ensure_future(replicas.run())
     print(f"gateway listening {address} over {', '.join(entries)}", flush=True)
+    http = proxy = None
+    if args.http_port:
+        tls = http_ssl_context(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file) if args.tls_cert_file else None
+        proxy = HttpProxy(service, (args.router_tls_ca_file, args.router_tls_cert_file, args.router_tls_key_file)
+                          if args.router_tls_ca_file else None)
+        http = HttpServer(proxy.app, args.host, args.http_port, tls)
+        await http.start()
+        print(f"gateway HTTP API {http.address}/v1", flush=True)
 
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -84,6 +94,9 @@ async def serve_gateway(args) -> int:
         log.warning("drain timed out after %.0f s with %d streams open", args.drain_timeout_s, service.in_flight)
     exit_soon(15)
     resolver.cancel()
+    if http is not None:
+        await http.stop()
+        await proxy.close()
     await server.stop(grace=2.0)
     await replicas.close()
     return 0

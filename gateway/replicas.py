@@ -52,6 +52,7 @@ class Replica:
     epoch: str = ""
     seq: int = 0
     hashing: fpb.PageHashing | None = None
+    http_port: int = 0             # of its OpenAI API, as its last snapshot said
     index: set[bytes] = field(default_factory=set)
     load: fpb.Load = field(default_factory=fpb.Load)
     heard_at: float = 0.0
@@ -91,6 +92,7 @@ class Replica:
             self.epoch, self.seq = event.epoch, event.seq
             self.index = set(event.published)
             self.hashing = event.hashing if event.HasField("hashing") else None
+            self.http_port = event.http_port
         elif event.epoch != self.epoch or event.seq != self.seq + 1:
             raise Resync(f"event {event.epoch[:8]}/{event.seq} after {self.epoch[:8]}/{self.seq}")
         else:
@@ -157,9 +159,13 @@ class Replicas:
         self.entries, self.resolve_interval_s, self.on_change = entries, resolve_interval_s, on_change
         self.credentials = credentials
         self.by_address: dict[str, Replica] = {}
+        self._hosts: dict[str, str] = {}   # address -> the host name of the entry it resolved from
 
     def __iter__(self):
         return iter(list(self.by_address.values()))
+
+    def host_of(self, address: str) -> str:
+        return self._hosts.get(address, "")
 
     def routable(self) -> list[Replica]:
         return [r for r in self.by_address.values() if r.serving]
@@ -184,6 +190,7 @@ class Replicas:
         for address, host in found.items():
             if address in self.by_address:
                 continue
+            self._hosts[address] = host
             if self.credentials is not None:
                 options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", host)]
                 channel = grpc.aio.secure_channel(address, self.credentials, options=options)

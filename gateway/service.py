@@ -51,7 +51,7 @@ class GatewayService:
                                 "a valid API key is required: send 'authorization: Bearer <key>'")
         return tenant
 
-    async def _prompt(self, request) -> list[int] | None:
+    async def prompt(self, request) -> list[int] | None:
         """The prompt's token ids as the routers will compute them; None when they cannot be
         (the router then refuses the request with its reason)."""
         try:
@@ -76,7 +76,7 @@ class GatewayService:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down")
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
-        prompt = await self._prompt(request)
+        prompt = await self.prompt(request)
         order = self.order(prompt, tenant, request.cache_salt)
         if not order:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no replica is serving")

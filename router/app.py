@@ -25,7 +25,7 @@ from common.tls import ShardTls, http_ssl_context, server_credentials
 from router.admission import Admission
 from router.fleet import FLEET_SERVICE, CacheWatchers, add_fleet_service
 from common.auth import ApiKeys
-from router.http_server import HttpServer
+from common.http_server import HttpServer
 from router.metrics import Metrics
 from router.openai_api import OpenAiApi
 from router.replica import Replica
@@ -79,7 +79,8 @@ async def serve_router(args) -> int:
                           share_cache=args.prefix_cache_sharing == "all")
     add_generation_service(server, GenerationService(replica, admission, stats, tracing, keys), health_servicer,
                            other_services=(FLEET_SERVICE,))
-    watchers = CacheWatchers(replica, tenants_share_cache=args.prefix_cache_sharing == "all")
+    watchers = CacheWatchers(replica, tenants_share_cache=args.prefix_cache_sharing == "all",
+                             http_port=args.http_port)
     add_fleet_service(server, watchers)
     publisher = asyncio.ensure_future(watchers.run())
     if bool(args.tls_cert_file) != bool(args.tls_key_file) or (args.tls_client_ca_file and not args.tls_cert_file):

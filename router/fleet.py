@@ -31,10 +31,11 @@ WATCHER_BACKLOG = 256
 
 
 class CacheWatchers:
-    """`replica`: router/replica.py's Replica; `tenants_share_cache`: as --prefix-cache-sharing."""
+    """`replica`: router/replica.py's Replica; `tenants_share_cache`: as --prefix-cache-sharing;
+    `http_port`: the router's OpenAI API's (0: none)."""
 
-    def __init__(self, replica, tenants_share_cache: bool):
-        self.replica, self.tenants_share_cache = replica, tenants_share_cache
+    def __init__(self, replica, tenants_share_cache: bool, http_port: int = 0):
+        self.replica, self.tenants_share_cache, self.http_port = replica, tenants_share_cache, http_port
         self.epoch, self.seq = "", 0
         self._pool: PageManager | None = None
         self._load: fpb.Load | None = None
@@ -56,7 +57,8 @@ class CacheWatchers:
 
     def snapshot(self) -> fpb.CacheEvent:
         pool = self._pool
-        event = fpb.CacheEvent(epoch=self.epoch, seq=self.seq, snapshot=True, load=self.load())
+        event = fpb.CacheEvent(epoch=self.epoch, seq=self.seq, snapshot=True, load=self.load(),
+                               http_port=self.http_port)
         if pool is not None:
             event.hashing.CopyFrom(fpb.PageHashing(page_size=pool.page_size, model_key=pool.model_key,
                                                    tenants_share_cache=self.tenants_share_cache))

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API (`/v1/chat/completions`, `/v1/completions`, `/v1/models`,
 `/health`): a second front end of the replica's admission (router/admission.py), beside the gRPC
-one, on the router's event loop (FastAPI on uvicorn, router/http_server.py).
+one, on the router's event loop (FastAPI on uvicorn, common/http_server.py).
 
 - Streams are server-sent events: one chunk per output of the engine (a step's text delta),
   `finish_reason` in each choice's last content chunk, with `stream_options.include_usage` a last

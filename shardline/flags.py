@@ -159,6 +159,8 @@ def _routing_flags(p):
 def _gateway_only_flags(p):
     add_flag(p, "host", "127.0.0.1", help="address the gateway's gRPC API listens on")
     add_flag(p, "port", 50051, number(int, 1, 65535), "port of the gateway's gRPC API")
+    add_flag(p, "http-port", 8000, number(int, 0, 65535), "port of the gateway's OpenAI-compatible HTTP API, "
+         "passed on to the routers' own (0: none)")
     add_flag(p, "routers", "", help="comma-separated router addresses HOST:PORT; each name is resolved "
          "again every --resolve-interval-s and every address it resolves to is a replica "
          "(a Kubernetes headless Service)")

@@ -2,8 +2,9 @@
 processes of one command.
 
 - Replica i is a `serve` of its own (a router and its shard group, supervised as one by
-  shardline/launcher.py) whose router listens on a free port, without the HTTP API; with
-  --metrics-port M, replica i's metrics are on M + i.
+  shardline/launcher.py) whose router listens on free ports (gRPC, and HTTP when --http-port is
+  set, which the gateway's HTTP API passes requests on to); with --metrics-port M, replica i's
+  metrics are on M + i.
 - A replica whose `serve` exits is started again after a backoff that doubles from 1 s to 30 s;
   the gateway routes around it meanwhile, and resyncs its (empty) cache when it is back.
 - The gateway (`shardline gateway`) exiting ends the command with 1.
@@ -21,10 +22,10 @@ from shardline.launcher import BACKOFF_S, STABLE_S, passed_on
 from shardline.processes import HealthProbe, free_ports, spawn_service
 
 
-def replica_command(args, port: int, n: int) -> list[str]:
+def replica_command(args, port: int, http_port: int, n: int) -> list[str]:
     metrics = args.metrics_port + n if args.metrics_port else 0
-    return ["serve", *passed_on(args, "serve"), "--replicas", "1", "--port", str(port), "--http-port", "0",
-            "--metrics-port", str(metrics)]
+    return ["serve", *passed_on(args, "serve"), "--replicas", "1", "--port", str(port),
+            "--http-port", str(http_port if args.http_port else 0), "--metrics-port", str(metrics)]
 
 
 def gateway_command(args, routers: list[str]) -> list[str]:
@@ -56,9 +57,10 @@ def serve_fleet(args) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    ports = [p for p in free_ports(args.replicas + 1) if p != args.port][:args.replicas]
+    free = [p for p in free_ports(2 * args.replicas + 2) if p not in (args.port, args.http_port)]
+    ports, http_ports = free[:args.replicas], free[args.replicas:2 * args.replicas]
     routers = [f"127.0.0.1:{p}" for p in ports]
-    replicas = [spawn_service(replica_command(args, p, n)) for n, p in enumerate(ports)]
+    replicas = [spawn_service(replica_command(args, p, h, n)) for n, (p, h) in enumerate(zip(ports, http_ports))]
     started = [time.monotonic()] * len(replicas)
     restarts = [0] * len(replicas)
     down_since: list[float | None] = [None] * len(replicas)
@@ -81,7 +83,7 @@ def serve_fleet(args) -> int:
                     down_since[n] = now
                 elif down_since[n] is not None and \
                         now - down_since[n] >= BACKOFF_S[min(restarts[n], len(BACKOFF_S) - 1)]:
-                    replicas[n] = spawn_service(replica_command(args, ports[n], n))
+                    replicas[n] = spawn_service(replica_command(args, ports[n], http_ports[n], n))
                     started[n], down_since[n] = now, None
                     restarts[n] += 1
                 elif restarts[n] and now - started[n] > STABLE_S:

@@ -7,6 +7,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import httpx
+import openai
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -42,6 +44,10 @@ def _generate(fleet, ids, tenant="alice", **kw) -> pb.GenerateResponse:
 
 def _routed(fleet) -> dict[str, int]:
     return {r.address: r.requests_routed for r in fleet.stats().replicas}
+
+
+def _cached(fleet) -> dict[str, tuple[int, int]]:
+    return {r.address: (r.predicted_cached_tokens, r.reported_cached_tokens) for r in fleet.stats().replicas}
 
 
 def _prompt(rng, n):
@@ -98,6 +104,29 @@ def test_cancel_through_the_gateway_reaches_the_replica_that_runs_it(fleet):
     with pytest.raises(grpc.RpcError) as err:  # a tenant cancels only its own
         fleet.stub.Cancel(pb.CancelRequest(request_id="long-one"), metadata=_auth("bob"), timeout=10)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_the_openai_api_through_the_gateway_routes_by_prefix_too(fleet):
+    client = openai.OpenAI(base_url=fleet.http_url, api_key=KEYS["bob"], max_retries=0)
+    system = "You are a terse assistant who answers in one word. " * 8
+    before, cached_before = _routed(fleet), _cached(fleet)
+    for question in ("Hi?", "Why?", "How?"):
+        chat = client.chat.completions.create(model="llama", max_tokens=2, temperature=0,
+                                              messages=[{"role": "system", "content": system},
+                                                        {"role": "user", "content": question}])
+        assert chat.choices[0].finish_reason == "length"
+        time.sleep(0.1)
+    after = _routed(fleet)
+    assert sorted(after[a] - before[a] for a in after) == [0, 3]  # all three on the replica that cached it
+    assert chat.usage.prompt_tokens_details.cached_tokens > 0
+    (predicted, reported), = [(p - cached_before[a][0], r - cached_before[a][1])
+                              for a, (p, r) in _cached(fleet).items() if after[a] > before[a]]
+    assert predicted == reported > 0  # the gateway hashed the chat template's text as the router did
+    stream = client.completions.create(model="llama", prompt="Once upon a time", max_tokens=3, stream=True)
+    assert sum(len(c.choices[0].text) > 0 for c in stream if c.choices) >= 1
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=fleet.http_url, api_key="wrong-key-0123456789", max_retries=0).models.list()
+    assert httpx.get(fleet.http_url.removesuffix("/v1") + "/health", timeout=10).status_code == 200
 
 
 def _replica_pid(fleet, address: str) -> int:

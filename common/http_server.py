@@ -1,7 +1,8 @@
-"""The HTTP API's server: uvicorn on the router's own event loop (the engine, admission and the
-gRPC server run there too), with TLS from the router's certificate flags. Its socket is bound
-when the router starts, so a port in use stops the router at once with a message. The router
-owns the signals: uvicorn installs no handlers of its own, and is told to stop after the drain."""
+"""An HTTP API's server (the router's OpenAI-compatible API, the gateway's): uvicorn on the
+service's own event loop (a router's engine, admission and gRPC server run there too), with TLS
+from the service's certificate flags. Its socket is bound when the service starts, so a port in
+use stops it at once with a message. The service owns the signals: uvicorn installs no handlers
+of its own, and is told to stop after the drain."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +13,7 @@ import ssl
 
 import uvicorn
 
-log = logging.getLogger("shardline.router")
+log = logging.getLogger("shardline.http")
 
 
 class _Server(uvicorn.Server):
