@@ -76,8 +76,10 @@ def make_certs(out: Path, names: list[str]) -> list[str]:
         _write(ca_crt, ca_cert.public_bytes(serialization.Encoding.PEM))
         written += [str(ca_crt), str(ca_key_path)]
     both = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-    # The router's certificate serves both its client side to the shards and its public API.
-    for role, hosts in (("router", ["router", "shardline-router", "localhost", "127.0.0.1"]),
+    # The router's certificate serves both its client side to the shards and its public API (to
+    # clients and gateways, which reach it by one of `names`); a gateway serves its API with it too.
+    for role, hosts in (("router", ["router", "shardline-router", "gateway", "shardline-gateway", *names,
+                                    "localhost", "127.0.0.1"]),
                         ("shard", [*names, "localhost", "127.0.0.1"])):
         crt, key = out / f"{role}.crt", out / f"{role}.key"
         if crt.exists() and key.exists():

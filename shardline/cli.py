@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     certs = sub.add_parser("certs", help="make a local CA and router/shard certificates for mutual TLS")
     certs.add_argument("--out", default="certs", help="folder to write them into (kept files stay)")
     certs.add_argument("--names", default="localhost",
-                       help="comma-separated host names the shards are reached by (their certificate names them)")
+                       help="comma-separated host names the shards and routers are reached by (their certificates name them)")
 
     gen = sub.add_parser("generate", help="stream a completion from a running server")
     gen.add_argument("prompt")

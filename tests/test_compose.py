@@ -30,11 +30,15 @@ def load_compose() -> dict:
 
 
 def shardline_services(compose: dict) -> dict:
-    """The router and shards of the default profile (not the one-shot certs, the observability
-    stack or CUDA)."""
+    """The gateway, routers and shards of the default profile (not the one-shot certs, the
+    observability stack or CUDA)."""
     return {n: s for n, s in compose["services"].items()
             if "profiles" not in s and str(s.get("image", "")).startswith("shardline")
-            and s["command"][1] in ("router", "shard")}
+            and s["command"][1] in ("gateway", "router", "shard")}
+
+
+def _of_kind(services: dict, kind: str) -> dict:
+    return {n: s for n, s in services.items() if s["command"][1] == kind}
 
 
 class Loopback:
@@ -84,25 +88,34 @@ def test_compose_file_shape():
     compose = load_compose()
     services = shardline_services(compose)
     networks = compose["networks"]
-    for name, s in services.items():  # shards reach only the internal network; the router both
+    for name, s in services.items():  # shards and routers reach only the internal network; the gateway both
         internal = [n for n in s["networks"] if networks[n] and networks[n].get("internal")]
         assert internal, f"{name} is on no internal network"
-        if s["command"][1] == "shard":
-            assert internal == s["networks"], f"{name} must be on internal networks only"
+        if s["command"][1] == "gateway":
+            assert set(s["networks"]) - set(internal), "the gateway must also be reachable from outside"
+            assert s["environment"]["SHARDLINE_ROUTER_TLS_CA_FILE"], "the gateway must reach the routers over TLS"
         else:
-            assert set(s["networks"]) - set(internal), "the router must also be reachable from outside"
-        tls = [k for k in s["environment"] if k.startswith("SHARDLINE_SHARD_TLS_")]
-        assert len(tls) == 3, f"{name}: mutual TLS between router and shards must be on"
-        if s["command"][1] == "router":
+            assert internal == s["networks"], f"{name} must be on internal networks only"
+            tls = [k for k in s["environment"] if k.startswith("SHARDLINE_SHARD_TLS_")]
+            assert len(tls) == 3, f"{name}: mutual TLS between router and shards must be on"
+        if s["command"][1] != "shard":
             assert s["environment"]["SHARDLINE_TLS_CERT_FILE"], "the public API must be TLS (API keys cross it)"
     certs = compose["services"]["certs"]
     assert certs["command"][1] == "certs" and certs["restart"] == "no"
     assert all(s["depends_on"] for s in services.values())
-    shards = [n for n, s in services.items() if s["command"][1] == "shard"]
-    routers = [n for n, s in services.items() if s["command"][1] == "router"]
-    assert len(routers) == 1 and len(shards) == 2
-    assert all("ports" not in services[n] for n in shards), "shards must not be exposed outside"
-    assert services[routers[0]]["ports"]
+    shards, routers, gateways = (_of_kind(services, k) for k in ("shard", "router", "gateway"))
+    assert len(routers) == 2 and len(shards) == 2 and len(gateways) == 1
+    assert all("ports" not in s for s in (*shards.values(), *routers.values())), "only the gateway is published"
+    (gateway,) = gateways.values()
+    assert gateway["ports"]
+    # The gateway names every router where it listens; each router its own shards; each name has a certificate.
+    assert gateway["environment"]["SHARDLINE_ROUTERS"].split(",") == [
+        f"{n}:{s['environment']['SHARDLINE_PORT']}" for n, s in routers.items()]
+    listens = {n: s["environment"]["SHARDLINE_LISTEN"].rpartition(":")[2] for n, s in shards.items()}
+    served = [a for s in routers.values() for a in s["environment"]["SHARDLINE_SHARDS"].split(",")]
+    assert sorted(served) == sorted(f"{n}:{p}" for n, p in listens.items())
+    named = certs["command"][certs["command"].index("--names") + 1].split(",")
+    assert set(routers) | set(shards) <= set(named)
     assert all(s["healthcheck"]["test"][1:3] == ["shardline", "health"] for s in services.values())
     # A broken shard group exits as a whole and must come back on its own; drains need time.
     assert all(s["restart"] == "unless-stopped" and s["stop_grace_period"] for s in services.values())
@@ -118,12 +131,13 @@ def test_compose_services_serve_a_request_on_loopback(tmp_path):
     certs, keys = tmp_path / "certs", tmp_path / "api-keys.txt"
     key = "compose-test-key-0123456789"
     keys.write_text(f"{key} compose\n")
-    router_env = next(s for s in services.values() if s["command"][1] == "router")["environment"]
+    router_env = next(iter(_of_kind(services, "router").values()))["environment"]
     loop = Loopback(compose["services"], {"/certs": str(certs), router_env["SHARDLINE_API_KEYS_FILE"]: str(keys)})
     subprocess.run([sys.executable, "-m", "shardline.cli", *loop.command("certs", compose["services"]["certs"]["command"])],
                    cwd=ROOT, check=True, capture_output=True)
     auth = [("authorization", f"Bearer {key}")]
-    order = sorted(services, key=lambda n: "router" in services[n]["command"])  # shards first
+    kinds = ("shard", "router", "gateway")
+    order = sorted(services, key=lambda n: kinds.index(services[n]["command"][1]))  # what each depends on first
     procs = {}
     # The test's own OTLP receiver stands in for the collector, on the port its address maps to.
     collector = _collector_address(compose)
@@ -137,32 +151,42 @@ def test_compose_services_serve_a_request_on_loopback(tmp_path):
             env = {k: loop.rewrite(name, k, str(v)) for k, v in service["environment"].items()}
             procs[name] = spawn_service(loop.command(name, service["command"]), cwd=ROOT, env={**os.environ, **env},
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        router = next(n for n in order if services[n]["command"][1] == "router")
-        _wait_healthy(loop, router, services[router], procs[router])
-        port = loop.port(router, str(services[router]["environment"]["SHARDLINE_PORT"]))
+        (gateway,) = _of_kind(services, "gateway")
+        _wait_healthy(loop, gateway, services[gateway], procs[gateway])
+        port = loop.port(gateway, str(services[gateway]["environment"]["SHARDLINE_PORT"]))
         ca = (certs / "ca.crt").read_bytes()  # the public API is TLS too, with the same local CA
         with grpc.secure_channel(f"127.0.0.1:{port}", grpc.ssl_channel_credentials(ca)) as channel:
             stub = pb_grpc.GenerationStub(channel)
+            wait_for(lambda: sum(r.serving for r in stub.Stats(pb.StatsRequest(), metadata=auth).replicas) == 2,
+                     60, "the gateway to route to both replicas")
             info = stub.Info(pb.InfoRequest(), metadata=auth)
-            assert info.tensor_parallel == 2
+            assert info.tensor_parallel == 1
             replies = list(stub.Generate(pb.GenerateRequest(prompt="The capital of France is", max_new_tokens=4),
                                          metadata=auth, timeout=120))
+            assert "Paris" in "".join(m.text for m in replies)
+            generated = sum(len(m.token_ids) for m in replies)
+            for n in range(20):  # new prompts until both replicas served one (the gateway spreads them)
+                if all(r.requests_routed for r in stub.Stats(pb.StatsRequest(), metadata=auth).replicas):
+                    break
+                generated += sum(len(m.token_ids) for m in stub.Generate(
+                    pb.GenerateRequest(prompt=f"{n} plus {n} is", max_new_tokens=2), metadata=auth, timeout=120))
             with pytest.raises(grpc.RpcError) as err:  # no key, no service
                 stub.Info(pb.InfoRequest(), timeout=10)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert "Paris" in "".join(m.text for m in replies)
-        # Every service exports its spans where the compose file says, and the router's metrics
-        # endpoint is where Prometheus scrapes it.
-        names = {"shardline-router": 1, "shardline-shard": 2}
+        # Every service exports its spans where the compose file says, and the routers' metrics
+        # endpoints are where Prometheus scrapes them.
+        names = {"shardline-router": 2, "shardline-shard": 2}
         wait_for(lambda: all(len({s.resource["service.instance.id"] for s in receiver.spans()
                                   if s.resource["service.name"] == n}) == k for n, k in names.items()),
-                 60, "spans from the router and both shards")
-        metrics_port = loop.port(router, str(services[router]["environment"]["SHARDLINE_METRICS_PORT"]))
-        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-        generated = sum(len(m.token_ids) for m in replies)
-        assert f"shardline:generation_tokens_total {float(generated)}" in text
-        # The OpenAI-compatible API is published too, over TLS with the same key.
-        http_port = loop.port(router, str(services[router]["environment"]["SHARDLINE_HTTP_PORT"]))
+                 60, "spans from both routers and both shards")
+        counted = 0.0
+        for router, s in _of_kind(services, "router").items():
+            metrics_port = loop.port(router, str(s["environment"]["SHARDLINE_METRICS_PORT"]))
+            text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+            counted += float(re.search(r"^shardline:generation_tokens_total (\S+)$", text, re.M).group(1))
+        assert counted == generated
+        # The OpenAI-compatible API is published by the gateway too, over TLS with the same key.
+        http_port = loop.port(gateway, str(services[gateway]["environment"]["SHARDLINE_HTTP_PORT"]))
         https = httpx.Client(verify=ssl.create_default_context(cafile=str(certs / "ca.crt")), timeout=60)
         with https:
             answer = https.post(f"https://127.0.0.1:{http_port}/v1/completions", headers=dict(auth),
@@ -170,7 +194,7 @@ def test_compose_services_serve_a_request_on_loopback(tmp_path):
                                       "temperature": 0})
             assert answer.status_code == 200 and "Paris" in answer.json()["choices"][0]["text"], answer.text
             assert https.get(f"https://127.0.0.1:{http_port}/v1/models").status_code == 401
-        assert "8000:8000" in services[router]["ports"]  # published where the README says
+        assert "8000:8000" in services[gateway]["ports"]  # published where the README says
     finally:
         for proc in procs.values():
             proc.kill()
@@ -180,7 +204,8 @@ def test_compose_services_serve_a_request_on_loopback(tmp_path):
 
 def _collector_address(compose: dict) -> tuple[str, str]:
     """(service, port) of the OTLP endpoint every Shardline service exports to."""
-    endpoints = {s["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] for s in shardline_services(compose).values()}
+    endpoints = {s["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] for s in shardline_services(compose).values()
+                 if s["command"][1] != "gateway"}
     assert len(endpoints) == 1, f"the services export to different collectors: {endpoints}"
     host, port = ADDRESS.search(endpoints.pop()).groups()
     return host, port
