@@ -10,10 +10,11 @@ over prompt tokens, from usage), TTFT p50/p90, output tok/s and whether every re
 "single" is one replica whose pool holds every system prompt: the prefill a fleet with all of
 its cache in one place computes, which prefix-aware routing is measured against.
 
-The gateway's own cost: 16 streams on one replica, direct and through a gateway in front of it,
-interleaved, TTFT p50 and ITL p50 each way.
+The gateway's own cost, on one SmolLM2 replica directly and through a gateway in front of it,
+interleaved: TTFT p50 of one request at a time, and ITL p50 of 16 concurrent streams.
 
-    .venv/bin/python -m bench.fleet [--rates 0.5,1,2] [--requests 40]
+    .venv/bin/python -m bench.fleet [--rates 0.5,1,2] [--requests 40] [--parts smollm2,tiny,cost]
+                                    [--policies round-robin,least-load,prefix,single]
 """
 from __future__ import annotations
 
@@ -100,26 +101,28 @@ def one_policy(flags: list[str], policy: str, prompts_per_rate: list[list[list[i
 
 
 def fleet(name: str, model_flags: list[str], replicas: int, pages_per_replica: int, workload: dict,
-          rates: list[float], n: int, max_new: int, timeout: float) -> dict:
+          rates: list[float], n: int, max_new: int, timeout: float, policies: list[str]) -> dict:
     rng = random.Random(7)
     # Fresh system prompts per rate, so no rate starts from an earlier one's cache.
     prompts = [make_workload(rng, n=n, **workload) for _ in rates]
     common = [*model_flags, "--page-size", str(PAGE), "--threads", "1", "--http-port", "0"]
     result = {"replicas": replicas, "pages_per_replica": pages_per_replica, "workload": workload, "policies": {}}
     print(f"{name}: {replicas} replicas, {pages_per_replica} pages of {PAGE} each", flush=True)
-    for policy in POLICIES:
+    for policy in [p for p in POLICIES if p in policies]:
         flags = [*common, "--replicas", str(replicas), "--num-pages", str(pages_per_replica)]
         result["policies"][policy] = one_policy(flags, policy, prompts, rates, max_new, timeout)
+    if "single" not in policies:
+        return result
     single_pages = pages_per_replica * replicas * 2
     result["policies"]["single"] = one_policy([*common, "--num-pages", str(single_pages)], "single", prompts,
                                               rates, max_new, timeout)
     single = result["policies"]["single"]
-    for policy in POLICIES:
+    for policy in [p for p in POLICIES if p in policies]:
         for row, ref in zip(result["policies"][policy], single):
             row["computed_vs_single"] = row["prompt_tokens_computed"] / ref["prompt_tokens_computed"]
-    rr = result["policies"]["round-robin"]
+    rr = result["policies"].get("round-robin", [])
     completes = [i for i, row in enumerate(rr) if row["completed"]]
-    if completes:
+    if completes and "prefix" in policies:
         i = completes[-1]
         result["at_highest_completing_rate"] = {
             "rate": rates[i], "prefix_ttft_p90_vs_round_robin": result["policies"]["prefix"][i]["ttft_p90_ms"]
@@ -131,8 +134,12 @@ def fleet(name: str, model_flags: list[str], replicas: int, pages_per_replica: i
 
 
 def gateway_cost(streams: int, rounds: int, max_new: int) -> dict:
-    """16 streams on one SmolLM2 replica, directly and through a gateway in front of it, interleaved."""
-    server = Server("--threads", "2", "--http-port", "0")
+    """One SmolLM2 replica, directly and through a gateway in front of it, interleaved: TTFT of
+    single 4-token requests (nothing else running, so the gateway's hop is all that differs) and ITL at
+    `streams` concurrent streams. The shard computes on one thread, leaving the other core to the
+    client and the gateway, as a deployment gives the gateway CPU of its own: on two cores with
+    both busy computing, any extra process in the path waits for the scheduler (milliseconds)."""
+    server = Server("--threads", "1", "--http-port", "0")
     port = free_port()
     gateway = spawn_service(["gateway", "--port", str(port), "--http-port", "0", "--routers", server.target],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -144,20 +151,27 @@ def gateway_cost(streams: int, rounds: int, max_new: int) -> dict:
         rng = random.Random(3)
         paths = {"direct": server.target, "gateway": f"127.0.0.1:{port}"}
         samples = {k: {"ttft_ms": [], "itl_ms": []} for k in paths}
+
+        def prompts(n, tokens):
+            return [token_request([rng.randrange(1000, 40000) for _ in range(tokens)], max_new) for _ in range(n)]
+
         for r in range(rounds + 1):
             for name, target in (paths.items() if r % 2 else reversed(paths.items())):
-                reqs = [token_request([rng.randrange(1000, 40000) for _ in range(32)], max_new) for _ in range(streams)]
-                _, got = asyncio.run(concurrently(target, reqs))
+                # 4-token prompts: the prefill's own noise (milliseconds) would hide the hop
+                singles = [asyncio.run(concurrently(target, prompts(1, 4)))[1][0] for _ in range(10)]
+                _, together = asyncio.run(concurrently(target, prompts(streams, 32)))
                 if r == 0:
                     continue  # warm-up
-                samples[name]["ttft_ms"].append(statistics.median(s.ttft_ms for s in got))
-                samples[name]["itl_ms"].append(statistics.median(i for s in got for i in s.itl_ms))
+                samples[name]["ttft_ms"] += [s.ttft_ms for s in singles]
+                samples[name]["itl_ms"].append(statistics.median(i for s in together for i in s.itl_ms))
         med = {k: {m: statistics.median(v) for m, v in s.items()} for k, s in samples.items()}
         out = {"streams": streams, "rounds": rounds, "median": med, "samples": samples,
                "ttft_p50_added_ms": med["gateway"]["ttft_ms"] - med["direct"]["ttft_ms"],
                "itl_p50_added": med["gateway"]["itl_ms"] / med["direct"]["itl_ms"] - 1}
-        print(f"gateway cost at {streams} streams: TTFT p50 {out['ttft_p50_added_ms']:+.2f} ms, "
-              f"ITL p50 {out['itl_p50_added']:+.1%}", flush=True)
+        print(f"gateway cost: TTFT p50 of single requests {med['direct']['ttft_ms']:.2f} -> "
+              f"{med['gateway']['ttft_ms']:.2f} ms ({out['ttft_p50_added_ms']:+.2f} ms); ITL p50 at {streams} streams "
+              f"{med['direct']['itl_ms']:.2f} -> {med['gateway']['itl_ms']:.2f} ms ({out['itl_p50_added']:+.1%})",
+              flush=True)
         return out
     finally:
         probe.close()
@@ -171,19 +185,24 @@ def main() -> None:
     ap.add_argument("--rates", default="0.5,1,2", help="SmolLM2's arrival rates, requests/s (the tiny model's: x8)")
     ap.add_argument("--requests", type=int, default=40, help="requests per rate")
     ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--parts", default="smollm2,tiny,cost")
+    ap.add_argument("--policies", default=",".join([*POLICIES, "single"]))
     args = ap.parse_args()
-    rates = [float(r) for r in args.rates.split(",")]
+    rates, parts, policies = [float(r) for r in args.rates.split(",")], args.parts.split(","), args.policies.split(",")
     result = {"benchmark": "fleet", **machine(), "fleets": {}}
-    # 6 tenants x 512-token system prompts = 48 pages; each SmolLM2 replica holds 28.
-    smol = dict(tenants=6, system_tokens=512, question_tokens=24)
-    result["fleets"]["smollm2 x2"] = fleet("smollm2 x2", [], 2, 28, smol, rates, args.requests,
-                                           args.max_new_tokens, timeout=600)
-    with tempfile.TemporaryDirectory() as tmp:
-        tiny = make_tiny_model("llama", Path(tmp) / "llama")
-        work = dict(tenants=12, system_tokens=512, question_tokens=24)  # 96 pages; each of 4 replicas holds 28
-        result["fleets"]["tiny x4"] = fleet("tiny x4", ["--model", str(tiny)], 4, 28, work, [r * 8 for r in rates],
-                                            args.requests * 2, args.max_new_tokens, timeout=600)
-    result["gateway_cost"] = gateway_cost(16, 6, 32)
+    if "smollm2" in parts:  # 6 tenants x 512-token system prompts = 48 pages; each SmolLM2 replica holds 28
+        smol = dict(tenants=6, system_tokens=512, question_tokens=24)
+        result["fleets"]["smollm2 x2"] = fleet("smollm2 x2", [], 2, 28, smol, rates, args.requests,
+                                               args.max_new_tokens, 600, policies)
+    if "tiny" in parts:
+        with tempfile.TemporaryDirectory() as tmp:
+            tiny = make_tiny_model("llama", Path(tmp) / "llama")
+            work = dict(tenants=12, system_tokens=512, question_tokens=24)  # 96 pages; each of 4 replicas holds 28
+            result["fleets"]["tiny x4"] = fleet("tiny x4", ["--model", str(tiny)], 4, 28, work,
+                                                [r * 8 for r in rates], args.requests * 2, args.max_new_tokens,
+                                                600, policies)
+    if "cost" in parts:
+        result["gateway_cost"] = gateway_cost(16, 6, 32)
     save("fleet", result, plot)
 
 
@@ -191,6 +210,15 @@ def plot(result: dict, png) -> None:
     import matplotlib.pyplot as plt
 
     fleets = list(result["fleets"])
+    if not fleets:  # the gateway's cost alone: its samples
+        cost = result["gateway_cost"]["samples"]
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+        for ax, metric in zip(axes, ("ttft_ms", "itl_ms")):
+            ax.boxplot([cost["direct"][metric], cost["gateway"][metric]], tick_labels=["direct", "gateway"])
+            ax.set_title(metric.replace("_ms", " (ms)"), fontsize=9)
+        fig.tight_layout()
+        fig.savefig(png, dpi=110)
+        return
     fig, axes = plt.subplots(len(fleets), 3, figsize=(13, 3.4 * len(fleets)), squeeze=False)
     for row, name in zip(axes, fleets):
         for policy, rows in result["fleets"][name]["policies"].items():

@@ -31,14 +31,20 @@ def parser(cls):
     return parse
 
 
+def _as_is(data: bytes) -> bytes:
+    return data
+
+
 def add_generation_service(server: grpc.aio.Server, service, health_servicer: health.aio.HealthServicer,
-                           other_services: tuple[str, ...] = ()) -> None:
+                           other_services: tuple[str, ...] = (), serialized_responses: bool = False) -> None:
     """`service`: an object with the Generate, Cancel, Stats and Info handlers;
-    `other_services`: the names of services added beside it, for reflection."""
+    `other_services`: the names of services added beside it, for reflection;
+    `serialized_responses`: Generate yields its responses serialized already (a gateway passes
+    a router's on as they came)."""
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             service.Generate, request_deserializer=parser(pb.GenerateRequest),
-            response_serializer=pb.GenerateResponse.SerializeToString),
+            response_serializer=_as_is if serialized_responses else pb.GenerateResponse.SerializeToString),
         "Cancel": grpc.unary_unary_rpc_method_handler(
             service.Cancel, request_deserializer=parser(pb.CancelRequest),
             response_serializer=pb.CancelResponse.SerializeToString),

@@ -59,7 +59,7 @@ async def serve_gateway(args) -> int:
     on_change()
 
     server = grpc.aio.server()
-    add_generation_service(server, service, health_servicer)
+    add_generation_service(server, service, health_servicer, serialized_responses=True)
     address = f"{args.host}:{args.port}"
     if bool(args.tls_cert_file) != bool(args.tls_key_file) or (args.tls_client_ca_file and not args.tls_cert_file):
         raise SystemExit("--tls-cert-file and --tls-key-file go together (and --tls-client-ca-file needs them)")

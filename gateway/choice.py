@@ -2,9 +2,13 @@
 
 Prefix-aware routing ranks the replicas by the cost of serving the request there,
 
-    cost = prompt tokens not cached there + prompt tokens queued there + load_weight x requests there,
+    cost = prompt tokens not cached there + load_weight x load there,
+    load = prompt tokens queued there + REQUEST_TOKENS x requests running or waiting there,
 
-in tokens of prefill work, lowest first, ties broken at random. The imbalance guard (as SGLang's
+in tokens of prefill work, lowest first, ties broken at random. A load_weight below 1 keeps a
+prompt's followers with the replica that caches it while that replica is merely busier: computing
+the prefix again elsewhere would make this request's first token sooner, but every later one's
+later, as both replicas then hold (and evict for) the same pages. The imbalance guard (as SGLang's
 cache-aware router has it) keeps a hot prefix from piling onto one replica: a replica with more
 than `balance_abs` requests above the least loaded one, and more than `balance_rel` times its
 requests, is ranked after every other one, by load, whatever it caches. The rest of the order
@@ -16,6 +20,7 @@ import random
 from dataclasses import dataclass
 
 PREFIX, LEAST_LOAD, ROUND_ROBIN = "prefix", "least-load", "round-robin"
+REQUEST_TOKENS = 64  # the load one request in flight counts as, in prompt tokens
 POLICIES = (PREFIX, LEAST_LOAD, ROUND_ROBIN)
 
 
@@ -29,7 +34,7 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Weights:
-    load_weight: float = 64.0
+    load_weight: float = 0.25
     balance_abs: int = 8
     balance_rel: float = 1.5
 
@@ -55,7 +60,7 @@ def rank(candidates: list[Candidate], prompt_tokens: int, w: Weights, rng: rando
     hot = [c for c in candidates if overloaded(c, least, w)]
 
     def cost(c: Candidate) -> float:
-        return (prompt_tokens - c.cached_tokens) + c.queued_tokens + w.load_weight * c.requests
+        return (prompt_tokens - c.cached_tokens) + w.load_weight * (c.queued_tokens + REQUEST_TOKENS * c.requests)
 
     return (sorted(fit, key=lambda c: (cost(c), noise[c.key]))
             + sorted(hot, key=lambda c: (c.requests, noise[c.key])))

@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from common.auth import NO_TENANT
 from gateway.replicas import Replica
-from gateway.service import GatewayService
+from gateway.service import GatewayService, Placement
 from protos import generation_pb2 as pb
 
 PASSED_ON = ("authorization", "content-type", "accept", "traceparent", "tracestate", "x-request-id")
@@ -119,53 +119,64 @@ class HttpProxy:
         path, body = request.path_params["path"], await request.body()
         gen = routing_request(path, body) if request.method == "POST" else None
         prompt = await service.prompt(gen) if gen is not None else None
-        order = [(r, p) for r, p in service.order(prompt, tenant, gen.cache_salt if gen else "") if r.http_port]
+        order = [route for route in service.order(prompt, tenant, gen.cache_salt if gen else "")
+                 if route.replica.http_port]
         if not order:
             return _error(503, "no replica is serving the HTTP API", "server_error")
         headers = {k: v for k, v in request.headers.items() if k.lower() in PASSED_ON}
-        for attempt, (replica, predicted) in enumerate(order[:2]):
+        for attempt, route in enumerate(order[:2]):
+            replica = route.replica
             client = self._client(replica)
             last = attempt == 1 or len(order) == 1
+            replica.counters.requests_routed += 1
+            replica.open(route.hashes, route.uncached)  # from now on its prefix counts as coming here
+            service.in_flight += 1
             try:
                 upstream = await client.send(client.build_request(request.method, f"/v1/{path}", headers=headers,
                                                                   content=body,
                                                                   extensions=self._sni(replica)), stream=True)
             except httpx.TransportError as e:
+                self._closed(route, False)
                 if not last:
                     replica.counters.failovers += 1
                     continue
                 return _error(503, f"replica {replica.address} cannot be reached: {e!r}", "server_error")
+            except BaseException:
+                self._closed(route, False)
+                raise
             if upstream.status_code == 503 and not last:
                 await upstream.aclose()
+                self._closed(route, False)
                 replica.counters.failovers += 1
                 continue
-            replica.counters.requests_routed += 1
-            return StreamingResponse(self._relay(upstream, replica, predicted if gen is not None else None),
+            return StreamingResponse(self._relay(upstream, route, gen is not None),
                                      status_code=upstream.status_code,
                                      headers={k: v for k, v in upstream.headers.items()
                                               if k.lower() in ("content-type", "cache-control")},
                                      background=BackgroundTask(upstream.aclose))
         raise AssertionError("unreachable: the last attempt returns")
 
+    def _closed(self, route: Placement, answered: bool) -> None:
+        self.service.in_flight -= 1
+        route.replica.close(route.hashes, route.uncached, answered)
+
     def _sni(self, replica: Replica) -> dict:
         """The name the router's certificate is checked against: its --routers entry's host."""
         name = self.service.replicas.host_of(replica.address)
         return {"sni_hostname": name} if self.tls and name else {}
 
-    async def _relay(self, upstream: httpx.Response, replica: Replica, predicted: int | None):
-        service, tail = self.service, b""
-        service.in_flight += 1
-        replica.in_flight += 1
+    async def _relay(self, upstream: httpx.Response, route: Placement, completion: bool):
+        replica, tail = route.replica, b""
+        replica.first_token(route.uncached)  # the answer has begun
         try:
             async for chunk in upstream.aiter_raw():
                 tail = (tail + chunk)[-USAGE_TAIL:]
                 yield chunk
         finally:
-            service.in_flight -= 1
-            replica.in_flight -= 1
-        reported = _cached_tokens(tail) if predicted is not None else None
+            self._closed(route, True)
+        reported = _cached_tokens(tail) if completion else None
         if reported is not None:
-            replica.counters.predicted_cached_tokens += predicted
+            replica.counters.predicted_cached_tokens += route.predicted
             replica.counters.reported_cached_tokens += reported
 
     async def close(self) -> None:

@@ -22,7 +22,7 @@ import grpc
 
 from common.prefix_hash import prompt_hashes
 from common.process import FAST_RECONNECT
-from protos import fleet_pb2 as fpb, fleet_pb2_grpc, generation_pb2_grpc
+from protos import fleet_pb2 as fpb, fleet_pb2_grpc, generation_pb2 as pb, generation_pb2_grpc
 
 log = logging.getLogger("shardline.gateway")
 SILENT_S = 3.0
@@ -43,11 +43,22 @@ class ReplicaCounters:
     failovers: int = 0          # requests that failed here before their first token and went elsewhere
 
 
+GENERATE = "/shardline.v1.Generation/Generate"
+
+
+def serialized_generate(channel: grpc.aio.Channel):
+    """Generate on `channel`, its responses left serialized: the gateway passes them on as they
+    came and reads only the last one."""
+    return channel.unary_stream(GENERATE, request_serializer=pb.GenerateRequest.SerializeToString,
+                                response_deserializer=None)
+
+
 @dataclass
 class Replica:
     address: str
     channel: grpc.aio.Channel
     stub: generation_pb2_grpc.GenerationStub
+    generate: object = None        # serialized_generate(channel)
     connected: bool = False
     epoch: str = ""
     seq: int = 0
@@ -58,6 +69,10 @@ class Replica:
     heard_at: float = 0.0
     in_flight: int = 0             # requests this gateway has open here
     pending_tokens: int = 0        # uncached prompt tokens of those without a first token yet
+    # Page hashes of the prompts of those requests: pages being computed here (or computed and
+    # indexed by now), which the index does not show until their step is done. Counted, so that
+    # two open requests with one prefix keep it until both end.
+    pending: dict[bytes, int] = field(default_factory=dict)
     counters: ReplicaCounters = field(default_factory=ReplicaCounters)
     task: asyncio.Task | None = None
 
@@ -74,18 +89,45 @@ class Replica:
     def queued_tokens(self) -> int:
         return max(self.load.prompt_tokens_queued, self.pending_tokens)
 
-    def cached_tokens(self, prompt: list[int], namespace_of) -> int:
-        """Prompt tokens whose pages this replica's cache holds (the longest indexed prefix).
-        `namespace_of(tenants_share_cache)`: the request's cache namespace."""
+    def hashes(self, prompt: list[int], namespace_of) -> list[bytes]:
+        """The prompt's page hashes as this replica computes them. `namespace_of(tenants_share_cache)`:
+        the request's cache namespace."""
         h = self.hashing
         if h is None or not h.page_size:
-            return 0
+            return []
+        return prompt_hashes(prompt, h.page_size, h.model_key, namespace_of(h.tenants_share_cache))
+
+    def cached_tokens(self, hashes: list[bytes], pending: bool = False) -> int:
+        """Prompt tokens of the longest prefix of `hashes` this replica's index holds (`pending`:
+        or that a request the gateway has open here is computing)."""
         hits = 0
-        for page_hash in prompt_hashes(prompt, h.page_size, h.model_key, namespace_of(h.tenants_share_cache)):
-            if page_hash not in self.index:
+        for page_hash in hashes:
+            if page_hash not in self.index and not (pending and page_hash in self.pending):
                 break
             hits += 1
-        return hits * h.page_size
+        return hits * self.hashing.page_size if hits else 0
+
+    def open(self, hashes: list[bytes], uncached: int) -> None:
+        """A request with these prompt page hashes was sent here."""
+        self.in_flight += 1
+        self.pending_tokens += uncached
+        for h in hashes:
+            self.pending[h] = self.pending.get(h, 0) + 1
+
+    def first_token(self, uncached: int) -> None:
+        self.pending_tokens -= uncached
+
+    def close(self, hashes: list[bytes], uncached: int, had_first_token: bool) -> None:
+        """That request's stream ended here."""
+        self.in_flight -= 1
+        if not had_first_token:
+            self.pending_tokens -= uncached
+        for h in hashes:
+            n = self.pending.get(h, 0) - 1
+            if n > 0:
+                self.pending[h] = n
+            else:
+                self.pending.pop(h, None)
 
     def apply(self, event: fpb.CacheEvent) -> None:
         if event.snapshot:
@@ -196,7 +238,7 @@ class Replicas:
                 channel = grpc.aio.secure_channel(address, self.credentials, options=options)
             else:
                 channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            replica = Replica(address, channel, generation_pb2_grpc.GenerationStub(channel))
+            replica = Replica(address, channel, generation_pb2_grpc.GenerationStub(channel), serialized_generate(channel))
             replica.task = asyncio.ensure_future(replica.watch(self.on_change))
             self.by_address[address] = replica
             log.info("replica %s added", address)

@@ -1,5 +1,7 @@
 """The gateway's `shardline.v1.Generation`: the router's public API, each request passed to the
-replica that serves it best (gateway/choice.py) and its stream passed back.
+replica that serves it best (gateway/choice.py) and its stream passed back as the replica
+serialized it (parsing and serializing every token's message again would cost the gateway CPU
+that the shards of a small host need).
 
 A request that fails UNAVAILABLE before its first token (the replica went down, or is draining)
 is retried once on the next replica in its order; after the first token the client sees the
@@ -14,10 +16,12 @@ import itertools
 import random
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 
 from common.auth import NO_TENANT, ApiKeys, cache_namespace
+from common.generation_service import Malformed
 from common.prompts import prompt_ids
 from common.tokenizer import TextCodec
 from gateway.choice import PREFIX, Candidate, Weights, rank
@@ -29,6 +33,21 @@ FORWARDED_OUT = ("grpc-", ":", "user-agent", "content-type", "te")  # not passed
 
 def _forwarded(metadata) -> tuple:
     return tuple((k, v) for k, v in (metadata or ()) if not k.startswith(FORWARDED_OUT))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A request placed on one replica: its prompt's page hashes there, and the prompt tokens the
+    replica's index holds (the prediction its usage is later compared with)."""
+
+    replica: Replica
+    hashes: list[bytes]
+    predicted: int
+    prompt_tokens: int
+
+    @property
+    def uncached(self) -> int:
+        return self.prompt_tokens - self.predicted
 
 
 class GatewayService:
@@ -59,47 +78,61 @@ class GatewayService:
         except Exception:  # a template or tool-list error: the router's to report
             return None
 
-    def order(self, prompt: list[int] | None, tenant: str, salt: str) -> list[tuple[Replica, int]]:
-        """The routable replicas, best first, each with the prompt tokens it is predicted to cache."""
+    def order(self, prompt: list[int] | None, tenant: str, salt: str) -> list[Placement]:
+        """The routable replicas, best first. A prefix that a request the gateway has open on a
+        replica is computing counts as cached there: its followers go where it will be."""
         def namespace_of(shared: bool) -> str:
             return cache_namespace(None if shared else tenant, salt)
 
-        replicas = {r.address: r for r in self.replicas.routable()}
-        cached = {a: r.cached_tokens(prompt, namespace_of) if prompt else 0 for a, r in replicas.items()}
-        candidates = [Candidate(a, cached[a], r.requests, r.queued_tokens) for a, r in replicas.items()]
+        routes = {}
+        for r in self.replicas.routable():
+            hashes = r.hashes(prompt, namespace_of) if prompt else []
+            routes[r.address] = Placement(r, hashes, r.cached_tokens(hashes), len(prompt or ()))
+        candidates = [Candidate(a, route.replica.cached_tokens(route.hashes, pending=True), route.replica.requests,
+                                route.replica.queued_tokens) for a, route in routes.items()]
         ranked = rank(candidates, len(prompt or ()), self.weights, self.rng, self.policy, next(self._turns))
-        return [(replicas[c.key], cached[c.key]) for c in ranked]
+        return [routes[c.key] for c in ranked]
+
+    async def _parsed(self, request, context):
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
 
     async def Generate(self, request, context):
         tenant = await self._tenant(context)
+        await self._parsed(request, context)
         if not self.accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down")
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
-        prompt = await self.prompt(request)
-        order = self.order(prompt, tenant, request.cache_salt)
-        if not order:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no replica is serving")
-        metadata, key = _forwarded(context.invocation_metadata()), (tenant, request.request_id)
+        key = (tenant, request.request_id)
+        if key in self._running:  # it may run on another replica than this one would go to
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"a request with request_id {request.request_id!r} is already running")
+        self._running[key] = None  # taken from here on, before any await
         self.in_flight += 1
         try:
-            for attempt, (replica, predicted) in enumerate(order[:2]):
-                uncached = len(prompt or ()) - predicted
+            prompt = await self.prompt(request)
+            order = self.order(prompt, tenant, request.cache_salt)
+            if not order:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "no replica is serving")
+            metadata = _forwarded(context.invocation_metadata())
+            for attempt, route in enumerate(order[:2]):
+                replica = route.replica
                 replica.counters.requests_routed += 1
-                replica.in_flight += 1
-                replica.pending_tokens += uncached
+                replica.open(route.hashes, route.uncached)
                 self._running[key] = replica
-                call = replica.stub.Generate(request, metadata=metadata, timeout=context.time_remaining())
-                first = True
+                call = replica.generate(request, metadata=metadata, timeout=context.time_remaining())
+                first, last = True, b""
                 try:
-                    async for msg in call:
+                    async for data in call:  # serialized GenerateResponses, passed on as they came
                         if first:
                             first = False
-                            replica.pending_tokens -= uncached
-                        if msg.finish_reason:
-                            replica.counters.predicted_cached_tokens += predicted
-                            replica.counters.reported_cached_tokens += msg.usage.cached_prompt_tokens
-                        yield msg
+                            replica.first_token(route.uncached)
+                        last = data
+                        yield data
+                    usage = pb.GenerateResponse.FromString(last).usage  # the last one carries it
+                    replica.counters.predicted_cached_tokens += route.predicted
+                    replica.counters.reported_cached_tokens += usage.cached_prompt_tokens
                     return
                 except grpc.aio.AioRpcError as e:
                     if first and e.code() == grpc.StatusCode.UNAVAILABLE and attempt == 0 and len(order) > 1:
@@ -108,18 +141,16 @@ class GatewayService:
                     await context.abort(e.code(), e.details() or "")
                 finally:
                     call.cancel()
-                    replica.in_flight -= 1
-                    if first:
-                        replica.pending_tokens -= uncached
-                    if self._running.get(key) is replica:
-                        del self._running[key]
+                    replica.close(route.hashes, route.uncached, not first)
         finally:
             self.in_flight -= 1
+            del self._running[key]
 
     async def Cancel(self, request, context):
         tenant = await self._tenant(context)
+        await self._parsed(request, context)
         replica = self._running.get((tenant, request.request_id))
-        if replica is None:
+        if replica is None:  # unknown, or not sent anywhere yet
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no running request has request_id {request.request_id!r}")
         try:
             return await replica.stub.Cancel(request, metadata=_forwarded(context.invocation_metadata()), timeout=10)
@@ -128,6 +159,7 @@ class GatewayService:
 
     async def Stats(self, request, context):
         await self._tenant(context)
+        await self._parsed(request, context)
         st = pb.StatsResponse(serving=self.serving, requests_running=self.in_flight)
         for r in self.replicas:
             c = r.counters
@@ -139,6 +171,7 @@ class GatewayService:
 
     async def Info(self, request, context):
         await self._tenant(context)
+        await self._parsed(request, context)
         for replica in self.replicas.routable():
             try:
                 return await replica.stub.Info(request, metadata=_forwarded(context.invocation_metadata()), timeout=10)

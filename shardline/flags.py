@@ -148,8 +148,9 @@ def _serve_flags(p):
 def _routing_flags(p):
     add_flag(p, "routing", "prefix", help="how the gateway picks a replica: prefix (fewest uncached prompt "
          "tokens plus load), least-load, or round-robin", choices=["prefix", "least-load", "round-robin"])
-    add_flag(p, "load-weight", 64.0, number(float, 0),
-         "prefix routing: the prefill tokens one request running or waiting on a replica counts as")
+    add_flag(p, "load-weight", 0.25, number(float, 0),
+         "prefix routing: what a replica's load (prompt tokens queued, plus 64 per request in flight) "
+         "weighs against the prompt tokens it would have to compute")
     add_flag(p, "balance-abs-threshold", 8, SIZE, "imbalance guard: a replica with more than this many "
          "requests above the least loaded one ...")
     add_flag(p, "balance-rel-threshold", 1.5, number(float, 1),

@@ -17,13 +17,15 @@ from router.page_manager import PageManager
 
 
 def test_prefix_routing_prefers_the_cache_until_the_guard_spreads_a_hot_prefix():
-    w, rng = Weights(load_weight=10, balance_abs=4, balance_rel=1.5), random.Random(0)
+    w, rng = Weights(load_weight=0.5, balance_abs=4, balance_rel=1.5), random.Random(0)
     cached = Candidate("a", cached_tokens=900, requests=3, queued_tokens=0)
     cold = Candidate("b", cached_tokens=0, requests=0, queued_tokens=0)
     assert [c.key for c in rank([cold, cached], 1000, w, rng)] == ["a", "b"]
-    # Queued prefill work counts as much as uncached tokens.
+    # Queued prefill work counts at the load weight: 0.5 x (2000 + 3 x 64) > the 900 tokens saved.
     busy = Candidate("a", cached_tokens=900, requests=3, queued_tokens=2000)
     assert [c.key for c in rank([cold, busy], 1000, w, rng)] == ["b", "a"]
+    less_busy = Candidate("a", cached_tokens=900, requests=3, queued_tokens=600)
+    assert [c.key for c in rank([cold, less_busy], 1000, w, rng)] == ["a", "b"]
     # 5 requests above the idle one and more than 1.5x its load: spread, whatever it caches.
     hot = Candidate("a", cached_tokens=1000, requests=5, queued_tokens=0)
     assert [c.key for c in rank([cold, hot], 1000, w, rng)] == ["b", "a"]
@@ -52,18 +54,26 @@ def test_a_replicas_view_follows_its_stream_and_a_gap_asks_for_a_resync():
     hashes = prompt_hashes(prompt, 4, "m", "7:charlie:")
     r.apply(fpb.CacheEvent(epoch="e1", seq=5, snapshot=True, hashing=hashing, published=hashes[:1]))
     tenant = lambda shared: "" if shared else "7:charlie:"  # noqa: E731
-    assert r.cached_tokens(prompt, tenant) == 4
+    assert r.cached_tokens(r.hashes(prompt, tenant)) == 4
     r.apply(fpb.CacheEvent(epoch="e1", seq=6, published=hashes[1:]))
-    assert r.cached_tokens(prompt, tenant) == 12
-    assert r.cached_tokens(prompt, lambda shared: "") == 0  # another namespace: nothing
+    assert r.cached_tokens(r.hashes(prompt, tenant)) == 12
+    assert r.cached_tokens(r.hashes(prompt, lambda shared: "")) == 0  # another namespace: nothing
     r.apply(fpb.CacheEvent(epoch="e1", seq=7, evicted=hashes[1:2]))
-    assert r.cached_tokens(prompt, tenant) == 4  # a prefix stops at its first missing page
+    assert r.cached_tokens(r.hashes(prompt, tenant)) == 4  # a prefix stops at its first missing page
     with pytest.raises(Resync):
         r.apply(fpb.CacheEvent(epoch="e1", seq=9, published=hashes[1:2]))
     with pytest.raises(Resync):
         r.apply(fpb.CacheEvent(epoch="e2", seq=1))
     r.apply(fpb.CacheEvent(epoch="e2", seq=0, snapshot=True, hashing=hashing))  # a restarted router
-    assert r.cached_tokens(prompt, tenant) == 0 and not r.index
+    assert r.cached_tokens(r.hashes(prompt, tenant)) == 0 and not r.index
+    # A prompt the gateway sent here counts as coming while its request is open, not as indexed.
+    r.open(hashes, uncached=13)
+    r.open(hashes[:1], uncached=5)
+    assert r.cached_tokens(hashes, pending=True) == 12 and r.cached_tokens(hashes) == 0
+    r.close(hashes, 13, had_first_token=False)
+    assert r.cached_tokens(hashes, pending=True) == 4  # the other open request still computes page 0
+    r.close(hashes[:1], 5, had_first_token=True)
+    assert not r.pending and r.in_flight == 0
 
 
 def test_the_router_streams_its_index_changes_and_a_new_pool_starts_a_new_epoch():
@@ -103,7 +113,8 @@ def test_the_router_streams_its_index_changes_and_a_new_pool_starts_a_new_epoch(
 
 
 class _Call:
-    """A replica's Generate call: yields `replies`, then raises `error`."""
+    """A replica's Generate call: yields `replies` (serialized, as the gateway's call does), then
+    raises `error`."""
 
     def __init__(self, replies, error=None):
         self.replies, self.error, self.cancelled = replies, error, False
@@ -113,7 +124,7 @@ class _Call:
 
     async def _run(self):
         for r in self.replies:
-            yield r
+            yield r.SerializeToString()
         if self.error is not None:
             raise self.error
 
@@ -143,7 +154,7 @@ class _Context:
 def _service(calls: dict[str, _Call]) -> GatewayService:
     replicas = []
     for address, call in calls.items():
-        r = Replica(address, channel=None, stub=SimpleNamespace(Generate=lambda *a, call=call, **k: call))
+        r = Replica(address, channel=None, stub=None, generate=lambda *a, call=call, **k: call)
         r.connected, r.heard_at = True, float("inf")
         r.load, r.hashing = fpb.Load(serving=True), fpb.PageHashing(page_size=4, model_key="m")
         replicas.append(r)
@@ -160,7 +171,7 @@ def test_unavailable_before_the_first_token_is_retried_once_on_another_replica()
     calls = {"a": _Call([], _unavailable()), "b": _Call([ok])}
     service = _service(calls)
     request = pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=[1, 2, 3]), max_new_tokens=1)
-    assert asyncio.run(_collect(service, request)) == [ok]
+    assert asyncio.run(_collect(service, request)) == [ok.SerializeToString()]
     a, b = service.replicas.routable()
     assert (a.counters.failovers, b.counters.failovers) == (1, 0)
     assert a.in_flight == b.in_flight == 0 and a.pending_tokens == b.pending_tokens == 0
@@ -182,3 +193,65 @@ def test_a_failure_after_the_first_token_reaches_the_client():
     assert err.value.args[0] == grpc.StatusCode.UNAVAILABLE and len(got) == 1
     assert all(r.counters.failovers == 0 for r in service.replicas.routable())
     assert calls["a"].cancelled
+
+
+def test_the_gateway_refuses_bytes_that_do_not_parse_and_an_id_already_running():
+    from common.generation_service import parser
+
+    service = _service({"a": _Call([pb.GenerateResponse(token_ids=[1], finish_reason="length")])})
+
+    async def run(request):
+        return [m async for m in service.Generate(request, _Context())]
+
+    with pytest.raises(_Aborted) as err:
+        asyncio.run(run(parser(pb.GenerateRequest)(b"\xff\xff\xff")))
+    assert err.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT and "does not parse" in err.value.args[1]
+    service._running[("", "taken")] = service.replicas.routable()[0]
+    with pytest.raises(_Aborted) as err:
+        asyncio.run(run(pb.GenerateRequest(request_id="taken", prompt_token_ids=pb.PromptTokens(ids=[1]))))
+    assert err.value.args[0] == grpc.StatusCode.ALREADY_EXISTS
+    del service._running[("", "taken")]
+    assert len(asyncio.run(run(pb.GenerateRequest(request_id="taken", prompt_token_ids=pb.PromptTokens(ids=[1]))))) == 1
+    assert not service._running  # released when its stream ended
+
+
+def test_a_watcher_that_falls_behind_gets_a_snapshot_instead_of_its_backlog(monkeypatch):
+    from router import fleet
+
+    pages = PageManager(4, 2, model_key="m")
+    replica = SimpleNamespace(engine=SimpleNamespace(scheduler=SimpleNamespace(pages=pages, prefilling=[], decoding=[],
+                                                                               waiting=[])),
+                              serving=True, accepting=True)
+    watchers = CacheWatchers(replica, tenants_share_cache=True)
+    watchers.tick()
+    queue: asyncio.Queue = asyncio.Queue()
+    watchers._queues.add(queue)
+    monkeypatch.setattr(fleet, "WATCHER_BACKLOG", 3)
+    for serving in (False, True, False, True):  # four changes of the load, never read
+        replica.serving = serving
+        watchers.tick()
+    got = [queue.get_nowait() for _ in range(queue.qsize())]
+    (snapshot,) = got  # three deltas, then the fourth found a full backlog: one snapshot for all
+    assert snapshot.snapshot and snapshot.seq == watchers.seq == 4 and snapshot.hashing.tenants_share_cache
+
+
+def test_the_replica_set_follows_what_its_entries_resolve_to():
+    from gateway.replicas import Replicas, _resolve
+
+    assert _resolve("localhost:50051") == ["127.0.0.1:50051"]
+    assert _resolve("no-such-host.invalid:1") == []
+
+    async def run():
+        changes = []
+        fleet = Replicas(["localhost:1"], 5.0, lambda: changes.append(1))
+        fleet._update({"127.0.0.1:1": "localhost", "127.0.0.2:1": "localhost"})
+        assert sorted(fleet.by_address) == ["127.0.0.1:1", "127.0.0.2:1"] and fleet.host_of("127.0.0.2:1") == "localhost"
+        first = fleet.by_address["127.0.0.1:1"]
+        fleet._update({"127.0.0.2:1": "localhost"})  # a pod gone from the headless Service
+        assert list(fleet.by_address) == ["127.0.0.2:1"] and changes
+        await asyncio.sleep(0)
+        assert first.task.cancelled() or first.task.done()
+        assert not fleet.routable()  # nothing answers there
+        await fleet.close()
+
+    asyncio.run(run())
