@@ -2,13 +2,16 @@
 
 Prefix-aware routing ranks the replicas by the cost of serving the request there,
 
-    cost = prompt tokens not cached there + load_weight x load there,
+    cost = prompt tokens not cached there + cached tokens their pages would evict there
+           + load_weight x load there,
     load = prompt tokens queued there + REQUEST_TOKENS x requests running or waiting there,
 
 in tokens of prefill work, lowest first, ties broken at random. A load_weight below 1 keeps a
 prompt's followers with the replica that caches it while that replica is merely busier: computing
 the prefix again elsewhere would make this request's first token sooner, but every later one's
-later, as both replicas then hold (and evict for) the same pages. The imbalance guard (as SGLang's
+later, as both replicas then hold (and evict for) the same pages. The eviction term sends a new
+prefix where pages are unused rather than where it would push other prefixes out (which their
+followers would then compute again). The imbalance guard (as SGLang's
 cache-aware router has it) keeps a hot prefix from piling onto one replica: a replica with more
 than `balance_abs` requests above the least loaded one, and more than `balance_rel` times its
 requests, is ranked after every other one, by load, whatever it caches. The rest of the order
@@ -30,6 +33,7 @@ class Candidate:
     cached_tokens: int       # of this prompt, in the replica's prefix index
     requests: int            # running and waiting there
     queued_tokens: int       # prompt tokens still to compute there
+    unused_tokens: int = 1 << 62   # tokens of pages that hold no cached prefix there
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,9 @@ def rank(candidates: list[Candidate], prompt_tokens: int, w: Weights, rng: rando
     hot = [c for c in candidates if overloaded(c, least, w)]
 
     def cost(c: Candidate) -> float:
-        return (prompt_tokens - c.cached_tokens) + w.load_weight * (c.queued_tokens + REQUEST_TOKENS * c.requests)
+        uncached = prompt_tokens - c.cached_tokens
+        evicted = max(0, uncached - c.unused_tokens)
+        return uncached + evicted + w.load_weight * (c.queued_tokens + REQUEST_TOKENS * c.requests)
 
     return (sorted(fit, key=lambda c: (cost(c), noise[c.key]))
             + sorted(hot, key=lambda c: (c.requests, noise[c.key])))

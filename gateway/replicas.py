@@ -89,6 +89,13 @@ class Replica:
     def queued_tokens(self) -> int:
         return max(self.load.prompt_tokens_queued, self.pending_tokens)
 
+    @property
+    def unused_tokens(self) -> int:
+        """Tokens of pages there that hold no cached prefix, less what requests the gateway sent
+        and the router has not reported yet will take."""
+        page = self.hashing.page_size if self.hashing is not None else 0
+        return max(0, self.load.pages_unused * page - self.pending_tokens)
+
     def hashes(self, prompt: list[int], namespace_of) -> list[bytes]:
         """The prompt's page hashes as this replica computes them. `namespace_of(tenants_share_cache)`:
         the request's cache namespace."""

@@ -89,7 +89,8 @@ class GatewayService:
             hashes = r.hashes(prompt, namespace_of) if prompt else []
             routes[r.address] = Placement(r, hashes, r.cached_tokens(hashes), len(prompt or ()))
         candidates = [Candidate(a, route.replica.cached_tokens(route.hashes, pending=True), route.replica.requests,
-                                route.replica.queued_tokens) for a, route in routes.items()]
+                                route.replica.queued_tokens, route.replica.unused_tokens)
+                      for a, route in routes.items()]
         ranked = rank(candidates, len(prompt or ()), self.weights, self.rng, self.policy, next(self._turns))
         return [routes[c.key] for c in ranked]
 

@@ -53,7 +53,8 @@ class CacheWatchers:
         return fpb.Load(serving=replica.serving and replica.accepting,
                         requests_running=len(sched.prefilling) + len(sched.decoding),
                         requests_waiting=len(sched.waiting), prompt_tokens_queued=queued,
-                        pages_free=max(0, pages.available), pages_total=pages.num_pages)
+                        pages_free=max(0, pages.available), pages_total=pages.num_pages,
+                        pages_unused=max(0, pages.free - pages.reserved))
 
     def snapshot(self) -> fpb.CacheEvent:
         pool = self._pool

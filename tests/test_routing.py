@@ -32,6 +32,14 @@ def test_prefix_routing_prefers_the_cache_until_the_guard_spreads_a_hot_prefix()
     assert [c.key for c in rank([Candidate("b", 0, 2, 0), hot], 1000, w, rng)] == ["a", "b"]  # within the guard
 
 
+def test_a_new_prefix_goes_where_it_evicts_no_other():
+    w, rng = Weights(load_weight=0.25), random.Random(0)
+    full = Candidate("a", cached_tokens=0, requests=1, queued_tokens=0, unused_tokens=0)
+    room = Candidate("b", cached_tokens=0, requests=2, queued_tokens=0, unused_tokens=4096)
+    assert [c.key for c in rank([full, room], 512, w, rng)] == ["b", "a"]  # 512 + 512 evicted + 16 > 512 + 32
+    assert [c.key for c in rank([full, room], 512, w, rng, LEAST_LOAD)] == ["a", "b"]
+
+
 def test_ties_break_at_random_and_the_other_policies_ignore_the_cache():
     w, rng = Weights(), random.Random(0)
     same = [Candidate(k, 0, 0, 0) for k in "abcd"]
@@ -104,6 +112,7 @@ def test_the_router_streams_its_index_changes_and_a_new_pool_starts_a_new_epoch(
     event = queue.get_nowait()
     assert event.seq == 2 and len(event.evicted) == 1 and not event.published
     assert event.load.requests_running == 0 and event.load.pages_total == 4
+    assert event.load.pages_unused == 0 and event.load.pages_free == 3  # 3 evictable pages still hold the prefix
     snap = watchers.snapshot()
     assert set(snap.published) == set(h) - set(event.evicted)
     replica.engine.scheduler.pages = PageManager(4, 2, model_key="m")  # the replica reconnected
