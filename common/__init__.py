@@ -1,1 +1,2 @@
-"""What router and shard share: process plumbing, the command line, and where a model comes from."""
+"""What router, shard and gateway share: process plumbing, where a model comes from, its
+tokenizer and prompt page hashes, API keys, TLS."""
