@@ -16,7 +16,6 @@ import ssl
 
 import httpx
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -76,6 +75,24 @@ def _cached_tokens(tail: bytes) -> int | None:
         except ValueError:
             return None
     return None
+
+
+class _Relayed(StreamingResponse):
+    """A replica's answer, streamed on as it comes. However the response ends (done, or the client
+    gone, even before its first byte) the replica's response is closed and `end` runs, once."""
+
+    def __init__(self, upstream: httpx.Response, content, end):
+        super().__init__(content, status_code=upstream.status_code,
+                         headers={k: v for k, v in upstream.headers.items()
+                                  if k.lower() in ("content-type", "cache-control")})
+        self.upstream, self.end = upstream, end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.upstream.aclose()
+            self.end()
 
 
 class HttpProxy:
@@ -149,11 +166,9 @@ class HttpProxy:
                 self._closed(route, False)
                 replica.counters.failovers += 1
                 continue
-            return StreamingResponse(self._relay(upstream, route, gen is not None),
-                                     status_code=upstream.status_code,
-                                     headers={k: v for k, v in upstream.headers.items()
-                                              if k.lower() in ("content-type", "cache-control")},
-                                     background=BackgroundTask(upstream.aclose))
+            replica.first_token(route.uncached)  # the answer has begun
+            return _Relayed(upstream, self._relay(upstream, route, gen is not None),
+                            lambda route=route: self._closed(route, True))
         raise AssertionError("unreachable: the last attempt returns")
 
     def _closed(self, route: Placement, answered: bool) -> None:
@@ -167,13 +182,9 @@ class HttpProxy:
 
     async def _relay(self, upstream: httpx.Response, route: Placement, completion: bool):
         replica, tail = route.replica, b""
-        replica.first_token(route.uncached)  # the answer has begun
-        try:
-            async for chunk in upstream.aiter_raw():
-                tail = (tail + chunk)[-USAGE_TAIL:]
-                yield chunk
-        finally:
-            self._closed(route, True)
+        async for chunk in upstream.aiter_raw():
+            tail = (tail + chunk)[-USAGE_TAIL:]
+            yield chunk
         reported = _cached_tokens(tail) if completion else None
         if reported is not None:
             replica.counters.predicted_cached_tokens += route.predicted

@@ -13,7 +13,7 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos import generation_pb2 as pb
+from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 from tests.support import Server, wait_for
 
 KEYS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-0123456789abcdef"}
@@ -127,6 +127,20 @@ def test_the_openai_api_through_the_gateway_routes_by_prefix_too(fleet):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=fleet.http_url, api_key="wrong-key-0123456789", max_retries=0).models.list()
     assert httpx.get(fleet.http_url.removesuffix("/v1") + "/health", timeout=10).status_code == 200
+    # A client that leaves mid-stream: the gateway closes its side, and nothing stays open.
+    with httpx.stream("POST", fleet.http_url + "/completions", headers={"authorization": f"Bearer {KEYS['bob']}"},
+                      json={"model": "llama", "prompt": "Tell me", "max_tokens": 1500, "stream": True},
+                      timeout=30) as response:
+        assert response.status_code == 200
+        next(response.iter_raw())
+    def running_anywhere():  # asked of the routers themselves, not of the gateway's view of them
+        count = fleet.stats().requests_running
+        for address in (r.address for r in fleet.stats().replicas):
+            with grpc.insecure_channel(address) as channel:
+                count += pb_grpc.GenerationStub(channel).Stats(pb.StatsRequest(), metadata=_auth("bob"),
+                                                               timeout=10).requests_running
+        return count
+    wait_for(lambda: running_anywhere() == 0, 2, "every stream to be closed, the router's too")
 
 
 def _replica_pid(fleet, address: str) -> int:
