@@ -15,6 +15,8 @@ import hashlib
 import hmac
 from pathlib import Path
 
+import grpc
+
 NO_TENANT = ""  # every request's tenant when no keys are configured
 
 
@@ -60,3 +62,15 @@ def cache_namespace(tenant: str | None, salt: str) -> str:
     if not tenant:
         return salt
     return f"{len(tenant)}:{tenant}:{salt}"
+
+
+async def caller_tenant(keys: "ApiKeys | None", context) -> str:
+    """The gRPC caller's tenant (NO_TENANT when the service takes no keys); aborts the call
+    UNAUTHENTICATED without a valid key, with one message for a missing and a wrong key."""
+    if keys is None:
+        return NO_TENANT
+    tenant = keys.tenant(context.invocation_metadata())
+    if tenant is None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            "a valid API key is required: send 'authorization: Bearer <key>'")
+    return tenant

@@ -123,3 +123,16 @@ class ShardTls:
 
     def channel(self) -> grpc.ChannelCredentials:
         return channel_credentials(self.ca_file, self.cert_file, self.key_file)
+
+
+def listen(server: grpc.aio.Server, address: str, args) -> None:
+    """Adds the public API's port to `server`: TLS from --tls-cert-file/--tls-key-file (and
+    client certificates from --tls-client-ca-file), plaintext without them. Exits with a
+    message on inconsistent flags or a port it cannot bind."""
+    if bool(args.tls_cert_file) != bool(args.tls_key_file) or (args.tls_client_ca_file and not args.tls_cert_file):
+        raise SystemExit("--tls-cert-file and --tls-key-file go together (and --tls-client-ca-file needs them)")
+    port = (server.add_secure_port(address, server_credentials(args.tls_cert_file, args.tls_key_file,
+                                                                args.tls_client_ca_file))
+            if args.tls_cert_file else server.add_insecure_port(address))
+    if port == 0:
+        raise SystemExit(f"cannot listen on {address}")

@@ -19,7 +19,7 @@ from common.generation_service import SERVICE, add_generation_service
 from common.http_server import HttpServer
 from common.model_source import resolve_model
 from common.process import exit_soon
-from common.tls import channel_credentials, http_ssl_context, server_credentials
+from common.tls import channel_credentials, http_ssl_context, listen
 from common.tokenizer import TextCodec
 from common.tokenizer_files import tokenizer_folder
 from gateway.choice import Weights
@@ -61,13 +61,7 @@ async def serve_gateway(args) -> int:
     server = grpc.aio.server()
     add_generation_service(server, service, health_servicer, serialized_responses=True)
     address = f"{args.host}:{args.port}"
-    if bool(args.tls_cert_file) != bool(args.tls_key_file) or (args.tls_client_ca_file and not args.tls_cert_file):
-        raise SystemExit("--tls-cert-file and --tls-key-file go together (and --tls-client-ca-file needs them)")
-    port = (server.add_secure_port(address, server_credentials(args.tls_cert_file, args.tls_key_file,
-                                                                args.tls_client_ca_file))
-            if args.tls_cert_file else server.add_insecure_port(address))
-    if port == 0:
-        raise SystemExit(f"cannot listen on {address}")
+    listen(server, address, args)
     await server.start()
     resolver = asyncio.ensure_future(replicas.run())
     print(f"gateway listening {address} over {', '.join(entries)}", flush=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.auth import NO_TENANT, ApiKeys, cache_namespace
+from common.auth import ApiKeys, cache_namespace, caller_tenant
 from common.generation_service import Malformed
 from common.prompts import prompt_ids
 from common.tokenizer import TextCodec
@@ -62,13 +62,7 @@ class GatewayService:
         self._text_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     async def _tenant(self, context) -> str:
-        if self.keys is None:
-            return NO_TENANT
-        tenant = self.keys.tenant(context.invocation_metadata())
-        if tenant is None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "a valid API key is required: send 'authorization: Bearer <key>'")
-        return tenant
+        return await caller_tenant(self.keys, context)
 
     async def prompt(self, request) -> list[int] | None:
         """The prompt's token ids as the routers will compute them; None when they cannot be

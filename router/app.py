@@ -21,7 +21,7 @@ from common.generation_service import SERVICE, add_generation_service
 from common.model_source import resolve_model
 from common.process import exit_soon
 from common.telemetry import setup_tracing
-from common.tls import ShardTls, http_ssl_context, server_credentials
+from common.tls import ShardTls, http_ssl_context, listen
 from router.admission import Admission
 from router.fleet import FLEET_SERVICE, CacheWatchers, add_fleet_service
 from common.auth import ApiKeys
@@ -83,13 +83,7 @@ async def serve_router(args) -> int:
                              http_port=args.http_port)
     add_fleet_service(server, watchers)
     publisher = asyncio.ensure_future(watchers.run())
-    if bool(args.tls_cert_file) != bool(args.tls_key_file) or (args.tls_client_ca_file and not args.tls_cert_file):
-        raise SystemExit("--tls-cert-file and --tls-key-file go together (and --tls-client-ca-file needs them)")
-    port = (server.add_secure_port(address, server_credentials(args.tls_cert_file, args.tls_key_file,
-                                                                args.tls_client_ca_file))
-            if args.tls_cert_file else server.add_insecure_port(address))
-    if port == 0:
-        raise SystemExit(f"cannot listen on {address}")
+    listen(server, address, args)
     if args.http_port:
         tls = (http_ssl_context(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
                if args.tls_cert_file else None)

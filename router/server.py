@@ -13,7 +13,7 @@ from opentelemetry.trace import Status, StatusCode
 from common.generation_service import Malformed
 from protos import generation_pb2 as pb
 from router.admission import Admission
-from common.auth import NO_TENANT, ApiKeys
+from common.auth import ApiKeys, caller_tenant
 from router.replica import Replica
 from router.stats import StatsCounters, stats_response
 from router.tracing import Tracing, request_attributes
@@ -27,14 +27,7 @@ class GenerationService:
         self.replica, self.admission, self.stats, self.tracing, self.keys = replica, admission, stats, tracing, keys
 
     async def _tenant(self, context) -> str:
-        """The caller's tenant; aborts UNAUTHENTICATED without a valid key."""
-        if self.keys is None:
-            return NO_TENANT
-        tenant = self.keys.tenant(context.invocation_metadata())
-        if tenant is None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "a valid API key is required: send 'authorization: Bearer <key>'")
-        return tenant
+        return await caller_tenant(self.keys, context)
 
     async def Generate(self, request, context):
         tenant = await self._tenant(context)
