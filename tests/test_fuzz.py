@@ -16,7 +16,7 @@ from protos import generation_pb2 as pb
 from tests.support import Server, health_status
 
 ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE}
-FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=100, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 # Any unicode a protobuf string can carry (valid UTF-8: no lone surrogates), control characters included.
