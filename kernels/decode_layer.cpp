@@ -14,8 +14,7 @@
 
 #include "native.h"
 
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 
 namespace {
 
@@ -25,8 +24,8 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind, int64_t d
       return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w[0], 32, w[1]).to(at::kFloat);
     case 1: {
       const at::Tensor xb = x.to(at::kBFloat16);
-      return at::_weight_int4pack_mm_for_cpu(xb, w[0], 32, w[1]).to(at::kFloat) +
-             at::_weight_int4pack_mm_for_cpu(xb, w[2], 32, w[3]).to(at::kFloat);
+      return at::_weight_int4pack_mm_for_cpu(xb, w[0], 32, w[1]).to(at::kFloat).add_(
+          at::_weight_int4pack_mm_for_cpu(xb, w[2], 32, w[3]));
     }
     case 2:
       return shardline::int8_linear(x, w[0], w[1], w[2]);
@@ -43,6 +42,10 @@ at::Tensor normed(const at::Tensor& x, const at::Tensor& weight, double eps) {
   shardline::rms_norm_rows(h.data_ptr<float>(), h.size(0), h.size(1), weight.const_data_ptr<float>(), eps);
   return h;
 }
+
+}  // namespace
+
+namespace shardline {
 
 at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& attn_norm, const at::Tensor& mlp_norm, double eps,
                         at::TensorList qkv_w, at::TensorList wo_w, at::TensorList w13_w, at::TensorList w2_w,
@@ -65,15 +68,4 @@ at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& attn_norm, con
   return linear(shardline::silu_mul(gate_up), w2_w, kinds[3], direct_rows[3], torch_rows[3]).add_(h);
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(shardline_native, m) {
-  m.def("decode_layer(Tensor x, Tensor attn_norm, Tensor mlp_norm, float eps, Tensor[] qkv, Tensor[] wo, "
-        "Tensor[] w13, Tensor[] w2, int[] kinds, int[] direct_rows, int[] torch_rows, Tensor? qkv_bias, Tensor cos, Tensor sin, Tensor? q_norm, "
-        "Tensor? k_norm, float qk_eps, Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor slots, Tensor block_tables, "
-        "Tensor context_lens, int heads, float scale) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(shardline_native, CPU, m) {
-  m.impl("decode_layer", decode_layer);
-}
+}  // namespace shardline

@@ -14,6 +14,10 @@ TORCH_LIBRARY(shardline_native, m) {
         "int heads, float scale) -> Tensor");
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def("mask_logits(Tensor logits, Tensor packed) -> Tensor");
+  m.def("decode_layer(Tensor x, Tensor attn_norm, Tensor mlp_norm, float eps, Tensor[] qkv, Tensor[] wo, "
+        "Tensor[] w13, Tensor[] w2, int[] kinds, int[] direct_rows, int[] torch_rows, Tensor? qkv_bias, Tensor cos, "
+        "Tensor sin, Tensor? q_norm, Tensor? k_norm, float qk_eps, Tensor(a!) k_pages, Tensor(b!) v_pages, "
+        "Tensor slots, Tensor block_tables, Tensor context_lens, int heads, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(shardline_native, CPU, m) {
@@ -23,4 +27,5 @@ TORCH_LIBRARY_IMPL(shardline_native, CPU, m) {
   m.impl("paged_decode", shardline::paged_decode);
   m.impl("silu_mul", shardline::silu_mul);
   m.impl("mask_logits", shardline::mask_logits);
+  m.impl("decode_layer", shardline::decode_layer);
 }

@@ -30,6 +30,16 @@ at::Tensor paged_decode(const at::Tensor& qkv, const at::Tensor& cos, const at::
 
 at::Tensor silu_mul(const at::Tensor& x);
 
+// One decoder layer of a decode step (decode_layer.cpp says how its linear layers arrive).
+at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& attn_norm, const at::Tensor& mlp_norm, double eps,
+                        at::TensorList qkv_w, at::TensorList wo_w, at::TensorList w13_w, at::TensorList w2_w,
+                        at::IntArrayRef kinds, at::IntArrayRef direct_rows, at::IntArrayRef torch_rows,
+                        const std::optional<at::Tensor>& qkv_bias, const at::Tensor& cos, const at::Tensor& sin,
+                        const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+                        double qk_eps, at::Tensor k_pages, at::Tensor v_pages, const at::Tensor& slots,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t heads,
+                        double scale);
+
 // logits [rows, vocab] with -inf wherever the packed mask [rows, 4 x words] has a clear bit.
 at::Tensor mask_logits(const at::Tensor& logits, const at::Tensor& packed);
 
