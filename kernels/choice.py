@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import os
 import statistics
 import time
 from typing import Callable
@@ -48,11 +49,19 @@ def median_ms(fn: Callable[[torch.Tensor], object], x: torch.Tensor, runs: int =
     return statistics.median(times) * 1e3
 
 
+def torch_level() -> str:
+    """The instruction sets torch's own kernels run at: its ATen capability and the caps on MKL
+    and oneDNN (README: forcing an AVX-512 host to compute as an AVX2 one). Choices between our
+    kernels and torch's are kept per level, since either side may be capped without the other."""
+    caps = [os.environ.get(v, "") for v in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")]
+    return "-".join([torch.backends.cpu.get_cpu_capability(), *(c.lower() for c in caps if c)])
+
+
 def machine_choice(name: str, measure: Callable[[], str]) -> str:
-    """`measure()`'s answer, measured once per machine by the first process that asks, and read
-    back by every process after it. Where the cache folder is read-only, each process keeps its
-    own measurement."""
-    path = native.build_folder() / f"{name}.txt"
+    """`measure()`'s answer, measured once per machine (and torch level) by the first process
+    that asks, and read back by every process after it. Where the cache folder is read-only,
+    each process keeps its own measurement."""
+    path = native.build_folder() / f"{name}-torch-{torch_level()}.txt"
     if path.is_file():
         return path.read_text().strip()
     answer = measure()

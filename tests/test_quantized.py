@@ -144,7 +144,21 @@ def test_the_crossover_is_measured_once_per_machine(own_machine_choices):
         return lambda x: time.sleep(0.002 if x.shape[0] > n else 0)
     assert choice.crossover("layer", slow_above(4), lambda x: time.sleep(0.001), 8) == 4
     assert choice.crossover("layer", slow_above(0), lambda x: time.sleep(0.001), 8) == 4
-    assert (own_machine_choices / "crossover-layer.txt").read_text() == "4"
+    assert (own_machine_choices / f"crossover-layer-torch-{choice.torch_level()}.txt").read_text() == "4"
+
+
+def test_choices_are_kept_per_torch_level(own_machine_choices, monkeypatch):
+    """torch capped to AVX2 on an AVX-512 host (README) measures its own answers: a choice made
+    with torch at full speed would hand forced-AVX2 runs torch's kernels where ours are faster."""
+    def slow_above(n):
+        return lambda x: time.sleep(0.002 if x.shape[0] > n else 0)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    assert choice.crossover("level", slow_above(4), lambda x: time.sleep(0.001), 8) == 4
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS")
+    assert choice.crossover("level", slow_above(0), lambda x: time.sleep(0.001), 8) == 0
+    assert len(list(own_machine_choices.glob("crossover-level-torch-*.txt"))) == 2
 
 
 def nn_linear(k, n, weight=None, bias=None):
