@@ -24,6 +24,7 @@ from common.tokenizer import TextCodec
 from common.tokenizer_files import tokenizer_folder
 from gateway.choice import Weights
 from gateway.http_proxy import HttpProxy
+from gateway.metrics import serve_metrics
 from gateway.replicas import Replicas
 from gateway.service import GatewayService
 
@@ -65,6 +66,9 @@ async def serve_gateway(args) -> int:
     await server.start()
     resolver = asyncio.ensure_future(replicas.run())
     print(f"gateway listening {address} over {', '.join(entries)}", flush=True)
+    if args.metrics_port:
+        serve_metrics(service, args.metrics_port, args.host)
+        print(f"gateway metrics http://{args.host}:{args.metrics_port}/metrics", flush=True)
     http = proxy = None
     if args.http_port:
         tls = http_ssl_context(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file) if args.tls_cert_file else None

@@ -103,7 +103,6 @@ def _router_flags(p):
     add_flag(p, "eviction", "lru", help="which cached pages are reclaimed first", choices=["lru", "slru"])
     add_flag(p, "slru-protected-ratio", 0.5, number(float, 0, 1),
          "SLRU: share of the pool the protected segment may hold")
-    add_flag(p, "metrics-port", 0, number(int, 0, 65535), "port of the Prometheus endpoint /metrics (0: none)")
     add_flag(p, "api-keys-file", "", help="Generate, Cancel, Stats and Info require 'authorization: Bearer KEY' "
          "with a key from this file (one per line, optionally 'KEY tenant'); empty: open to all")
     add_flag(p, "tenant-max-requests", 0, SIZE, "a tenant's requests in flight before RESOURCE_EXHAUSTED (0: no limit)")
@@ -131,6 +130,10 @@ def client_tls_flags(p):
     p.add_argument("--tls-ca-file", default="", help="connect over TLS, trusting this CA (PEM)")
     p.add_argument("--tls-cert-file", default="", help="and present this client certificate (mutual TLS)")
     p.add_argument("--tls-key-file", default="", help="the client certificate's private key")
+
+
+def _metrics_flags(p):
+    add_flag(p, "metrics-port", 0, number(int, 0, 65535), "port of the Prometheus endpoint /metrics (0: none)")
 
 
 def _telemetry_flags(p):
@@ -187,13 +190,13 @@ def _shard_only_flags(p):
 # The flag groups of each service. `serve` passes each of its flags on to the router and to the
 # shards whose own command has it (shardline/launcher.py); the `*_only` flags it sets itself.
 SERVICES = {
-    "serve": (_model_flags, _shard_flags, _router_flags, _parallel_flags, _drain_flags, _telemetry_flags,
-              _serve_flags, _routing_flags),
-    "router": (_model_flags, _router_flags, _drain_flags, _telemetry_flags, _public_tls_flags, _shard_tls_flags,
-               _router_only_flags),
+    "serve": (_model_flags, _shard_flags, _router_flags, _metrics_flags, _parallel_flags, _drain_flags,
+              _telemetry_flags, _serve_flags, _routing_flags),
+    "router": (_model_flags, _router_flags, _metrics_flags, _drain_flags, _telemetry_flags, _public_tls_flags,
+               _shard_tls_flags, _router_only_flags),
     "shard": (_model_flags, _shard_flags, _drain_flags, _telemetry_flags, _shard_tls_flags, _parallel_flags,
               _shard_only_flags),
-    "gateway": (_model_flags, _drain_flags, _public_tls_flags, _routing_flags, _gateway_only_flags),
+    "gateway": (_model_flags, _metrics_flags, _drain_flags, _public_tls_flags, _routing_flags, _gateway_only_flags),
 }
 
 

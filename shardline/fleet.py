@@ -3,8 +3,8 @@ processes of one command.
 
 - Replica i is a `serve` of its own (a router and its shard group, supervised as one by
   shardline/launcher.py) whose router listens on free ports (gRPC, and HTTP when --http-port is
-  set, which the gateway's HTTP API passes requests on to); with --metrics-port M, replica i's
-  metrics are on M + i.
+  set, which the gateway's HTTP API passes requests on to); with --metrics-port M, the gateway's
+  metrics are on M and replica i's on M + 1 + i.
 - A replica whose `serve` exits is started again after a backoff that doubles from 1 s to 30 s;
   the gateway routes around it meanwhile, and resyncs its (empty) cache when it is back.
 - The gateway (`shardline gateway`) exiting ends the command with 1.
@@ -23,7 +23,7 @@ from shardline.processes import HealthProbe, free_ports, spawn_service
 
 
 def replica_command(args, port: int, http_port: int, n: int) -> list[str]:
-    metrics = args.metrics_port + n if args.metrics_port else 0
+    metrics = args.metrics_port + 1 + n if args.metrics_port else 0
     return ["serve", *passed_on(args, "serve"), "--replicas", "1", "--port", str(port),
             "--http-port", str(http_port if args.http_port else 0), "--metrics-port", str(metrics)]
 

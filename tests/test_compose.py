@@ -185,6 +185,11 @@ def test_compose_services_serve_a_request_on_loopback(tmp_path):
             text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
             counted += float(re.search(r"^shardline:generation_tokens_total (\S+)$", text, re.M).group(1))
         assert counted == generated
+        # The gateway's own metrics count every request it routed, on both replicas.
+        gateway_metrics = loop.port(gateway, str(services[gateway]["environment"]["SHARDLINE_METRICS_PORT"]))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{gateway_metrics}/metrics", timeout=10).read().decode()
+        routed = [float(v) for v in re.findall(r"^shardline:gateway_requests_routed_total\{[^}]*\} (\S+)$", text, re.M)]
+        assert len(routed) == 2 and all(routed) and sum(routed) >= 2
         # The OpenAI-compatible API is published by the gateway too, over TLS with the same key.
         http_port = loop.port(gateway, str(services[gateway]["environment"]["SHARDLINE_HTTP_PORT"]))
         https = httpx.Client(verify=ssl.create_default_context(cafile=str(certs / "ca.crt")), timeout=60)
@@ -242,14 +247,14 @@ def test_the_observability_wiring_points_at_services_that_exist():
     for pipeline in collector["service"]["pipelines"].values():
         for kind in ("receivers", "processors", "exporters"):
             assert set(pipeline.get(kind, [])) <= set(collector.get(kind) or {}), kind
-    # Prometheus -> the router's metrics port.
-    routers = {n: s for n, s in shardline_services(compose).items() if s["command"][1] == "router"}
+    # Prometheus -> the routers' and the gateway's metrics ports.
+    scraped = {n: s for n, s in shardline_services(compose).items() if s["command"][1] in ("router", "gateway")}
     prometheus = yaml.safe_load(_mounted(services["prometheus"], "/etc/prometheus/prometheus.yml").read_text())
     targets = [t for job in prometheus["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
-    assert targets
+    assert {t.split(":")[0] for t in targets} == set(scraped)
     for target in targets:
         name, target_port = target.split(":")
-        assert name in routers and routers[name]["environment"]["SHARDLINE_METRICS_PORT"] == target_port
+        assert name in scraped and scraped[name]["environment"]["SHARDLINE_METRICS_PORT"] == target_port
         assert exposes(name, target_port)
     # Grafana -> its data sources; the dashboard asks only for metrics the router serves.
     provisioning = _mounted(services["grafana"], "/etc/grafana/provisioning")

@@ -3,6 +3,7 @@ and its shard, behind a gateway), driven over gRPC with API keys of two tenants.
 import os
 import random
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,12 +25,29 @@ def _auth(tenant: str) -> list[tuple[str, str]]:
     return [("authorization", f"Bearer {KEYS[tenant]}")]
 
 
+def _free_run(n: int) -> int:
+    """The first of n consecutive free loopback ports (the gateway's metrics port, then each replica's)."""
+    for _ in range(100):
+        base = random.randrange(20000, 60000)
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for i, sock in enumerate(socks):
+                sock.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 @pytest.fixture(scope="module")
 def fleet(tiny_models, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys"
     keys.write_text("".join(f"{k} {t}\n" for t, k in KEYS.items()))
     server = Server("--model", str(tiny_models["llama"]), "--page-size", str(PAGE), "--replicas", "2",
-                    "--api-keys-file", str(keys), "--num-pages", "512")
+                    "--api-keys-file", str(keys), "--num-pages", "512", "--metrics-port", str(_free_run(3)))
     server.metadata = _auth("alice")
     wait_for(lambda: sum(r.serving for r in server.stats().replicas) == 2, 30, "both replicas to be routable")
     yield server
@@ -141,6 +159,43 @@ def test_the_openai_api_through_the_gateway_routes_by_prefix_too(fleet):
                                                                timeout=10).requests_running
         return count
     wait_for(lambda: running_anywhere() == 0, 2, "every stream to be closed, the router's too")
+
+
+def _scrape(port: int) -> dict[tuple[str, str], float]:
+    """(metric name, its labels as text) -> value, from a Prometheus endpoint on loopback."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {(s.name, ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_the_gateways_metrics_say_what_its_stats_say_per_replica(fleet):
+    """--metrics-port M: the gateway's on M (per replica: routed, predicted and reported cached
+    tokens, failovers, cache size, serving), each replica's router's on M + 1 + i."""
+    args = fleet.proc.args
+    port = int(args[args.index("--metrics-port") + 1])
+    _generate(fleet, _prompt(random.Random(9), 2 * PAGE))
+
+    def agreed():  # the gateway hears of the new pages within the routers' publishing period
+        nonlocal stats, got
+        stats, got = fleet.stats(), _scrape(port)
+        return all(got[("shardline:gateway_replica_cached_pages", f"replica={r.address}")] == r.pages_cached
+                   for r in stats.replicas)
+    stats = got = None
+    wait_for(agreed, 5, "a scrape and Stats taken together")
+    assert got[("shardline:gateway_serving", "")] == 1
+    for r in stats.replicas:
+        label = f"replica={r.address}"
+        assert got[("shardline:gateway_requests_routed_total", label)] == r.requests_routed
+        assert got[("shardline:gateway_predicted_cached_tokens_total", label)] == r.predicted_cached_tokens
+        assert got[("shardline:gateway_reported_cached_tokens_total", label)] == r.reported_cached_tokens
+        assert got[("shardline:gateway_failovers_total", label)] == r.failovers
+        assert got[("shardline:gateway_replica_serving", label)] == 1
+        assert got[("shardline:gateway_replica_cached_pages", label)] == r.pages_cached
+    assert sum(r.requests_routed for r in stats.replicas) > 0
+    routers = [_scrape(port + 1 + i) for i in range(2)]
+    generated = sum(m[("shardline:generation_tokens_total", "")] for m in routers)
+    assert generated >= 2 * sum(r.requests_routed for r in stats.replicas) - 2  # 2 tokens each; some may be cancelled
 
 
 def _replica_pid(fleet, address: str) -> int:

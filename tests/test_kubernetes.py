@@ -105,7 +105,8 @@ def test_the_manifests_wire_what_the_command_line_serves():
     assert ports[grpc_port["targetPort"]] == router.port
     assert gateway.model == router.model and gateway.http_port and gateway.router_tls_ca_file
     gateway_ports = _ports(gateway_container)
-    assert (gateway_ports["grpc"], gateway_ports["http"]) == (gateway.port, gateway.http_port)
+    assert (gateway_ports["grpc"], gateway_ports["http"], gateway_ports["metrics"]) == (
+        gateway.port, gateway.http_port, gateway.metrics_port)
     front = services["shardline-gateway"]
     assert front["spec"]["selector"].items() <= gateway_deployment["spec"]["template"]["metadata"]["labels"].items()
     assert {p["targetPort"] for p in front["spec"]["ports"]} <= set(gateway_ports)
