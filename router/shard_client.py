@@ -120,6 +120,8 @@ class ShardGroup:
         for field in ("model", "page_size", "dtype", "kv_dtype", "vocab_size", "context_length", "tp_size", "pp_size"):
             if why := _mismatch(infos, field):
                 raise ShardError(why)
+        if len({i.group_id for i in infos}) > 1:  # some ranks of a failed group are still exiting
+            raise ShardError("the shards are not one start of their process group yet")
         tp, pp = infos[0].tp_size, infos[0].pp_size
         layout = sorted((i.pp_stage, i.tp_rank) for i in infos)
         if layout != [(s, r) for s in range(pp) for r in range(tp)]:

@@ -14,7 +14,7 @@ from common.model_source import resolve_model
 from protos import shard_pb2
 from shard.kv_cache import bytes_per_page
 from shard.model import Transformer
-from shard.parallel import Layout, init_distributed
+from shard.parallel import Layout, group_id, init_distributed
 from kernels.grid import GROUP
 from kernels.linear import OneDnnLinear
 from kernels.operands import Kernel
@@ -106,6 +106,6 @@ def load_shard(args) -> LoadedShard:
         tp_rank=layout.tp_rank, tp_size=layout.tp, pp_stage=layout.pp_stage, pp_size=layout.pp,
         dtype=args.dtype, device=str(device), eos_token_ids=full.eos_token_ids,
         weight_bytes=weight_bytes(model), kv_bytes_per_page=per_page,
-        kv_dtype=str(kv_dtype).removeprefix("torch."), weight_formats=weight_formats(model))
+        kv_dtype=str(kv_dtype).removeprefix("torch."), weight_formats=weight_formats(model), group_id=group_id(layout))
     log.info("weights: %s", ", ".join(f"{k} {v}" for k, v in info.weight_formats.items()))
     return LoadedShard(model, layout, device, dtype, kv_dtype, decode_graphs, info)

@@ -7,6 +7,7 @@ between equal TP ranks with point-to-point send/recv.
 """
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -66,6 +67,14 @@ def init_distributed(layout: Layout, init_method: str, device: torch.device):
                             timeout=timedelta(seconds=60))
     groups = [dist.new_group(list(range(s * layout.tp, (s + 1) * layout.tp))) for s in range(layout.pp)]
     return groups[layout.pp_stage] if layout.tp > 1 else None
+
+
+def group_id(layout: Layout) -> str:
+    """An id of this start of the process group, the same on every rank (rank 0's, broadcast)."""
+    ids = [uuid.uuid4().hex]
+    if layout.world > 1:
+        dist.broadcast_object_list(ids, src=0)
+    return ids[0]
 
 
 def keep_stage(model: Transformer, layout: Layout) -> None:

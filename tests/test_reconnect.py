@@ -65,3 +65,39 @@ def test_a_failed_group_warmup_closes_the_streams_it_opened():
     with pytest.raises(ShardError, match="failed its warmup: UNAVAILABLE connect failed"):
         asyncio.run(group.warmup(8, 1))
     assert not group.shards[1].open
+
+
+class Answering:
+    """Stands in for a ShardClient: answers Info as rank `rank` of the group start `group_id`."""
+
+    def __init__(self, rank: int, group_id: str):
+        self.reply = shard_pb2.ShardInfo(model="tiny", page_size=16, dtype="float32", tp_size=2, pp_size=1,
+                                         tp_rank=rank, group_id=group_id)
+
+    async def info(self, timeout):
+        return self.reply
+
+
+def test_ranks_of_two_starts_of_a_group_are_not_taken_as_one():
+    """The rank that survived a kill -9 of its peer answers Info before it learns it must exit; its
+    restarted peer answers too. Warming both up hung the new rank in a collective (seen in CI)."""
+    group = ShardGroup([])
+    group.shards = [Answering(0, "old"), Answering(1, "new")]
+    with pytest.raises(ShardError, match="not one start of their process group"):
+        asyncio.run(group.info(1))
+    group.shards = [Answering(0, "new"), Answering(1, "new")]
+    assert [i.tp_rank for i in asyncio.run(group.info(1))] == [0, 1]
+
+
+def test_a_router_does_not_reconnect_to_the_group_it_abandoned():
+    """Both ranks of the failed group may still answer before either exits: the router waits for
+    the group's next start."""
+    from types import SimpleNamespace
+    from router.replica import Replica
+
+    group = ShardGroup([])
+    group.shards = [Answering(0, "failed"), Answering(1, "failed")]
+    replica = Replica(SimpleNamespace(shard_timeout=1), "tiny", group, codec=None, on_serving=None)
+    replica.abandoned_group = "failed"
+    with pytest.raises(ShardError, match="has not restarted yet"):
+        asyncio.run(replica._connect())
