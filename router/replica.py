@@ -8,10 +8,8 @@
   long step meets a shard that does not answer) or the loop itself raises.
 - fail: every request in flight or waiting ends UNAVAILABLE (INTERNAL if the router's own loop
   failed), the pool and prefix index are dropped (the KV they describe is gone or unknown),
-  health turns NOT_SERVING, and connect is retried with backoff until the group is back: for a
-  multi-rank group, every rank from a new start of it (`ShardInfo.group_id`), since a surviving
-  rank may still answer Info before it exits, and a warmup with it would hang the new ranks'
-  collectives.
+  health turns NOT_SERVING, and connect is retried with backoff until the group is back (a
+  multi-rank one as a new start of it: ShardGroup.info).
 - stop: new requests are refused (UNAVAILABLE) while the ones already accepted run to completion
   for up to `drain_timeout_s`; what is left then ends UNAVAILABLE, and the step streams are
   closed cleanly so the shards keep their state.
@@ -50,16 +48,12 @@ class Replica:
         self.down_reason = "connecting to the shards"
         self.failures = 0
         self.recoveries = 0
-        self.group_id = ""          # the shards' process group as connected (ShardInfo.group_id)
-        self.abandoned_group = ""   # a multi-rank group whose streams were abandoned: its ranks exit
 
     # -- connect ------------------------------------------------------------------------------
     async def _connect(self) -> None:
         args = self.args
         infos = await self.shards.info(timeout=args.shard_timeout)
         head = infos[self.shards.sampler]
-        if len(infos) > 1 and head.group_id == self.abandoned_group:  # answered before it learnt it must go
-            raise ShardError("the shard group that failed has not restarted yet")
         wrong = [f"{what} {theirs!r} (the router's is {ours!r})" for what, theirs, ours in (
             ("model", head.model, self.model_name), ("page size", head.page_size, args.page_size),
             ("dtype", head.dtype, args.dtype)) if theirs != ours]
@@ -106,7 +100,6 @@ class Replica:
             self.engine = Engine(scheduler, self.shards, self.codec, head.context_length, self.observers)
         else:  # the old pool described KV that is gone: start from an empty one
             self.engine.scheduler, self.engine.max_position = scheduler, head.context_length
-        self.group_id = head.group_id
         log.info("serving %s: TP%d x PP%d, %d pages of %d tokens", head.model, head.tp_size, head.pp_size,
                  num_pages, head.page_size)
 
@@ -141,8 +134,6 @@ class Replica:
             failure, abandon = await self._serve(stop)
             await self._set_serving(False)
             self.engine.fail_all(failure)
-            if abandon:  # a multi-rank group then exits as a whole (shard/server.py) and comes back anew
-                self.abandoned_group = self.group_id
             await self.shards.close_streams(abandon=abandon)
             if stop.is_set():
                 return

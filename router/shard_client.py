@@ -110,9 +110,14 @@ class ShardGroup:
         self.sampler = len(self.shards) - 1
         self.step_timeout_s = step_timeout_s
         self.probe_timeout_s, _ = hang_detection_s(step_timeout_s)
+        self.group_id = ""         # the start of the shards' process group last answering Info
+        self.abandoned_group = ""  # a multi-rank start whose streams were abandoned: its ranks exit
 
     async def info(self, timeout: float) -> list[shard_pb2.ShardInfo]:
-        """Every shard's Info, checked to form one replica of one model."""
+        """Every shard's Info, checked to form one replica of one model, and of one start of its
+        process group (`ShardInfo.group_id`) other than one being abandoned: a rank may still
+        answer Info before it learns that it must exit, and a warmup with it would hang the new
+        ranks' collectives."""
         try:
             infos = list(await asyncio.gather(*(s.info(timeout) for s in self.shards)))
         except grpc.aio.AioRpcError as e:
@@ -120,8 +125,12 @@ class ShardGroup:
         for field in ("model", "page_size", "dtype", "kv_dtype", "vocab_size", "context_length", "tp_size", "pp_size"):
             if why := _mismatch(infos, field):
                 raise ShardError(why)
-        if len({i.group_id for i in infos}) > 1:  # some ranks of a failed group are still exiting
+        starts = {i.group_id for i in infos}
+        if len(starts) > 1:  # some ranks of a failed group are still exiting
             raise ShardError("the shards are not one start of their process group yet")
+        if len(infos) > 1 and starts == {self.abandoned_group}:  # all of them still exiting
+            raise ShardError("the shard group that failed has not restarted yet")
+        self.group_id = starts.pop()
         tp, pp = infos[0].tp_size, infos[0].pp_size
         layout = sorted((i.pp_stage, i.tp_rank) for i in infos)
         if layout != [(s, r) for s in range(pp) for r in range(tp)]:
@@ -185,6 +194,8 @@ class ShardGroup:
                 task.cancel()
 
     async def close_streams(self, abandon: bool) -> None:
+        if abandon:  # a multi-rank group then exits as a whole (shard/server.py) and comes back anew
+            self.abandoned_group = self.group_id
         await asyncio.gather(*(s.close_stream(abandon) for s in self.shards), return_exceptions=True)
 
     async def close(self) -> None:

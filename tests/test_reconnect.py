@@ -77,6 +77,9 @@ class Answering:
     async def info(self, timeout):
         return self.reply
 
+    async def close_stream(self, abandon: bool):
+        pass
+
 
 def test_ranks_of_two_starts_of_a_group_are_not_taken_as_one():
     """The rank that survived a kill -9 of its peer answers Info before it learns it must exit; its
@@ -97,7 +100,8 @@ def test_a_router_does_not_reconnect_to_the_group_it_abandoned():
 
     group = ShardGroup([])
     group.shards = [Answering(0, "failed"), Answering(1, "failed")]
+    asyncio.run(group.info(1))  # it served, then failed: its streams are abandoned
+    asyncio.run(group.close_streams(abandon=True))
     replica = Replica(SimpleNamespace(shard_timeout=1), "tiny", group, codec=None, on_serving=None)
-    replica.abandoned_group = "failed"
     with pytest.raises(ShardError, match="has not restarted yet"):
         asyncio.run(replica._connect())
