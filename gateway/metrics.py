@@ -14,6 +14,24 @@ from prometheus_client.registry import Collector
 
 P = "shardline:gateway_"
 
+# Per replica: (kind, name, help, value of a gateway/replicas.py Replica).
+PER_REPLICA = [
+    (GaugeMetricFamily, "replica_serving", "1 while the replica is routable", lambda r: int(r.serving)),
+    (GaugeMetricFamily, "replica_cached_pages", "Page hashes the gateway knows the replica holds",
+     lambda r: len(r.index)),
+    (GaugeMetricFamily, "replica_requests_running", "Requests running, as the replica reported",
+     lambda r: r.load.requests_running),
+    (GaugeMetricFamily, "replica_requests_waiting", "Requests waiting, as the replica reported",
+     lambda r: r.load.requests_waiting),
+    (CounterMetricFamily, "requests_routed", "Requests sent to the replica", lambda r: r.counters.requests_routed),
+    (CounterMetricFamily, "predicted_cached_tokens", "Prompt tokens the gateway predicted the replica caches, "
+     "summed over the requests sent there", lambda r: r.counters.predicted_cached_tokens),
+    (CounterMetricFamily, "reported_cached_tokens", "Prompt tokens the replica reported it served from its cache",
+     lambda r: r.counters.reported_cached_tokens),
+    (CounterMetricFamily, "failovers", "Requests that failed on the replica before their first token and were "
+     "sent to another", lambda r: r.counters.failovers),
+]
+
 
 class GatewayMetrics(Collector):
     def __init__(self, service):
@@ -25,31 +43,12 @@ class GatewayMetrics(Collector):
                                 value=int(service.serving))
         yield GaugeMetricFamily(P + "requests_in_flight", "Requests the gateway has open on the replicas",
                                 value=service.in_flight)
-        families = {
-            "serving": GaugeMetricFamily(P + "replica_serving", "1 while the replica is routable", labels=["replica"]),
-            "pages": GaugeMetricFamily(P + "replica_cached_pages", "Page hashes the gateway knows the replica holds",
-                                       labels=["replica"]),
-            "running": GaugeMetricFamily(P + "replica_requests_running", "Requests running, as the replica reported",
-                                         labels=["replica"]),
-            "waiting": GaugeMetricFamily(P + "replica_requests_waiting", "Requests waiting, as the replica reported",
-                                         labels=["replica"]),
-            "routed": CounterMetricFamily(P + "requests_routed", "Requests sent to the replica", labels=["replica"]),
-            "predicted": CounterMetricFamily(P + "predicted_cached_tokens", "Prompt tokens the gateway predicted "
-                                             "the replica caches, summed over the requests sent there",
-                                             labels=["replica"]),
-            "reported": CounterMetricFamily(P + "reported_cached_tokens", "Prompt tokens the replica reported "
-                                            "it served from its cache", labels=["replica"]),
-            "failovers": CounterMetricFamily(P + "failovers", "Requests that failed on the replica before their "
-                                             "first token and were sent to another", labels=["replica"]),
-        }
-        for r in service.replicas:
-            c, label = r.counters, [r.address]
-            for key, value in (("serving", int(r.serving)), ("pages", len(r.index)),
-                               ("running", r.load.requests_running), ("waiting", r.load.requests_waiting),
-                               ("routed", c.requests_routed), ("predicted", c.predicted_cached_tokens),
-                               ("reported", c.reported_cached_tokens), ("failovers", c.failovers)):
-                families[key].add_metric(label, value)
-        yield from families.values()
+        replicas = list(service.replicas)
+        for kind, name, doc, value in PER_REPLICA:
+            family = kind(P + name, doc, labels=["replica"])
+            for r in replicas:
+                family.add_metric([r.address], value(r))
+            yield family
 
 
 def serve_metrics(service, port: int, host: str) -> None:

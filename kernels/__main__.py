@@ -1,8 +1,9 @@
 """`python -m kernels` (./setup.sh): builds Shardline's CPU kernels and measures the per-machine
 choices now, on a quiet machine, rather than at a server's first start: the kernel of 4-bit and
 8-bit layers, the kind of dense copies, and the default model's (SmolLM2's) int8 LM head's
-crossover to its dense copy. SHARDLINE_CPU_ISA=avx2 does the same for the AVX2 build; the choices are kept per torch level
-(kernels/choice.py: torch_level), so cap torch as the README says to measure what a forced run uses."""
+crossover to its dense copy. SHARDLINE_CPU_ISA=avx2 does the same for the AVX2 build. The choices
+are kept per torch level (kernels/choice.py: torch_level): cap torch as the README says to measure
+what a forced run uses."""
 import torch
 
 from kernels import native
