@@ -111,7 +111,7 @@ class ShardGroup:
         self.step_timeout_s = step_timeout_s
         self.probe_timeout_s, _ = hang_detection_s(step_timeout_s)
         self.group_id = ""         # the start of the shards' process group last answering Info
-        self.abandoned_group = ""  # a multi-rank start whose streams were abandoned: its ranks exit
+        self.abandoned_group: str | None = None  # a multi-rank start whose streams were abandoned: it exits
 
     async def info(self, timeout: float) -> list[shard_pb2.ShardInfo]:
         """Every shard's Info, checked to form one replica of one model, and of one start of its
@@ -128,7 +128,7 @@ class ShardGroup:
         starts = {i.group_id for i in infos}
         if len(starts) > 1:  # some ranks of a failed group are still exiting
             raise ShardError("the shards are not one start of their process group yet")
-        if len(infos) > 1 and starts == {self.abandoned_group}:  # all of them still exiting
+        if starts == {self.abandoned_group}:  # all of them still exiting
             raise ShardError("the shard group that failed has not restarted yet")
         self.group_id = starts.pop()
         tp, pp = infos[0].tp_size, infos[0].pp_size
@@ -194,7 +194,7 @@ class ShardGroup:
                 task.cancel()
 
     async def close_streams(self, abandon: bool) -> None:
-        if abandon:  # a multi-rank group then exits as a whole (shard/server.py) and comes back anew
+        if abandon and len(self.shards) > 1 and self.group_id:  # it exits as a whole (shard/server.py)
             self.abandoned_group = self.group_id
         await asyncio.gather(*(s.close_stream(abandon) for s in self.shards), return_exceptions=True)
 
