@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(shardline_native, m) {
+  m.def("int8_interleave(Tensor codes) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scale, Tensor lo) -> Tensor");
   m.def("int4_pack(Tensor codes) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor lo, int max_direct_rows) -> Tensor");
@@ -21,6 +22,7 @@ TORCH_LIBRARY(shardline_native, m) {
 }
 
 TORCH_LIBRARY_IMPL(shardline_native, CPU, m) {
+  m.impl("int8_interleave", shardline::int8_interleave);
   m.impl("int8_linear", shardline::int8_linear);
   m.impl("int4_pack", shardline::int4_pack);
   m.impl("int4_linear", shardline::int4_linear);

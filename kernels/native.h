@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -12,13 +13,26 @@
 
 namespace shardline {
 
+// codes [N, K] int8 (N a multiple of 8, K of 32) -> int8_linear's, 8 outputs interleaved (int8_linear.cpp).
+at::Tensor int8_interleave(const at::Tensor& codes);
+
+// x [M, K] fp32 times weights lo + scale * code (int8_interleave's codes; scale and lo [N/8, K/32, 8]) -> [M, N].
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& lo);
 
-// codes [N, K] 0..15 -> int4_linear's packed weights [N, Kp/8] int32, K padded with zero codes to
-// Kp, a multiple of 64 (scale and lo [N, Kp/32] are padded with zeros to match).
+// Rows of activations quantized to int16 per group of 32, for the 4- and 8-bit kernels.
+struct Int16Rows {
+  std::vector<int16_t> q;  // [M, K]
+  std::vector<float> d;    // [M, K/32] each group's scale: x ~= d * q
+  std::vector<float> sum;  // [M, K/32] each group's fp32 sum of x (for the lo terms)
+};
+Int16Rows int16_rows(const float* x, int64_t M, int64_t K);
+
+// codes [N, K] 0..15 (N a multiple of 8, K of 32) -> int4_linear's packed weights [N, K/8] int32,
+// 8 outputs interleaved (int4_linear.cpp).
 at::Tensor int4_pack(const at::Tensor& codes);
 
-// x [M, K] fp32 times weights lo + scale * code (int4_pack's codes, scale and lo [N, K/32]) -> [M, N].
+// x [M, K] fp32 times weights lo + scale * code (int4_pack's codes; scale and lo [N/8, K/32, 8], each
+// block of 8 outputs' per group) -> [M, N].
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& lo,
                        int64_t max_direct_rows);
 
@@ -47,6 +61,15 @@ at::Tensor mask_logits(const at::Tensor& logits, const at::Tensor& packed);
 void rms_norm_rows(float* x, int64_t rows, int64_t n, const float* w, double eps);
 
 #if defined(__AVX2__)
+// acc + the lane-wise products of int16 pairs, summed per pair (VNNI fuses the add).
+inline __m256i dot_pairs(__m256i acc, __m256i codes, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, codes, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(codes, x));
+#endif
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));

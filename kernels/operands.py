@@ -3,10 +3,10 @@ takes:
 
 - `Kernel.TORCH`: torch's int4 CPU kernel (`_weight_int4pack_mm_for_cpu`, bf16 activations and
   scales); an 8-bit layer multiplies as two int4 halves of its codes.
-- `Kernel.NATIVE`: Shardline's own, fp32 scales: for 8 bits kernels/int8_linear.cpp (activations
-  quantized to int8 per group of 32 as llama.cpp does, integer dot products), for 4 bits
-  kernels/int4_linear.cpp (codes unpacked in registers, activations rounded to int16 per group;
-  many rows through an fp32 GEMM on slices dequantized on the fly).
+- `Kernel.NATIVE`: Shardline's own, fp32 scales, 8 outputs across the vector lanes, activations
+  rounded to int16 per group of 32 and integer dot products: kernels/int8_linear.cpp for 8 bits,
+  kernels/int4_linear.cpp for 4 (codes unpacked in registers; many rows through an fp32 GEMM on
+  slices dequantized on the fly).
 """
 from __future__ import annotations
 
@@ -41,13 +41,31 @@ def torch_operands(codes, scale, lo, bits: int) -> list:
 
 
 def native_operands(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int):
-    """The operands of Shardline's kernel. 8 bits (codes 0..254): the codes shifted to int8, the
-    shift folded into lo, for `int8_linear`; 4 bits: the codes packed by `int4_pack`."""
+    """The operands of Shardline's kernels: the codes with each block of 8 outputs interleaved
+    (4 bits: packed by `int4_pack`; 8 bits, 0..254: shifted to int8, the shift folded into lo, by
+    `int8_interleave`), and scale and lo [N/8, K/32, 8], a block's 8 outputs side by side per
+    group. N is padded with zero weights to whole blocks; the kernels return those outputs too
+    (zeros), and `QuantizedLinear` drops them."""
+    pad = -codes.shape[0] % 8
+    if pad:
+        codes, scale, lo = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale, lo))
+    n, groups = scale.shape
+
+    def blocked(t):
+        return t.float().reshape(n // 8, 8, groups).transpose(1, 2).contiguous()
     if bits == 4:
-        packed = native.ops().int4_pack(codes)
-        pad = packed.shape[1] * 8 // GROUP - scale.shape[1]  # the groups of zeros that pad K to whole tiles
-        return packed, F.pad(scale.float(), (0, pad)).contiguous(), F.pad(lo.float(), (0, pad)).contiguous()
-    return (codes - 128).to(torch.int8), scale.float().contiguous(), (lo + 128 * scale).float()
+        return native.ops().int4_pack(codes), blocked(scale), blocked(lo)
+    return native.ops().int8_interleave((codes - 128).to(torch.int8)), blocked(scale), blocked(lo + 128 * scale)
+
+
+def native_rows(held, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weights' rows `tokens` of an 8-bit layer's native operands, as (codes [T, K], scale
+    and lo [T, K/32]) for `grid_weights` (a tied embedding's lookup)."""
+    codes, scale, lo = held
+    n, k = codes.shape
+    block, lane = tokens // 8, tokens % 8
+    rows = codes.view(n // 8, k // 2, 8, 2)[block, :, lane].reshape(-1, k)
+    return rows, scale[block, :, lane], lo[block, :, lane]
 
 
 def operands(kernel: Kernel, codes, scale, lo, bits: int):

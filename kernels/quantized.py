@@ -22,7 +22,7 @@ from torch import nn
 from kernels.choice import ALWAYS, DenseKind, crossover, dense_kind, kernel_for
 from kernels.grid import grid_groups, grid_weights
 from kernels.linear import onednn_linear
-from kernels.operands import Kernel, multiply, operands, torch_operands
+from kernels.operands import Kernel, multiply, native_rows, operands, torch_operands
 
 def _flat(nested) -> list[torch.Tensor]:
     if isinstance(nested, torch.Tensor):
@@ -116,7 +116,8 @@ class QuantizedLinear(nn.Module):
     def _quantized(self, rows: torch.Tensor) -> torch.Tensor:
         if rows.shape[0] > self.torch_rows:
             return multiply(Kernel.TORCH, self.torch_operands, rows)
-        return multiply(self.kernel, self.operands, rows, self.direct_rows)
+        y = multiply(self.kernel, self.operands, rows, self.direct_rows)
+        return y if y.shape[1] == self.out_features else y[:, :self.out_features]  # a padded block's zeros
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -127,9 +128,11 @@ class QuantizedLinear(nn.Module):
 
     def rows(self, tokens: torch.Tensor) -> torch.Tensor:
         """The weights' rows `tokens`, fp32 (needs keep_rows; 8-bit codes only)."""
-        codes, scale, lo = self.rows_from
-        return grid_weights(codes.index_select(0, tokens).float(), scale.index_select(0, tokens).float(),
-                            lo.index_select(0, tokens).float())
+        if self.kernel is Kernel.NATIVE:
+            codes, scale, lo = native_rows(self.rows_from, tokens)
+        else:
+            codes, scale, lo = (t.index_select(0, tokens) for t in self.rows_from)
+        return grid_weights(codes.float(), scale.float(), lo.float())
 
 
 class Int8Embedding(nn.Module):

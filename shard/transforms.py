@@ -149,7 +149,8 @@ class FusedDecodeBlock(nn.Module):
 def fusable(block: nn.Module) -> bool:
     linears = _linears(block)
     return (all(isinstance(layer, QuantizedLinear) and not layer._forward_hooks for layer in linears)
-            and all(layer.bias is None for layer in linears[1:]))
+            and all(layer.bias is None for layer in linears[1:])
+            and all(layer.out_features % 8 == 0 for layer in linears))  # the kernels' outputs whole (no padded block)
 
 
 def fuse_decode(model: nn.Module) -> int:

@@ -82,8 +82,27 @@ def test_quantized_layers_compute_their_weights(rows):
                     got = layer(x)
                     assert got.shape == (1, rows, 96) and got.dtype == torch.float32
                     want = _reference(w, x, dense.bias)
-                    # bf16 (torch) or int8 (native) activations, bf16/fp16 scales: parts in a thousand.
+                    # bf16 (torch) or int16 (native) activations, bf16/fp16 scales: parts in a thousand.
                     assert (got - want).abs().max() <= 1e-2 * want.abs().max(), (layer.bits, layer.kernel, layer.max_rows)
+
+
+def test_a_native_int8_layer_of_outputs_not_whole_blocks_of_8_drops_the_padding(monkeypatch):
+    """The kernels interleave 8 outputs across the vector lanes; an LM head of an odd vocabulary
+    (20 here) is padded with zero weights to 24, and the layer returns exactly its 20, and looks
+    up its own rows (a tied embedding's) from the padded codes. (A 4-bit layer needs N a multiple
+    of 16 anyway: torch's int4 kernel, measured against ours, packs no other.)"""
+    monkeypatch.setattr("kernels.quantized.kernel_for", lambda bits: Kernel.NATIVE)
+    w = torch.randn(20, 64) / 10
+    layer = QuantizedLinear(nn_linear(64, 20, weight=w, bias=None), 8, keep_rows=True)
+    codes, scale, lo, _ = grid_groups(w, 255)
+    grid = lo.repeat_interleave(GROUP, 1) + scale.repeat_interleave(GROUP, 1) * codes
+    for rows in (1, 5):
+        x = torch.randn(rows, 64)
+        got = layer(x)
+        assert got.shape == (rows, 20)
+        torch.testing.assert_close(got, x @ grid.t(), rtol=0, atol=1e-3)
+    tokens = torch.tensor([19, 0, 8])
+    torch.testing.assert_close(layer.rows(tokens), grid[tokens], rtol=0, atol=1e-6)
 
 
 def test_a_native_int4_layer_hands_batch_rows_to_torchs_kernel_where_that_measured_faster(monkeypatch):
