@@ -1,8 +1,9 @@
 """The quantized kernels alone, at decode's row counts: Shardline's 4-bit kernel straight from the
 codes and through its GEMM path, torch's int4 kernel, and a dense fp32 GEMM, on SmolLM2's layer
-shapes and its LM head's (4-bit here, to compare kernels), at 1, 8, 16 and 32 rows; and the
-machine's read bandwidth over a buffer of the model's 4-bit weights' size, to which the one-row
-figures compare (GB/s of 4-bit weights read).
+shapes and its LM head's (4-bit here, to compare kernels), at 1, 8, 16 and 32 rows; the LM head
+as the model holds it too (8-bit: Shardline's int8 kernel against the oneDNN fp32 dense copy that
+takes over from a measured row count); and the machine's read bandwidth over a buffer of the
+model's 4-bit weights' size, to which the one-row figures compare (GB/s of quantized weights read).
 
     python -m bench.kernels [--runs 21]
 
@@ -21,6 +22,7 @@ import torch
 from bench.common import machine, save
 from kernels import native
 from kernels.choice import median_ms
+from kernels.linear import onednn_linear
 from kernels.operands import Kernel, multiply, native_operands, torch_operands
 
 SHAPES = {"qkv 960x576": (960, 576), "wo 576x576": (576, 576), "w13 3072x576": (3072, 576),
@@ -54,6 +56,18 @@ def main() -> None:
                                   for kernel, fn in kernels.items()}
             result["one_row_gb_s"][name] = {kernel: n * k / 2 / (ms[1] * 1e6) for kernel, ms in result["ms"][name].items()}
             print(name, {kernel: [round(ms[r], 3) for r in ROWS] for kernel, ms in result["ms"][name].items()}, flush=True)
+        n, k = 49152, 576
+        name = f"LM head {n}x{k}, 8-bit"
+        codes = torch.randint(0, 255, (n, k), dtype=torch.int32)
+        scale, lo = torch.rand(n, k // 32) / 100, torch.randn(n, k // 32) / 10
+        ours = native_operands(codes, scale, lo, 8)
+        dense = (lo.repeat_interleave(32, 1) + scale.repeat_interleave(32, 1) * codes).to_mkldnn()
+        kernels = {"ours, int8": functools.partial(multiply, Kernel.NATIVE, ours),
+                   "oneDNN fp32 copy": lambda x: onednn_linear(x, dense)}
+        result["ms"][name] = {kernel: {rows: median_ms(fn, torch.randn(rows, k), args.runs) for rows in ROWS}
+                              for kernel, fn in kernels.items()}
+        result["one_row_gb_s"][name] = {kernel: n * k / (ms[1] * 1e6) for kernel, ms in result["ms"][name].items()}
+        print(name, {kernel: [round(ms[r], 3) for r in ROWS] for kernel, ms in result["ms"][name].items()}, flush=True)
     print(f"read bandwidth {result['read_gb_s']:.1f} GB/s; one row, GB/s of 4-bit weights:",
           {name: {k: round(v, 1) for k, v in g.items()} for name, g in result["one_row_gb_s"].items()})
     save("kernels", result, plot)
@@ -72,7 +86,7 @@ def plot(result: dict, png) -> None:
         ax.set_xscale("log", base=2)
     axes[0].set_ylabel("ms per multiply (median)")
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"int4 kernels, {result['isa_build']}, {result['threads']} threads, "
+    fig.suptitle(f"quantized kernels, {result['isa_build']}, {result['threads']} threads, "
                  f"read {result['read_gb_s']:.0f} GB/s", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
