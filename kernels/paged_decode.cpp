@@ -80,7 +80,46 @@ inline void dot4(const float* q, const float* const* k, int64_t d, float* out) {
     a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + j), a2);
     a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + j), a3);
   }
-  out[0] = shardline::hsum(a0), out[1] = shardline::hsum(a1), out[2] = shardline::hsum(a2), out[3] = shardline::hsum(a3);
+  // the four sums at once: pairwise adds within the 128-bit halves, then the halves added
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// Eight cached values as fp32 (fp32 pages as they are, fp16 ones widened).
+template <typename T>
+inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+
+// acc[0, d) = sum over the tokens of p[t] * (v[t] + off)[0, d), 64 values at a time in registers
+// (the tokens' rows read straight from the pages: no widened copy, no accumulator in memory).
+template <typename T>
+void weigh_values(const float* p, const T* const* v, int64_t off, int64_t cnt, int64_t d, float* acc) {
+  for (int64_t d0 = 0; d0 < d; d0 += 64) {
+    const int64_t n8 = std::min<int64_t>(8, (d - d0) / 8);
+    __m256 a[8];
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+    if (n8 == 8) {
+      for (int64_t t = 0; t < cnt; ++t) {
+        const __m256 pt = _mm256_set1_ps(p[t]);
+        const T* vt = v[t] + off + d0;
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(pt, load8(vt + 8 * j), a[j]);
+      }
+    } else {
+      for (int64_t t = 0; t < cnt; ++t) {
+        const __m256 pt = _mm256_set1_ps(p[t]);
+        for (int64_t j = 0; j < n8; ++j) a[j] = _mm256_fmadd_ps(pt, load8(v[t] + off + d0 + 8 * j), a[j]);
+      }
+    }
+    for (int64_t j = 0; j < n8; ++j) _mm256_storeu_ps(acc + d0 + 8 * j, a[j]);
+  }
 }
 #endif
 
@@ -100,6 +139,7 @@ void attend(const float* q, int64_t width, int64_t B, int64_t heads, int64_t kv_
       part_acc(B * splits * heads * d, 0.f);
   at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, rows(4 * row_len);
+    std::vector<const T*> values;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / splits, split = i % splits, n = ln[b], pages = (n + page_size - 1) / page_size;
       const int64_t first = split * pages / splits * page_size, last = std::min(n, (split + 1) * pages / splits * page_size);
@@ -143,6 +183,16 @@ void attend(const float* q, int64_t width, int64_t B, int64_t heads, int64_t kv_
         part_sum[part + h] = sum;
       }
       float* acc = part_acc.data() + part * d;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::Half>) {
+        // per head, over the tokens' rows (located once): each head's sums stay in registers
+        values.resize(cnt);
+        for (t = first; t < last; ++t) values[t - first] = vc + (table[t / page_size] * page_size + t % page_size) * row_len;
+        for (int64_t h = 0; h < heads; ++h)
+          weigh_values(scores.data() + h * cnt, values.data(), (h / group) * d, cnt, d, acc + h * d);
+        continue;
+      }
+#endif
       for (t = first; t < last; ++t) {
         const float* r = token(vc, t, rows.data());
         for (int64_t h = 0; h < heads; ++h) {

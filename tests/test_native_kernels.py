@@ -10,6 +10,11 @@ from kernels.attention import AttentionBatch, paged_attention
 from shard.model import RMSNorm, Rotary
 
 
+@pytest.fixture(autouse=True)
+def built():
+    """Loaded for every test here, whichever runs first or alone (`-k`)."""
+    native.available()
+
 
 def test_the_kernels_build_on_this_machine():
     """The README's setup needs a C++ compiler and builds the kernels; a machine where they do
@@ -38,11 +43,13 @@ def _torch_decode(qkv, cos_sin, norms, k_pages, v_pages, batch, heads, kv_heads,
 @pytest.mark.parametrize("lens", [[1, 4, 5, 13, 30], [30], [3]], ids=["batch", "one-split", "one-page"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads,kv_heads,qk_norm", [(4, 2, False), (6, 3, True), (2, 2, False)])
-def test_paged_decode_matches_the_torch_path(heads, kv_heads, qk_norm, kv_dtype, lens, two_threads):
+@pytest.mark.parametrize("d", [16, 80])
+def test_paged_decode_matches_the_torch_path(heads, kv_heads, qk_norm, kv_dtype, lens, d, two_threads):
     """Contexts of one token, a full page, a page and one, several pages; a batch of one has its
-    context split between threads (and one of a single page leaves a split empty)."""
+    context split between threads (and one of a single page leaves a split empty). Heads of 16
+    and of 80 values (the values are weighed 64 at a time, then the rest)."""
     torch.manual_seed(heads + kv_heads)
-    d, page_size, num_pages = 16, 4, 48
+    page_size, num_pages = 4, 48
     lens = torch.tensor(lens)
     B = len(lens)
     tables = torch.randperm(num_pages - 1)[:B * 8].view(B, 8)  # scattered pages, wider than needed
