@@ -10,7 +10,11 @@ reads it. `./setup.sh` measures the kernel choices on a quiet machine (`python -
 
 Measured, SmolLM2's LM head (49152x576), ms at 1/8/16/32 rows:
   2-core EPYC, AVX-512-bf16: int4 kernel 0.76/2.8/-/15, bf16 dense 4.1/5.5/-/11.6;
-  2-core EPYC, AVX2:         int4 kernel 2.3/8.8/17/36, bf16 dense 3.7/26/50/109, oneDNN fp32 4.9/12/18/23.
+  2-core EPYC, AVX2:         int4 kernel 2.3/8.8/17/36, bf16 dense 3.7/26/50/109, oneDNN fp32 4.9/12/18/23
+  (the kernels before they interleaved 8 outputs across the lanes). With the interleaved 8-bit
+  kernel, forced AVX2 on the AVX-512 development host (`bench.kernels`): 0.69/2.3/4.6/9.3 against
+  the oneDNN fp32 copy's 2.2/8.8/12/18: that build's crossover now never hands a decode step
+  (up to 64 rows, the most it probes) to the copy.
 """
 from __future__ import annotations
 
