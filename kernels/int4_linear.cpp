@@ -25,7 +25,7 @@
 // requantized per output row, was 1.7x faster at 512 rows on AVX2 and cost SmolLM2 its quality
 // gate: same top-1 90.5%.)
 
-#include "native.h"
+#include "interleaved.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -38,12 +38,10 @@
 
 namespace {
 
-constexpr int64_t G = 32;            // weights per group (one scale, one lo)
-constexpr int64_t B = 8;             // outputs per block, across the lanes
-constexpr int64_t WORDS = 4 * B;     // int32 words per block and group: 4 loads of 8 lanes
-constexpr int64_t ROW_BLOCK = 4;     // activation rows multiplied against one unpacked block
+using shardline::interleaved::B;
+using shardline::interleaved::G;
+constexpr int64_t WORDS = 4 * B;          // int32 words per block and group: 4 loads of 8 lanes
 constexpr int64_t SLICE_BYTES = 1 << 20;  // fp32 weights dequantized at once on the GEMM path
-
 
 // The code of output 8b + i for weight k of group g (the layout above), for the scalar paths.
 inline int32_t code_at(const int32_t* words, int64_t groups, int64_t b, int64_t i, int64_t g, int64_t k) {
@@ -52,97 +50,26 @@ inline int32_t code_at(const int32_t* words, int64_t groups, int64_t b, int64_t 
   return static_cast<int32_t>((word >> (4 * q + 16 * (k % 2))) & 0xF);
 }
 
-// y[m, 8b + i] for the R activation rows from m0 and the NB blocks of 8 outputs from b0
-// (constants, so that the sums stay in registers).
-template <int NB, int R>
-void dot_block(const int32_t* words, const float* scale, const float* lo, const shardline::Int16Rows& xs, int64_t m0, int64_t b0,
-               int64_t K, float* y, int64_t N) {
-  const int64_t groups = K / G;
+// int4_pack's words, as the shared direct path reads them (interleaved.h).
+struct Int4Codes {
+  const int32_t* words;
+  int64_t groups;
+
 #if defined(__AVX2__)
-  const __m256i low = _mm256_set1_epi32(0x000F000F);
-  __m256 total[NB][R];
-  for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r) total[b][r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    // the next blocks' group: decode's weights stream from L3 or memory, once per step (past the
-    // last block this touches nothing: prefetches do not fault)
-    for (int b = 0; b < NB; ++b)
-      for (int64_t line = 0; line < WORDS * 4; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(words + ((b0 + NB + b) * groups + g) * WORDS) + line, _MM_HINT_T0);
-    __m256i acc[NB][R];
-    for (int b = 0; b < NB; ++b)
-      for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (int l = 0; l < 4; ++l) {
-      __m256i w[NB];
-      for (int b = 0; b < NB; ++b)
-        w[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + ((b0 + b) * groups + g) * WORDS + l * B));
-#pragma GCC unroll 4
-      for (int q = 0; q < 4; ++q) {
-        __m256i codes[NB];
-        for (int b = 0; b < NB; ++b) codes[b] = _mm256_and_si256(q == 0 ? w[b] : _mm256_srli_epi32(w[b], 4 * q), low);
-        for (int r = 0; r < R; ++r) {
-          const int32_t* pairs = reinterpret_cast<const int32_t*>(xs.q.data() + (m0 + r) * K + g * G);
-          const __m256i x = _mm256_set1_epi32(pairs[4 * l + q]);
-          for (int b = 0; b < NB; ++b) acc[b][r] = shardline::dot_pairs(acc[b][r], codes[b], x);
-        }
-      }
-    }
-    for (int b = 0; b < NB; ++b) {
-      const __m256 s = _mm256_loadu_ps(scale + ((b0 + b) * groups + g) * B);
-      const __m256 z = _mm256_loadu_ps(lo + ((b0 + b) * groups + g) * B);
-      for (int r = 0; r < R; ++r) {
-        const int64_t i = (m0 + r) * groups + g;
-        total[b][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[b][r]), _mm256_mul_ps(s, _mm256_set1_ps(xs.d[i])), total[b][r]);
-        total[b][r] = _mm256_fmadd_ps(z, _mm256_set1_ps(xs.sum[i]), total[b][r]);
-      }
-    }
+  static constexpr int PAIRS = 4;  // a load is 8 words of 4 pairs each
+  __m256i load(int64_t b, int64_t g, int l) const {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + (b * groups + g) * WORDS + l * B));
   }
-  for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N + (b0 + b) * B, total[b][r]);
-#else
-  for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r)
-      for (int64_t i = 0; i < B; ++i) {
-        const int16_t* xq = xs.q.data() + (m0 + r) * K;
-        float acc = 0.f;
-        for (int64_t g = 0; g < groups; ++g) {
-          int32_t dot = 0;
-          for (int64_t k = 0; k < G; ++k) dot += code_at(words, groups, b0 + b, i, g, k) * xq[g * G + k];
-          const int64_t at = ((b0 + b) * groups + g) * B + i, row = (m0 + r) * groups + g;
-          acc += static_cast<float>(dot) * scale[at] * xs.d[row] + lo[at] * xs.sum[row];
-        }
-        y[(m0 + r) * N + (b0 + b) * B + i] = acc;
-      }
+  static __m256i pairs(__m256i w, int q) {
+    return _mm256_and_si256(q == 0 ? w : _mm256_srli_epi32(w, 4 * q), _mm256_set1_epi32(0x000F000F));
+  }
+  void prefetch(int64_t b, int64_t g) const {
+    for (int64_t line = 0; line < WORDS * 4; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(words + (b * groups + g) * WORDS) + line, _MM_HINT_T0);
+  }
 #endif
-}
-
-// Blocks [b0, b1) in runs of NB, the last ones one at a time.
-template <int NB, int R>
-void dot_rows(const int32_t* words, const float* scale, const float* lo, const shardline::Int16Rows& xs, int64_t m0, int64_t b0,
-              int64_t b1, int64_t K, float* y, int64_t N) {
-  int64_t b = b0;
-  for (; b + NB <= b1; b += NB) dot_block<NB, R>(words, scale, lo, xs, m0, b, K, y, N);
-  for (; b < b1; ++b) dot_block<1, R>(words, scale, lo, xs, m0, b, K, y, N);
-}
-
-// A block shape per activation rows left (1 to ROW_BLOCK), measured (AVX2, SmolLM2's layers):
-// four blocks at one row, two at more.
-using DotRows = void (*)(const int32_t*, const float*, const float*, const shardline::Int16Rows&, int64_t, int64_t, int64_t, int64_t,
-                         float*, int64_t);
-constexpr DotRows DOT_ROWS[ROW_BLOCK + 1] = {nullptr, dot_rows<4, 1>, dot_rows<2, 2>, dot_rows<2, 3>, dot_rows<2, 4>};
-
-at::Tensor direct(const at::Tensor& x, const int32_t* words, const float* scale, const float* lo, int64_t N, int64_t K) {
-  const int64_t M = x.size(0);
-  const shardline::Int16Rows rows = shardline::int16_rows(x.const_data_ptr<float>(), M, K);
-  at::Tensor y = at::empty({M, N}, x.options());
-  float* out = y.data_ptr<float>();
-  at::parallel_for(0, N / B, 2, [&](int64_t b0, int64_t b1) {
-    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK)
-      DOT_ROWS[std::min(ROW_BLOCK, M - m0)](words, scale, lo, rows, m0, b0, b1, K, out, N);
-  });
-  return y;
-}
+  int32_t at(int64_t b, int64_t i, int64_t g, int64_t k) const { return code_at(words, groups, b, i, g, k); }
+};
 
 // Output rows [8 b0, 8 b1) of the weights, fp32 and transposed, into wt [K, ld]: a block's 8
 // outputs are 8 adjacent columns, so each pair of codes unpacks to two rows of 8 floats.
@@ -188,14 +115,6 @@ at::Tensor through_gemm(const at::Tensor& x, const int32_t* words, const float* 
   return y;
 }
 
-#if defined(__AVX2__)
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
 
 }  // namespace
 
@@ -216,7 +135,7 @@ Int16Rows int16_rows(const float* x, int64_t M, int64_t K) {
         amax = _mm256_max_ps(amax, _mm256_and_ps(v[j], magnitude));
         sum = _mm256_add_ps(sum, v[j]);
       }
-      const float top = hmax(amax);
+      const float top = shardline::hmax(amax);
       const __m256 inv = _mm256_set1_ps(top > 0.f ? 32767.f / top : 0.f);
       for (int j = 0; j < 4; j += 2) {  // rounded to nearest; packs interleave the 128-bit halves, the permute undoes it
         const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)), b = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], inv));
@@ -274,8 +193,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
               "scale and lo must be [N/8, K/32, 8] float32, a block's 8 outputs innermost");
   if (xc.size(0) == 0) return at::empty({0, N}, x.options());
   const int32_t* w = packed.const_data_ptr<int32_t>();
-  return xc.size(0) <= max_direct_rows ? direct(xc, w, scale.const_data_ptr<float>(), lo.const_data_ptr<float>(), N, K)
-                                       : through_gemm(xc, w, scale.const_data_ptr<float>(), lo.const_data_ptr<float>(), N, K);
+  const float* s = scale.const_data_ptr<float>();
+  const float* l = lo.const_data_ptr<float>();
+  return xc.size(0) <= max_direct_rows ? interleaved::multiply(Int4Codes{w, K / G}, xc, s, l, N)
+                                       : through_gemm(xc, w, s, l, N, K);
 }
 
 }  // namespace shardline

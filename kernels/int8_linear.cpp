@@ -14,91 +14,36 @@
 // output per vector: per group and row the scale work of a conversion, an FMA and a broadcast cost
 // as much as the integer products; interleaved, a 16-row step of SmolLM2's LM head is 2-3x faster.)
 
-#include "native.h"
+#include "interleaved.h"
 
-#include <ATen/ops/empty.h>
-#include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
 
 namespace {
 
-constexpr int64_t G = 32;          // weights per group (one scale, one lo)
-constexpr int64_t B = 8;           // outputs per block, across the lanes
-constexpr int64_t ROW_BLOCK = 4;   // activation rows multiplied against one block
+using shardline::interleaved::B;
+using shardline::interleaved::G;
 
-// y[m, 8b + i] for the R activation rows from m0 and the NB blocks of 8 outputs from b0.
-template <int NB, int R>
-void dot_block(const int8_t* codes, const float* scale, const float* lo, const shardline::Int16Rows& xs, int64_t m0,
-               int64_t b0, int64_t K, float* y, int64_t N) {
-  const int64_t groups = K / G;
+// int8_interleave's codes, as the shared direct path reads them (interleaved.h).
+struct Int8Codes {
+  const int8_t* codes;
+  int64_t K;
+
 #if defined(__AVX2__)
-  __m256 total[NB][R];
-  for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r) total[b][r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int b = 0; b < NB; ++b)  // the next blocks' group, streamed from memory (prefetches do not fault)
-      for (int64_t line = 0; line < G * B; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(codes + ((b0 + NB + b) * K + g * G) * B + line), _MM_HINT_T0);
-    __m256i acc[NB][R];
-    for (int b = 0; b < NB; ++b)
-      for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (int p = 0; p < G / 2; ++p) {
-      __m256i c[NB];
-      for (int b = 0; b < NB; ++b)
-        c[b] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + ((b0 + b) * K + g * G + 2 * p) * B)));
-      for (int r = 0; r < R; ++r) {
-        const int32_t* pairs = reinterpret_cast<const int32_t*>(xs.q.data() + (m0 + r) * K + g * G);
-        const __m256i x = _mm256_set1_epi32(pairs[p]);
-        for (int b = 0; b < NB; ++b) acc[b][r] = shardline::dot_pairs(acc[b][r], c[b], x);
-      }
-    }
-    for (int b = 0; b < NB; ++b) {
-      const __m256 s = _mm256_loadu_ps(scale + ((b0 + b) * groups + g) * B);
-      const __m256 z = _mm256_loadu_ps(lo + ((b0 + b) * groups + g) * B);
-      for (int r = 0; r < R; ++r) {
-        const int64_t i = (m0 + r) * groups + g;
-        total[b][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[b][r]), _mm256_mul_ps(s, _mm256_set1_ps(xs.d[i])), total[b][r]);
-        total[b][r] = _mm256_fmadd_ps(z, _mm256_set1_ps(xs.sum[i]), total[b][r]);
-      }
-    }
+  static constexpr int PAIRS = 1;  // a load is 16 bytes, sign-extended: one pair per lane
+  __m256i load(int64_t b, int64_t g, int l) const {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (b * K + g * G + 2 * l) * B)));
   }
-  for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N + (b0 + b) * B, total[b][r]);
-#else
-  for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r)
-      for (int64_t i = 0; i < B; ++i) {
-        const int16_t* xq = xs.q.data() + (m0 + r) * K;
-        float acc = 0.f;
-        for (int64_t g = 0; g < groups; ++g) {
-          int32_t dot = 0;
-          for (int64_t k = 0; k < G; ++k) {
-            const int64_t kk = g * G + k;
-            dot += codes[((b0 + b) * K + kk - kk % 2) * B + 2 * i + kk % 2] * xq[kk];
-          }
-          const int64_t at = ((b0 + b) * groups + g) * B + i, row = (m0 + r) * groups + g;
-          acc += static_cast<float>(dot) * scale[at] * xs.d[row] + lo[at] * xs.sum[row];
-        }
-        y[(m0 + r) * N + (b0 + b) * B + i] = acc;
-      }
+  static __m256i pairs(__m256i w, int) { return w; }
+  void prefetch(int64_t b, int64_t g) const {
+    for (int64_t line = 0; line < G * B; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(codes + (b * K + g * G) * B + line), _MM_HINT_T0);
+  }
 #endif
-}
-
-template <int NB, int R>
-void dot_rows(const int8_t* codes, const float* scale, const float* lo, const shardline::Int16Rows& xs, int64_t m0,
-              int64_t b0, int64_t b1, int64_t K, float* y, int64_t N) {
-  int64_t b = b0;
-  for (; b + NB <= b1; b += NB) dot_block<NB, R>(codes, scale, lo, xs, m0, b, K, y, N);
-  for (; b < b1; ++b) dot_block<1, R>(codes, scale, lo, xs, m0, b, K, y, N);
-}
-
-using DotRows = void (*)(const int8_t*, const float*, const float*, const shardline::Int16Rows&, int64_t, int64_t,
-                         int64_t, int64_t, float*, int64_t);
-constexpr DotRows DOT_ROWS[ROW_BLOCK + 1] = {nullptr, dot_rows<4, 1>, dot_rows<2, 2>, dot_rows<2, 3>, dot_rows<2, 4>};
+  int32_t at(int64_t b, int64_t i, int64_t g, int64_t k) const {
+    const int64_t kk = g * G + k;
+    return codes[(b * K + kk - kk % 2) * B + 2 * i + kk % 2];
+  }
+};
 
 }  // namespace
 
@@ -122,17 +67,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
               lo.is_contiguous() && scale.dim() == 3 && scale.size(0) == N / B && scale.size(1) == K / G &&
               scale.size(2) == B && lo.sizes() == scale.sizes(),
               "scale and lo must be [N/8, K/32, 8] float32, a block's 8 outputs innermost");
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  const Int16Rows rows = int16_rows(xc.const_data_ptr<float>(), M, K);
-  const int8_t* c = codes.const_data_ptr<int8_t>();
-  const float* s = scale.const_data_ptr<float>();
-  const float* l = lo.const_data_ptr<float>();
-  float* out = y.data_ptr<float>();
-  at::parallel_for(0, N / B, 2, [&](int64_t b0, int64_t b1) {
-    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) DOT_ROWS[std::min(ROW_BLOCK, M - m0)](c, s, l, rows, m0, b0, b1, K, out, N);
-  });
-  return y;
+  if (M == 0) return at::empty({0, N}, x.options());
+  return interleaved::multiply(Int8Codes{codes.const_data_ptr<int8_t>(), K}, xc, scale.const_data_ptr<float>(),
+                               lo.const_data_ptr<float>(), N);
 }
 
 }  // namespace shardline

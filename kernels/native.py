@@ -56,7 +56,7 @@ def _cpu_flags() -> str:
 
 @functools.cache
 def build_folder() -> Path:
-    text = " ".join([*(f.read_text() for f in [*SOURCES, HERE / "native.h"]), *flags(), _cpu_flags(), torch.__version__])
+    text = " ".join([*(f.read_text() for f in [*SOURCES, *sorted(HERE.glob("*.h"))]), *flags(), _cpu_flags(), torch.__version__])
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     return cache_root() / "kernels" / key
 
