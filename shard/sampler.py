@@ -69,12 +69,21 @@ class Draw:
     failure: str | None = None
 
 
+def _finite_rows(logits: torch.Tensor) -> list[bool]:
+    """Per row, whether every logit is finite. A non-finite value makes its row's sum non-finite
+    (NaN, or an infinity that nothing cancels but a NaN), so only a row whose sum is not finite
+    (that, or finite values overflowing) is checked value by value: `isfinite(...).all()` over
+    every row took 2 ms of a 32-row step (AVX2), the sums 0.04 ms."""
+    finite = torch.isfinite(logits.sum(dim=-1)).tolist()
+    return [ok or bool(torch.isfinite(logits[i]).all()) for i, ok in enumerate(finite)]
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
            masked: list[int] = (), packed: torch.Tensor | None = None) -> list[Draw]:
     """logits [B, vocab] fp32 -> one Draw per row. `masked` rows may take only the tokens their
     packed masks (uint8 [len(masked), bytes], kernels/token_mask.py) allow; `logits` itself is
     left as it is."""
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    finite = _finite_rows(logits)
     empty = [False] * len(params)
     if masked:
         for i, some in zip(masked, packed.any(dim=-1).tolist()):

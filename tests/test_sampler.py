@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from kernels.token_mask import mask_logits, packed_masks, unpack
@@ -64,6 +65,16 @@ def test_a_row_with_non_finite_logits_fails_alone():
     out = sample(logits, [SamplingParams(), SamplingParams(temperature=1.0, seed=1), SamplingParams()], [0, 0, 0])
     assert out[0].token == logits[0].argmax() and out[2].token == logits[2].argmax()
     assert out[1].token is None and "non-finite" in out[1].failure
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf")])
+def test_an_infinite_logit_fails_its_row_and_finite_ones_that_overflow_a_sum_do_not(bad):
+    logits = torch.randn(3, 50)
+    logits[0, 3] = bad
+    logits[2, 5] = logits[2, 9] = 3e38  # finite, though their sum is not
+    out = sample(logits, [SamplingParams()] * 3, [0, 0, 0])
+    assert out[0].token is None and "non-finite" in out[0].failure
+    assert out[1].token == logits[1].argmax() and out[2].token == 5
 
 
 def _packed(allowed: set[int], vocab: int) -> bytes:
