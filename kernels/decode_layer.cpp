@@ -7,10 +7,10 @@
 // kernel each was loaded for (kernels/quantized.py), one of:
 //   0: torch's int4 kernel                 [packed, scales_zeros]
 //   1: torch's int4 kernel, 8 bits as two  [high packed, high scales_zeros, low packed, low scales_zeros]
-//   2: Shardline's int8 kernel             [codes, scale, lo]
-//   3: Shardline's int4 kernel             [packed, scale, lo], straight from the codes up to the
-//      layer's `direct_rows`, through the GEMM above; with [.., packed, scales_zeros] of torch's
-//      int4 kernel as well, that kernel above the layer's `torch_rows`
+//   2: Shardline's int8 kernel             [records]
+//   3: Shardline's int4 kernel             [records], straight from the codes up to the layer's
+//      `direct_rows`, through the GEMM above; with [.., packed, scales_zeros] of torch's int4
+//      kernel as well, that kernel above the layer's `torch_rows`
 
 #include "native.h"
 
@@ -28,11 +28,11 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind, int64_t d
           at::_weight_int4pack_mm_for_cpu(xb, w[2], 32, w[3]));
     }
     case 2:
-      return shardline::int8_linear(x, w[0], w[1], w[2]);
+      return shardline::int8_linear(x, w[0]);
     case 3:
-      if (w.size() == 5 && x.size(0) > torch_rows)
-        return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w[3], 32, w[4]).to(at::kFloat);
-      return shardline::int4_linear(x, w[0], w[1], w[2], direct_rows);
+      if (w.size() == 3 && x.size(0) > torch_rows)
+        return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w[1], 32, w[2]).to(at::kFloat);
+      return shardline::int4_linear(x, w[0], direct_rows);
   }
   TORCH_CHECK(false, "unknown linear kind ", kind);
 }

@@ -2,10 +2,10 @@
 //
 // Weights are groups of 32 along the input dimension, w = lo + scale * code with codes 0..15
 // (GGUF's Q4_0, Q4_1 and Q4_K blocks are such groups: kernels/grid.py), held 4 bits each with
-// eight output rows interleaved across the vector lanes: for each block of 8 outputs and each
-// group, 4 loads of 8 int32 words, the word of lane i in load l holding in its bits 4q..4q+3 the
-// code of output 8b + i for weight 2p and in bits 16+4q.. that for weight 2p + 1 (p = 4l + q, the
-// weights counted within the group). So (word >> 4q) & 0x000F000F is, per lane, the int16 pair of
+// eight output rows interleaved across the vector lanes, in records (interleaved.h): for each
+// block of 8 outputs and each group, 4 loads of 8 int32 words, the word of lane i in load l
+// holding in its bits 4q..4q+3 the code of output 8b + i for weight 2p and in bits 16+4q.. that
+// for weight 2p + 1 (p = 4l + q, the weights counted within the group). So (word >> 4q) & 0x000F000F is, per lane, the int16 pair of
 // codes of one output that multiplies the activations 2p and 2p + 1, which one broadcast serves for
 // all 8 outputs; and a group's scales and los are one load per 8 outputs. (Laid out per output
 // instead, each output's lanes held partial sums, and every group cost per output and row a
@@ -40,52 +40,49 @@ namespace {
 
 using shardline::interleaved::B;
 using shardline::interleaved::G;
-constexpr int64_t WORDS = 4 * B;          // int32 words per block and group: 4 loads of 8 lanes
+constexpr int64_t WORDS = 4 * B;          // int32 words of a record's codes: 4 loads of 8 lanes
 constexpr int64_t SLICE_BYTES = 1 << 20;  // fp32 weights dequantized at once on the GEMM path
 
-// The code of output 8b + i for weight k of group g (the layout above), for the scalar paths.
-inline int32_t code_at(const int32_t* words, int64_t groups, int64_t b, int64_t i, int64_t g, int64_t k) {
-  const int64_t p = k / 2, l = p / 4, q = p % 4;
-  const uint32_t word = static_cast<uint32_t>(words[((b * groups + g) * 4 + l) * B + i]);
-  return static_cast<int32_t>((word >> (4 * q + 16 * (k % 2))) & 0xF);
-}
-
-// int4_pack's words, as the shared direct path reads them (interleaved.h).
+// A record's codes, as the shared direct path reads them (interleaved.h).
 struct Int4Codes {
-  const int32_t* words;
-  int64_t groups;
+  static constexpr int64_t CODE_BYTES = WORDS * 4;
+  static const uint32_t* words(const char* rec) { return reinterpret_cast<const uint32_t*>(rec); }
 
 #if defined(__AVX2__)
   static constexpr int PAIRS = 4;  // a load is 8 words of 4 pairs each
-  __m256i load(int64_t b, int64_t g, int l) const {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + (b * groups + g) * WORDS + l * B));
+  static __m256i load(const char* rec, int l) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words(rec) + l * B));
   }
   static __m256i pairs(__m256i w, int q) {
     return _mm256_and_si256(q == 0 ? w : _mm256_srli_epi32(w, 4 * q), _mm256_set1_epi32(0x000F000F));
   }
-  void prefetch(int64_t b, int64_t g) const {
-    for (int64_t line = 0; line < WORDS * 4; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(words + (b * groups + g) * WORDS) + line, _MM_HINT_T0);
-  }
 #endif
-  int32_t at(int64_t b, int64_t i, int64_t g, int64_t k) const { return code_at(words, groups, b, i, g, k); }
+  // output i's code for weight k of the record's group (the layout above), for the scalar paths
+  static int32_t at(const char* rec, int64_t i, int64_t k) {
+    const int64_t p = k / 2, l = p / 4, q = p % 4;
+    return static_cast<int32_t>((words(rec)[l * B + i] >> (4 * q + 16 * (k % 2))) & 0xF);
+  }
 };
+
+using shardline::interleaved::los;
+using shardline::interleaved::record;
+using shardline::interleaved::scales;
 
 // Output rows [8 b0, 8 b1) of the weights, fp32 and transposed, into wt [K, ld]: a block's 8
 // outputs are 8 adjacent columns, so each pair of codes unpacks to two rows of 8 floats.
-void dequantize(const int32_t* words, const float* scale, const float* lo, int64_t K, int64_t b0, int64_t b1, float* wt,
-                int64_t ld) {
+void dequantize(const char* records, int64_t K, int64_t b0, int64_t b1, float* wt, int64_t ld) {
   const int64_t groups = K / G;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t b = b0; b < b1; ++b) {
-        const int64_t at = (b * groups + g) * B;
+        const char* rec = record<Int4Codes>(records, groups, b, g);
+        const float *scale = scales<Int4Codes>(rec), *lo = los<Int4Codes>(rec);
         float* out = wt + g * G * ld + (b - b0) * B;
 #if defined(__AVX2__)
-        const __m256 s = _mm256_loadu_ps(scale + at), z = _mm256_loadu_ps(lo + at);
+        const __m256 s = _mm256_loadu_ps(scale), z = _mm256_loadu_ps(lo);
         const __m256i nibble = _mm256_set1_epi32(0xF);
         for (int l = 0; l < 4; ++l) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + at * 4 + l * B));
+          const __m256i w = Int4Codes::load(rec, l);
 #pragma GCC unroll 8
           for (int h = 0; h < 8; ++h) {  // weight 2p + h % 2 of the group, p = 4l + h / 2
             const __m256 c = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 4 * (h / 2) + 16 * (h % 2)), nibble));
@@ -95,21 +92,20 @@ void dequantize(const int32_t* words, const float* scale, const float* lo, int64
 #else
         for (int64_t k = 0; k < G; ++k)
           for (int64_t i = 0; i < B; ++i)
-            out[k * ld + i] = lo[at + i] + scale[at + i] * static_cast<float>(code_at(words, groups, b, i, g, k));
+            out[k * ld + i] = lo[i] + scale[i] * static_cast<float>(Int4Codes::at(rec, i, k));
 #endif
       }
   });
 }
 
-at::Tensor through_gemm(const at::Tensor& x, const int32_t* words, const float* scale, const float* lo, int64_t N,
-                        int64_t K) {
+at::Tensor through_gemm(const at::Tensor& x, const char* records, int64_t N, int64_t K) {
   const int64_t M = x.size(0);
   const int64_t slice = std::max<int64_t>(2, SLICE_BYTES / (4 * K * B)) * B;  // outputs, whole blocks
   at::Tensor y = at::empty({M, N}, x.options());
   at::Tensor wt = at::empty({K, std::min(slice, N)}, x.options());
   for (int64_t n0 = 0; n0 < N; n0 += slice) {
     const int64_t n1 = std::min(N, n0 + slice);
-    dequantize(words, scale, lo, K, n0 / B, n1 / B, wt.data_ptr<float>(), wt.size(1));
+    dequantize(records, K, n0 / B, n1 / B, wt.data_ptr<float>(), wt.size(1));
     y.slice(1, n0, n1).copy_(at::mm(x, wt.slice(1, 0, n1 - n0)));
   }
   return y;
@@ -157,46 +153,32 @@ Int16Rows int16_rows(const float* x, int64_t M, int64_t K) {
 }
 
 
-at::Tensor int4_pack(const at::Tensor& codes) {
+at::Tensor int4_pack(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& lo) {
   TORCH_CHECK(codes.dim() == 2 && codes.size(1) % G == 0 && codes.size(0) % B == 0,
               "codes must be [N, K] with N a multiple of ", B, " and K of ", G);
   const at::Tensor c = codes.to(at::kInt).contiguous();
-  const int64_t N = c.size(0), K = c.size(1), groups = K / G;
-  at::Tensor packed = at::empty({N, K / 8}, c.options());
+  const int64_t K = c.size(1);
   const int32_t* src = c.const_data_ptr<int32_t>();
-  uint32_t* dst = reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>());
-  at::parallel_for(0, N / B, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t g = 0; g < groups; ++g)
-        for (int64_t l = 0; l < 4; ++l)
-          for (int64_t i = 0; i < B; ++i) {
-            uint32_t word = 0;
-            for (int64_t q = 0; q < 4; ++q)
-              for (int64_t odd = 0; odd < 2; ++odd)
-                word |= static_cast<uint32_t>(src[(b * B + i) * K + g * G + 2 * (4 * l + q) + odd] & 0xF) << (4 * q + 16 * odd);
-            dst[((b * groups + g) * 4 + l) * B + i] = word;
-          }
+  return interleaved::pack<Int4Codes>(scale, lo, c.size(0), K, [&](char* rec, int64_t b, int64_t g) {
+    uint32_t* dst = reinterpret_cast<uint32_t*>(rec);
+    for (int64_t l = 0; l < 4; ++l)
+      for (int64_t i = 0; i < B; ++i) {
+        uint32_t word = 0;
+        for (int64_t q = 0; q < 4; ++q)
+          for (int64_t odd = 0; odd < 2; ++odd)
+            word |= static_cast<uint32_t>(src[(b * B + i) * K + g * G + 2 * (4 * l + q) + odd] & 0xF) << (4 * q + 16 * odd);
+        dst[l * B + i] = word;
+      }
   });
-  return packed;
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& lo,
-                       int64_t max_direct_rows) {
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& records, int64_t max_direct_rows) {
+  const int64_t K = x.size(-1);
+  if (x.dim() == 2 && x.size(0) <= max_direct_rows) return interleaved::multiply<Int4Codes>(records, x);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, K] float32");
-  const at::Tensor xc = x.contiguous();
-  const int64_t N = packed.size(0), K = packed.size(1) * 8;
-  TORCH_CHECK(packed.scalar_type() == at::kInt && packed.is_contiguous() && N % B == 0 && xc.size(1) == K,
-              "packed must be int4_pack's [N, K/8] int32 for K = ", xc.size(1));
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && lo.scalar_type() == at::kFloat && scale.is_contiguous() &&
-              lo.is_contiguous() && scale.dim() == 3 && scale.size(0) == N / B && scale.size(1) == K / G &&
-              scale.size(2) == B && lo.sizes() == scale.sizes(),
-              "scale and lo must be [N/8, K/32, 8] float32, a block's 8 outputs innermost");
-  if (xc.size(0) == 0) return at::empty({0, N}, x.options());
-  const int32_t* w = packed.const_data_ptr<int32_t>();
-  const float* s = scale.const_data_ptr<float>();
-  const float* l = lo.const_data_ptr<float>();
-  return xc.size(0) <= max_direct_rows ? interleaved::multiply(Int4Codes{w, K / G}, xc, s, l, N)
-                                       : through_gemm(xc, w, s, l, N, K);
+  interleaved::check_records<Int4Codes>(records, K);
+  return through_gemm(x.contiguous(), reinterpret_cast<const char*>(records.const_data_ptr<uint8_t>()),
+                      records.size(0) * B, K);
 }
 
 }  // namespace shardline

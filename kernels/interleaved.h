@@ -1,14 +1,19 @@
 // The direct path that the 4- and 8-bit kernels share (int4_linear.cpp, int8_linear.cpp): 8
 // outputs across the vector lanes, activations as int16 per group of 32 (shardline::int16_rows).
 //
-// Only how a block's codes are held differs, and a `Codes` type says it (AVX2 first):
+// A layer is held as records, one per block of 8 outputs and group of 32 weights, in the order
+// the kernel reads them: the group's codes for the block's 8 outputs (CODE_BYTES), then their 8
+// fp32 scales and 8 fp32 los. One record after the other is one stream per thread: with codes,
+// scales and los in three arrays, decode's weights (read from memory once a step) streamed at 9
+// GB/s a core, as records at 13 (AVX2, SmolLM2's w13, one row).
+//
+// Only how a record's codes are held differs, and a `Codes` type says it (AVX2 first):
 //   PAIRS:          pairs of weights per load (a group's 16 pairs take 16 / PAIRS loads);
-//   load(b, g, l):  load l of block b's group g;
-//   pairs(w, q):    from a load, per lane i, the int16 pair of codes of output 8b + i for the
-//                   group's weights 2p and 2p + 1, p = l * PAIRS + q;
-//   prefetch(b, g): the cache lines of block b's group g;
-//   at(b, i, g, k): output 8b + i's code for weight k of group g (the scalar path).
-// Scales and los are [N/8, K/32, 8]: a block's 8 outputs side by side per group.
+//   CODE_BYTES:     bytes of a record's codes;
+//   load(r, l):     load l of record r's codes;
+//   pairs(w, q):    from a load, per lane i, the int16 pair of codes of the block's output i for
+//                   the group's weights 2p and 2p + 1, p = l * PAIRS + q;
+//   at(r, i, k):    output i's code for weight k of the group (the scalar path).
 #pragma once
 
 #include "native.h"
@@ -24,32 +29,73 @@ namespace shardline::interleaved {
 constexpr int64_t G = 32;         // weights per group (one scale, one lo)
 constexpr int64_t B = 8;          // outputs per block, across the lanes
 constexpr int64_t ROW_BLOCK = 4;  // activation rows multiplied against one block's codes
+constexpr int64_t SCALE_BYTES = 2 * B * sizeof(float);  // a record's 8 scales and 8 los
+
+template <typename Codes>
+constexpr int64_t RECORD = Codes::CODE_BYTES + SCALE_BYTES;
+
+// Record (b, g) of a layer of `groups` groups, and its scales and los.
+template <typename Codes>
+inline const char* record(const char* records, int64_t groups, int64_t b, int64_t g) {
+  return records + (b * groups + g) * RECORD<Codes>;
+}
+template <typename Codes>
+inline const float* scales(const char* rec) { return reinterpret_cast<const float*>(rec + Codes::CODE_BYTES); }
+template <typename Codes>
+inline const float* los(const char* rec) { return scales<Codes>(rec) + B; }
+
+// A layer's records from its codes (as `pack_codes(codes of one record, output i, weight k)` places
+// them), scales and los [N, K/32] fp32: uint8 [N/8, K/32, RECORD].
+template <typename Codes, typename PackCodes>
+at::Tensor pack(const at::Tensor& scale, const at::Tensor& lo, int64_t N, int64_t K, PackCodes pack_codes) {
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.size(1) == K / G && lo.sizes() == scale.sizes(),
+              "scale and lo must be [N, K/32]");
+  const at::Tensor s = scale.to(at::kFloat).contiguous(), z = lo.to(at::kFloat).contiguous();
+  const int64_t groups = K / G;
+  at::Tensor out = at::empty({N / B, groups, RECORD<Codes>}, scale.options().dtype(at::kByte));
+  char* base = reinterpret_cast<char*>(out.data_ptr<uint8_t>());
+  const float* sp = s.const_data_ptr<float>();
+  const float* zp = z.const_data_ptr<float>();
+  at::parallel_for(0, N / B, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t g = 0; g < groups; ++g) {
+        char* rec = base + (b * groups + g) * RECORD<Codes>;
+        pack_codes(rec, b, g);
+        float* f = reinterpret_cast<float*>(rec + Codes::CODE_BYTES);
+        for (int64_t i = 0; i < B; ++i) f[i] = sp[(b * B + i) * groups + g], f[B + i] = zp[(b * B + i) * groups + g];
+      }
+  });
+  return out;
+}
 
 // y[m, 8b + i] for the R activation rows from m0 and the NB blocks of 8 outputs from b0
 // (constants, so that the sums stay in registers).
 template <typename Codes, int NB, int R>
-void dot_block(const Codes& codes, const float* scale, const float* lo, const Int16Rows& xs, int64_t m0, int64_t b0,
-               int64_t K, float* y, int64_t N) {
+void dot_block(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0, int64_t K, float* y, int64_t N) {
   const int64_t groups = K / G;
 #if defined(__AVX2__)
   __m256 total[NB][R];
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) total[b][r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    // the next blocks' group: decode's weights stream from L3 or memory, once per step (past the
-    // last block this touches nothing: prefetches do not fault)
-    for (int b = 0; b < NB; ++b) codes.prefetch(b0 + NB + b, g);
+    const char* rec[NB];
+    for (int b = 0; b < NB; ++b) rec[b] = record<Codes>(records, groups, b0 + b, g);
+    // the records two runs of blocks ahead: decode's weights stream from memory, once per step
+    // (past the layer's last record this touches nothing: prefetches do not fault)
+    for (int b = 0; b < NB; ++b)
+      for (int64_t line = 0; line < RECORD<Codes>; line += 64)
+        _mm_prefetch(record<Codes>(records, groups, b0 + 2 * NB + b, g) + line, _MM_HINT_T0);
     __m256i acc[NB][R];
     for (int b = 0; b < NB; ++b)
       for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_si256();
 #pragma GCC unroll 4  // 4-bit: the whole group; 8-bit: 4 of its 16 loads (unrolled whole it ran 1.4x slower on AVX2)
     for (int l = 0; l < G / 2 / Codes::PAIRS; ++l) {
       __m256i w[NB];
-      for (int b = 0; b < NB; ++b) w[b] = codes.load(b0 + b, g, l);
+      for (int b = 0; b < NB; ++b) w[b] = Codes::load(rec[b], l);
 #pragma GCC unroll 4
       for (int q = 0; q < Codes::PAIRS; ++q) {
         __m256i c[NB];
-        for (int b = 0; b < NB; ++b) c[b] = codes.pairs(w[b], q);
+        for (int b = 0; b < NB; ++b) c[b] = Codes::pairs(w[b], q);
         for (int r = 0; r < R; ++r) {
           const int32_t* pairs = reinterpret_cast<const int32_t*>(xs.q.data() + (m0 + r) * K + g * G);
           const __m256i x = _mm256_set1_epi32(pairs[l * Codes::PAIRS + q]);
@@ -58,8 +104,8 @@ void dot_block(const Codes& codes, const float* scale, const float* lo, const In
       }
     }
     for (int b = 0; b < NB; ++b) {  // the group's sums scaled, and its lo term: 8 outputs at once
-      const __m256 s = _mm256_loadu_ps(scale + ((b0 + b) * groups + g) * B);
-      const __m256 z = _mm256_loadu_ps(lo + ((b0 + b) * groups + g) * B);
+      const __m256 s = _mm256_loadu_ps(scales<Codes>(rec[b]));
+      const __m256 z = _mm256_loadu_ps(los<Codes>(rec[b]));
       for (int r = 0; r < R; ++r) {
         const int64_t i = (m0 + r) * groups + g;
         total[b][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[b][r]), _mm256_mul_ps(s, _mm256_set1_ps(xs.d[i])), total[b][r]);
@@ -76,10 +122,11 @@ void dot_block(const Codes& codes, const float* scale, const float* lo, const In
         const int16_t* xq = xs.q.data() + (m0 + r) * K;
         float acc = 0.f;
         for (int64_t g = 0; g < groups; ++g) {
+          const char* rec = record<Codes>(records, groups, b0 + b, g);
           int32_t dot = 0;
-          for (int64_t k = 0; k < G; ++k) dot += codes.at(b0 + b, i, g, k) * xq[g * G + k];
-          const int64_t at = ((b0 + b) * groups + g) * B + i, row = (m0 + r) * groups + g;
-          acc += static_cast<float>(dot) * scale[at] * xs.d[row] + lo[at] * xs.sum[row];
+          for (int64_t k = 0; k < G; ++k) dot += Codes::at(rec, i, k) * xq[g * G + k];
+          const int64_t row = (m0 + r) * groups + g;
+          acc += static_cast<float>(dot) * scales<Codes>(rec)[i] * xs.d[row] + los<Codes>(rec)[i] * xs.sum[row];
         }
         y[(m0 + r) * N + (b0 + b) * B + i] = acc;
       }
@@ -88,29 +135,41 @@ void dot_block(const Codes& codes, const float* scale, const float* lo, const In
 
 // Blocks [b0, b1) in runs of NB, the last ones one at a time.
 template <typename Codes, int NB, int R>
-void dot_rows(const Codes& codes, const float* scale, const float* lo, const Int16Rows& xs, int64_t m0, int64_t b0,
-              int64_t b1, int64_t K, float* y, int64_t N) {
+void dot_rows(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0, int64_t b1, int64_t K, float* y,
+              int64_t N) {
   int64_t b = b0;
-  for (; b + NB <= b1; b += NB) dot_block<Codes, NB, R>(codes, scale, lo, xs, m0, b, K, y, N);
-  for (; b < b1; ++b) dot_block<Codes, 1, R>(codes, scale, lo, xs, m0, b, K, y, N);
+  for (; b + NB <= b1; b += NB) dot_block<Codes, NB, R>(records, xs, m0, b, K, y, N);
+  for (; b < b1; ++b) dot_block<Codes, 1, R>(records, xs, m0, b, K, y, N);
 }
 
-// x [M, K] fp32 times the weights that `codes`, scale and lo hold -> [M, N]. A block shape per
-// activation rows left (1 to ROW_BLOCK), measured (AVX2, SmolLM2's layers): four blocks at one
-// row, two at more.
+// The records of a layer [N/8, K/32, RECORD] as a kernel takes them.
 template <typename Codes>
-at::Tensor multiply(const Codes& codes, const at::Tensor& x, const float* scale, const float* lo, int64_t N) {
-  using DotRows = void (*)(const Codes&, const float*, const float*, const Int16Rows&, int64_t, int64_t, int64_t,
-                           int64_t, float*, int64_t);
+void check_records(const at::Tensor& records, int64_t K) {
+  TORCH_CHECK(records.scalar_type() == at::kByte && records.dim() == 3 && records.is_contiguous() &&
+              K % G == 0 && records.size(1) == K / G && records.size(2) == RECORD<Codes>,
+              "the weights must be packed records [N/8, K/32, ", RECORD<Codes>, "] uint8 for K = ", K);
+}
+
+// x [M, K] fp32 times the weights that `records` hold -> [M, N]. A block shape per activation
+// rows left (1 to ROW_BLOCK), measured (AVX2, SmolLM2's layers): four blocks at one row, two at
+// more.
+template <typename Codes>
+at::Tensor multiply(const at::Tensor& records, const at::Tensor& x) {
+  using DotRows = void (*)(const char*, const Int16Rows&, int64_t, int64_t, int64_t, int64_t, float*, int64_t);
   constexpr DotRows DOT_ROWS[ROW_BLOCK + 1] = {nullptr, dot_rows<Codes, 4, 1>, dot_rows<Codes, 2, 2>,
                                                dot_rows<Codes, 2, 3>, dot_rows<Codes, 2, 4>};
-  const int64_t M = x.size(0), K = x.size(1);
-  const Int16Rows rows = int16_rows(x.const_data_ptr<float>(), M, K);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, K] float32");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = records.size(0) * B;
+  check_records<Codes>(records, K);
+  if (M == 0) return at::empty({0, N}, x.options());
+  const Int16Rows rows = int16_rows(xc.const_data_ptr<float>(), M, K);
   at::Tensor y = at::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
+  const char* base = reinterpret_cast<const char*>(records.const_data_ptr<uint8_t>());
   at::parallel_for(0, N / B, 2, [&](int64_t b0, int64_t b1) {
     for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK)
-      DOT_ROWS[std::min(ROW_BLOCK, M - m0)](codes, scale, lo, rows, m0, b0, b1, K, out, N);
+      DOT_ROWS[std::min(ROW_BLOCK, M - m0)](base, rows, m0, b0, b1, K, out, N);
   });
   return y;
 }

@@ -6,10 +6,10 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(shardline_native, m) {
-  m.def("int8_interleave(Tensor codes) -> Tensor");
-  m.def("int8_linear(Tensor x, Tensor codes, Tensor scale, Tensor lo) -> Tensor");
-  m.def("int4_pack(Tensor codes) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor lo, int max_direct_rows) -> Tensor");
+  m.def("int8_pack(Tensor codes, Tensor scale, Tensor lo) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor records) -> Tensor");
+  m.def("int4_pack(Tensor codes, Tensor scale, Tensor lo) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor records, int max_direct_rows) -> Tensor");
   m.def("paged_decode(Tensor qkv, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, "
         "Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor slots, Tensor block_tables, Tensor context_lens, "
         "int heads, float scale) -> Tensor");
@@ -22,7 +22,7 @@ TORCH_LIBRARY(shardline_native, m) {
 }
 
 TORCH_LIBRARY_IMPL(shardline_native, CPU, m) {
-  m.impl("int8_interleave", shardline::int8_interleave);
+  m.impl("int8_pack", shardline::int8_pack);
   m.impl("int8_linear", shardline::int8_linear);
   m.impl("int4_pack", shardline::int4_pack);
   m.impl("int4_linear", shardline::int4_linear);

@@ -13,11 +13,12 @@
 
 namespace shardline {
 
-// codes [N, K] int8 (N a multiple of 8, K of 32) -> int8_linear's, 8 outputs interleaved (int8_linear.cpp).
-at::Tensor int8_interleave(const at::Tensor& codes);
+// codes [N, K] int8 (N a multiple of 8, K of 32), scale and lo [N, K/32] -> int8_linear's records
+// [N/8, K/32, 320] uint8, 8 outputs interleaved (int8_linear.cpp, interleaved.h).
+at::Tensor int8_pack(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& lo);
 
-// x [M, K] fp32 times weights lo + scale * code (int8_interleave's codes; scale and lo [N/8, K/32, 8]) -> [M, N].
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& lo);
+// x [M, K] fp32 times the weights lo + scale * code that int8_pack's records hold -> [M, N].
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& records);
 
 // Rows of activations quantized to int16 per group of 32, for the 4- and 8-bit kernels.
 struct Int16Rows {
@@ -27,14 +28,12 @@ struct Int16Rows {
 };
 Int16Rows int16_rows(const float* x, int64_t M, int64_t K);
 
-// codes [N, K] 0..15 (N a multiple of 8, K of 32) -> int4_linear's packed weights [N, K/8] int32,
-// 8 outputs interleaved (int4_linear.cpp).
-at::Tensor int4_pack(const at::Tensor& codes);
+// codes [N, K] 0..15 (N a multiple of 8, K of 32), scale and lo [N, K/32] -> int4_linear's records
+// [N/8, K/32, 192] uint8, 8 outputs interleaved (int4_linear.cpp, interleaved.h).
+at::Tensor int4_pack(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& lo);
 
-// x [M, K] fp32 times weights lo + scale * code (int4_pack's codes; scale and lo [N/8, K/32, 8], each
-// block of 8 outputs' per group) -> [M, N].
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& lo,
-                       int64_t max_direct_rows);
+// x [M, K] fp32 times the weights lo + scale * code that int4_pack's records hold -> [M, N].
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& records, int64_t max_direct_rows);
 
 at::Tensor paged_decode(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                         const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,

@@ -98,12 +98,12 @@ def _load() -> bool:
 def _register_fakes() -> None:
     """Output shapes for tracing (a compiled decode graph calls the linear and MLP kernels)."""
     @torch.library.register_fake("shardline_native::int8_linear")
-    def _(x, codes, scale, lo):
-        return x.new_empty(x.shape[0], codes.shape[0])
+    def _(x, records):
+        return x.new_empty(x.shape[0], records.shape[0] * 8)
 
     @torch.library.register_fake("shardline_native::int4_linear")
-    def _(x, packed, scale, lo, max_direct_rows):
-        return x.new_empty(x.shape[0], packed.shape[0])
+    def _(x, records, max_direct_rows):
+        return x.new_empty(x.shape[0], records.shape[0] * 8)
 
     @torch.library.register_fake("shardline_native::silu_mul")
     def _(x):

@@ -3,10 +3,10 @@ takes:
 
 - `Kernel.TORCH`: torch's int4 CPU kernel (`_weight_int4pack_mm_for_cpu`, bf16 activations and
   scales); an 8-bit layer multiplies as two int4 halves of its codes.
-- `Kernel.NATIVE`: Shardline's own, fp32 scales, 8 outputs across the vector lanes, activations
-  rounded to int16 per group of 32 and integer dot products: kernels/int8_linear.cpp for 8 bits,
-  kernels/int4_linear.cpp for 4 (codes unpacked in registers; many rows through an fp32 GEMM on
-  slices dequantized on the fly).
+- `Kernel.NATIVE`: Shardline's own, fp32 scales beside the codes, 8 outputs across the vector
+  lanes, activations rounded to int16 per group of 32 and integer dot products:
+  kernels/int8_linear.cpp for 8 bits, kernels/int4_linear.cpp for 4 (codes unpacked in
+  registers; many rows through an fp32 GEMM on slices dequantized on the fly).
 """
 from __future__ import annotations
 
@@ -40,32 +40,33 @@ def torch_operands(codes, scale, lo, bits: int) -> list:
     return [_int4_operands(codes >> 4, 16 * scale, lo + 128 * scale), _int4_operands(codes & 15, scale, 8 * scale)]
 
 
+INT4_RECORD, INT8_RECORD = 192, 320  # bytes a record holds (kernels/interleaved.h): codes, 8 scales, 8 los
+
+
 def native_operands(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int):
-    """The operands of Shardline's kernels: the codes with each block of 8 outputs interleaved
-    (4 bits: packed by `int4_pack`; 8 bits, 0..254: shifted to int8, the shift folded into lo, by
-    `int8_interleave`), and scale and lo [N/8, K/32, 8], a block's 8 outputs side by side per
-    group. N is padded with zero weights to whole blocks; the kernels return those outputs too
-    (zeros), and `QuantizedLinear` drops them."""
+    """The operands of Shardline's kernels: one record per block of 8 outputs and group of 32
+    weights, the block's codes interleaved beside its scales and los (4 bits: `int4_pack`; 8 bits,
+    0..254: shifted to int8, the shift folded into lo, `int8_pack`). N is padded with zero weights
+    to whole blocks; the kernels return those outputs too (zeros), and `QuantizedLinear` drops
+    them."""
     pad = -codes.shape[0] % 8
     if pad:
         codes, scale, lo = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale, lo))
-    n, groups = scale.shape
-
-    def blocked(t):
-        return t.float().reshape(n // 8, 8, groups).transpose(1, 2).contiguous()
+    scale, lo = scale.float(), lo.float()
     if bits == 4:
-        return native.ops().int4_pack(codes), blocked(scale), blocked(lo)
-    return native.ops().int8_interleave((codes - 128).to(torch.int8)), blocked(scale), blocked(lo + 128 * scale)
+        return (native.ops().int4_pack(codes, scale, lo),)
+    return (native.ops().int8_pack((codes - 128).to(torch.int8), scale, lo + 128 * scale),)
 
 
 def native_rows(held, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The weights' rows `tokens` of an 8-bit layer's native operands, as (codes [T, K], scale
-    and lo [T, K/32]) for `grid_weights` (a tied embedding's lookup)."""
-    codes, scale, lo = held
-    n, k = codes.shape
-    block, lane = tokens // 8, tokens % 8
-    rows = codes.view(n // 8, k // 2, 8, 2)[block, :, lane].reshape(-1, k)
-    return rows, scale[block, :, lane], lo[block, :, lane]
+    and lo [T, K/32]) for `grid_weights` (a tied embedding's lookup): each token's block's records,
+    and in them its lane."""
+    records = held[0].index_select(0, tokens // 8)  # [T, groups, 320]: codes, then 8 scales and 8 los
+    lane, t, groups = tokens % 8, torch.arange(len(tokens)), records.shape[1]
+    codes = records[:, :, :256].view(torch.int8).view(len(tokens), groups, 16, 8, 2)[t, :, :, lane]
+    scales = records[:, :, 256:].contiguous().view(torch.float32)  # [T, groups, 16]
+    return codes.reshape(len(tokens), -1), scales[t, :, lane], scales[t, :, 8 + lane]
 
 
 def operands(kernel: Kernel, codes, scale, lo, bits: int):
@@ -76,9 +77,10 @@ def multiply(kernel: Kernel, operands, rows: torch.Tensor, direct_rows: int = 1 
     """rows [n, K] times the weights that `operands` hold for `kernel` -> fp32 [n, N]. A native 4-bit
     layer multiplies up to `direct_rows` rows straight from its codes, more through the GEMM."""
     if kernel is Kernel.NATIVE:
-        if operands[0].dtype == torch.int32:  # int4_pack's words
-            return native.ops().int4_linear(rows.float(), *operands, direct_rows)
-        return native.ops().int8_linear(rows.float(), *operands)
+        records = operands[0]
+        if records.shape[-1] == INT4_RECORD:
+            return native.ops().int4_linear(rows.float(), records, direct_rows)
+        return native.ops().int8_linear(rows.float(), records)
     rows = rows.bfloat16()
     out = [torch._weight_int4pack_mm_for_cpu(rows, packed, GROUP, scales_zeros) for packed, scales_zeros in operands]
     return out[0].float() if len(out) == 1 else out[0].float() + out[1].float()

@@ -94,10 +94,16 @@ def test_silu_mul_is_silu_of_the_gate_times_up(rows):
     torch.testing.assert_close(native.ops().silu_mul(x), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
 
 
-def test_int8_linear_rejects_codes_of_the_wrong_shape():
-    with pytest.raises(RuntimeError, match="codes must be"):
-        native.ops().int8_linear(torch.zeros(1, 64), torch.zeros(8, 32, dtype=torch.int8), torch.zeros(8, 2),
-                                 torch.zeros(8, 2))
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_kernels_reject_records_of_another_width_or_shape(bits):
+    from kernels.operands import native_operands
+    records, = native_operands(torch.zeros(8, 64, dtype=torch.int32), torch.zeros(8, 2), torch.zeros(8, 2), bits)
+    other, = native_operands(torch.zeros(8, 64, dtype=torch.int32), torch.zeros(8, 2), torch.zeros(8, 2), 12 - bits)
+    linear = (lambda x, r: native.ops().int4_linear(x, r, 1 << 30)) if bits == 4 else native.ops().int8_linear
+    assert linear(torch.ones(1, 64), records).shape == (1, 8)
+    for x, held in ((torch.zeros(1, 96), records), (torch.zeros(1, 64), other)):  # K of 96, or 8-bit records for 4
+        with pytest.raises(RuntimeError, match="must be packed records"):
+            linear(x, held)
 
 
 @pytest.mark.parametrize("kernel,bits", [("torch", 4), ("torch", 8), ("native", 4), ("native+torch", 4), ("native", 8)])
