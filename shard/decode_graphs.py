@@ -12,7 +12,8 @@ into the bucket's buffers.
 - CPU: `torch.compile` (inductor) of the same forward, specialized per bucket, with paged
   attention as one opaque operator (kernels/attention.py). A TP rank's gloo all-reduces are
   not traceable: the step compiles in pieces between them, and each replay runs them all.
-  Compiled code is cached on disk (TORCHINDUCTOR_CACHE_DIR), so a restart reuses it.
+  Compiled code is cached on disk (TORCHINDUCTOR_CACHE_DIR, per build of the kernels: shard/load.py),
+  so a restart reuses it.
 
 The runner counts a launch at each `run` call, which issues exactly one replay.
 """

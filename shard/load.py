@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -15,6 +16,7 @@ from protos import shard_pb2
 from shard.kv_cache import bytes_per_page
 from shard.model import Transformer
 from shard.parallel import Layout, group_id, init_distributed
+from kernels import native
 from kernels.grid import GROUP
 from kernels.linear import OneDnnLinear
 from kernels.operands import Kernel
@@ -86,8 +88,15 @@ def load_shard(args) -> LoadedShard:
     layout = Layout(tp=args.tp, pp=args.pp, tp_rank=args.tp_rank, pp_stage=args.pp_stage)
     device, dtype = pick_device(args.device, layout), DTYPES[args.dtype]
     source = resolve_model(args.model)
-    # Compiled decode graphs are kept beside the converted weights, so a restart reuses them.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(source.cache_dir / "inductor"))
+    # Compiled decode graphs are kept beside the converted weights (or where TORCHINDUCTOR_CACHE_DIR
+    # says), so a restart reuses them, and per build of Shardline's kernels, which they call and
+    # inductor's cache knows nothing of: with one cache for every build (ISA levels, changed
+    # sources), a test's quantized decode graphs corrupted the heap on a development machine until
+    # the cache was emptied. (A test that compiled something itself has set the variable to
+    # torch's default, and the shards it starts inherit it.)
+    build = native.build_folder().name
+    cache = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or source.cache_dir / "inductor")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache if cache.name == build else cache / build)
     decode_graphs = args.decode_graphs == "on" or (args.decode_graphs == "auto" and device.type == "cuda")
     t0 = time.perf_counter()
     model = build_model(source, dtype, device)
