@@ -5,9 +5,10 @@
 // eight output rows interleaved across the vector lanes, in records (interleaved.h): for each
 // block of 8 outputs and each group, 4 loads of 8 int32 words, the word of lane i in load l
 // holding in its bits 4q..4q+3 the code of output 8b + i for weight 2p and in bits 16+4q.. that
-// for weight 2p + 1 (p = 4l + q, the weights counted within the group). So (word >> 4q) & 0x000F000F is, per lane, the int16 pair of
-// codes of one output that multiplies the activations 2p and 2p + 1, which one broadcast serves for
-// all 8 outputs; and a group's scales and los are one load per 8 outputs. (Laid out per output
+// for weight 2p + 1 (p = 4l + q, the weights counted within the group). So (word >> 4q) &
+// 0x000F000F is, per lane, the int16 pair of codes of one output that multiplies the activations
+// 2p and 2p + 1, which one broadcast serves for all 8 outputs; and a group's scales and los are
+// one load per 8 outputs. (Laid out per output
 // instead, each output's lanes held partial sums, and every group cost per output and row a
 // conversion, an FMA and a broadcast of its scale: 1.6-1.7x slower at 1 to 32 rows, AVX2.)
 //
@@ -57,10 +58,12 @@ struct Int4Codes {
     return _mm256_and_si256(q == 0 ? w : _mm256_srli_epi32(w, 4 * q), _mm256_set1_epi32(0x000F000F));
   }
 #endif
-  // output i's code for weight k of the record's group (the layout above), for the scalar paths
-  static int32_t at(const char* rec, int64_t i, int64_t k) {
-    const int64_t p = k / 2, l = p / 4, q = p % 4;
-    return static_cast<int32_t>((words(rec)[l * B + i] >> (4 * q + 16 * (k % 2))) & 0xF);
+  // the word of the record's codes, and the bit in it, where output i's code for weight k of the
+  // group begins (the layout above)
+  static int64_t word(int64_t i, int64_t k) { return k / 8 * B + i; }
+  static int shift(int64_t k) { return 4 * (k / 2 % 4) + 16 * (k % 2); }
+  static int32_t at(const char* rec, int64_t i, int64_t k) {  // for the scalar paths
+    return static_cast<int32_t>((words(rec)[word(i, k)] >> shift(k)) & 0xF);
   }
 };
 
@@ -161,21 +164,17 @@ at::Tensor int4_pack(const at::Tensor& codes, const at::Tensor& scale, const at:
   const int32_t* src = c.const_data_ptr<int32_t>();
   return interleaved::pack<Int4Codes>(scale, lo, c.size(0), K, [&](char* rec, int64_t b, int64_t g) {
     uint32_t* dst = reinterpret_cast<uint32_t*>(rec);
-    for (int64_t l = 0; l < 4; ++l)
-      for (int64_t i = 0; i < B; ++i) {
-        uint32_t word = 0;
-        for (int64_t q = 0; q < 4; ++q)
-          for (int64_t odd = 0; odd < 2; ++odd)
-            word |= static_cast<uint32_t>(src[(b * B + i) * K + g * G + 2 * (4 * l + q) + odd] & 0xF) << (4 * q + 16 * odd);
-        dst[l * B + i] = word;
-      }
+    std::fill(dst, dst + WORDS, 0u);
+    for (int64_t i = 0; i < B; ++i)
+      for (int64_t k = 0; k < G; ++k)
+        dst[Int4Codes::word(i, k)] |= static_cast<uint32_t>(src[(b * B + i) * K + g * G + k] & 0xF) << Int4Codes::shift(k);
   });
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& records, int64_t max_direct_rows) {
-  const int64_t K = x.size(-1);
-  if (x.dim() == 2 && x.size(0) <= max_direct_rows) return interleaved::multiply<Int4Codes>(records, x);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, K] float32");
+  if (x.size(0) <= max_direct_rows) return interleaved::multiply<Int4Codes>(records, x);
+  const int64_t K = x.size(1);
   interleaved::check_records<Int4Codes>(records, K);
   return through_gemm(x.contiguous(), reinterpret_cast<const char*>(records.const_data_ptr<uint8_t>()),
                       records.size(0) * B, K);

@@ -37,7 +37,9 @@ struct Int8Codes {
   }
   static __m256i pairs(__m256i w, int) { return w; }
 #endif
-  static int32_t at(const char* rec, int64_t i, int64_t k) { return codes(rec)[(k - k % 2) * B + 2 * i + k % 2]; }
+  // where output i's code for weight k of the group lies among the record's codes
+  static int64_t position(int64_t i, int64_t k) { return (k - k % 2) * B + 2 * i + k % 2; }
+  static int32_t at(const char* rec, int64_t i, int64_t k) { return codes(rec)[position(i, k)]; }
 };
 
 }  // namespace
@@ -53,7 +55,7 @@ at::Tensor int8_pack(const at::Tensor& codes, const at::Tensor& scale, const at:
   return interleaved::pack<Int8Codes>(scale, lo, c.size(0), K, [&](char* rec, int64_t b, int64_t g) {
     int8_t* dst = reinterpret_cast<int8_t*>(rec);
     for (int64_t k = 0; k < G; ++k)
-      for (int64_t i = 0; i < B; ++i) dst[(k - k % 2) * B + 2 * i + k % 2] = src[(b * B + i) * K + g * G + k];
+      for (int64_t i = 0; i < B; ++i) dst[Int8Codes::position(i, k)] = src[(b * B + i) * K + g * G + k];
   });
 }
 

@@ -44,8 +44,8 @@ inline const float* scales(const char* rec) { return reinterpret_cast<const floa
 template <typename Codes>
 inline const float* los(const char* rec) { return scales<Codes>(rec) + B; }
 
-// A layer's records from its codes (as `pack_codes(codes of one record, output i, weight k)` places
-// them), scales and los [N, K/32] fp32: uint8 [N/8, K/32, RECORD].
+// A layer's records [N/8, K/32, RECORD] uint8: `pack_codes(record, b, g)` writes block b's codes
+// of group g into the record, and its scales and los [N, K/32] follow them.
 template <typename Codes, typename PackCodes>
 at::Tensor pack(const at::Tensor& scale, const at::Tensor& lo, int64_t N, int64_t K, PackCodes pack_codes) {
   TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.size(1) == K / G && lo.sizes() == scale.sizes(),

@@ -40,7 +40,12 @@ def torch_operands(codes, scale, lo, bits: int) -> list:
     return [_int4_operands(codes >> 4, 16 * scale, lo + 128 * scale), _int4_operands(codes & 15, scale, 8 * scale)]
 
 
-INT4_RECORD, INT8_RECORD = 192, 320  # bytes a record holds (kernels/interleaved.h): codes, 8 scales, 8 los
+# A native layer's records (kernels/interleaved.h): per block of LANES outputs and group, the
+# codes (4 or 8 bits each), then LANES fp32 scales and LANES fp32 los.
+LANES = 8
+CODE_BYTES = {bits: GROUP * LANES * bits // 8 for bits in (4, 8)}
+SCALE_BYTES = 2 * LANES * 4
+INT4_RECORD = CODE_BYTES[4] + SCALE_BYTES
 
 
 def native_operands(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int):
@@ -49,7 +54,7 @@ def native_operands(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, 
     0..254: shifted to int8, the shift folded into lo, `int8_pack`). N is padded with zero weights
     to whole blocks; the kernels return those outputs too (zeros), and `QuantizedLinear` drops
     them."""
-    pad = -codes.shape[0] % 8
+    pad = -codes.shape[0] % LANES
     if pad:
         codes, scale, lo = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale, lo))
     scale, lo = scale.float(), lo.float()
@@ -62,11 +67,12 @@ def native_rows(held, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     """The weights' rows `tokens` of an 8-bit layer's native operands, as (codes [T, K], scale
     and lo [T, K/32]) for `grid_weights` (a tied embedding's lookup): each token's block's records,
     and in them its lane."""
-    records = held[0].index_select(0, tokens // 8)  # [T, groups, 320]: codes, then 8 scales and 8 los
-    lane, t, groups = tokens % 8, torch.arange(len(tokens)), records.shape[1]
-    codes = records[:, :, :256].view(torch.int8).view(len(tokens), groups, 16, 8, 2)[t, :, :, lane]
-    scales = records[:, :, 256:].contiguous().view(torch.float32)  # [T, groups, 16]
-    return codes.reshape(len(tokens), -1), scales[t, :, lane], scales[t, :, 8 + lane]
+    records = held[0].index_select(0, tokens // LANES)  # [T, groups, record]
+    lane, t, groups, code_bytes = tokens % LANES, torch.arange(len(tokens)), records.shape[1], CODE_BYTES[8]
+    # per pair of weights, each lane's two codes side by side
+    codes = records[:, :, :code_bytes].view(torch.int8).view(len(tokens), groups, GROUP // 2, LANES, 2)[t, :, :, lane]
+    scales = records[:, :, code_bytes:].contiguous().view(torch.float32)  # [T, groups, 2 * LANES]
+    return codes.reshape(len(tokens), -1), scales[t, :, lane], scales[t, :, LANES + lane]
 
 
 def operands(kernel: Kernel, codes, scale, lo, bits: int):
