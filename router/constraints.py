@@ -3,7 +3,7 @@ matcher per sequence, which says before every step which tokens may come next (a
 step plan carries to the sampling shard) and is advanced by every sampled token.
 
 - One `Grammars` per served tokenizer. It compiles a constraint on a worker thread, within
-  `timeout_s`, so a pathological one costs its own request a refusal (INVALID_ARGUMENT, with the
+  `timeout_s` of the compile's start, so a pathological one costs its own request a refusal (INVALID_ARGUMENT, with the
   compiler's message) and never stalls the event loop. Compiled constraints are kept by content
   (the last `CACHE_SIZE`); a sequence gets a copy of the compiled matcher and its first mask.
 - A `Constrained` sequence consumes each sampled token as it arrives; the next masks of a step's
@@ -127,8 +127,7 @@ class Grammars:
         tokenizer = await asyncio.shield(self._tokenizer)  # its build is not the constraint's time
         future = self._compiled.get(grammar)
         if future is None:
-            build = loop.run_in_executor(self._workers, lambda: llg.LLMatcher(tokenizer, grammar, log_level=0))
-            future = asyncio.ensure_future(asyncio.wait_for(build, self.timeout_s))
+            future = asyncio.ensure_future(self._build(tokenizer, grammar))
             self._compiled[grammar] = future
             if len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
@@ -143,3 +142,16 @@ class Grammars:
         if matcher.is_error():
             raise invalid(f"{kind}: {matcher.get_error()}")
         return matcher
+
+    async def _build(self, tokenizer: llg.LLTokenizer, grammar: str) -> llg.LLMatcher:
+        """Compiles on a worker within `timeout_s` of the compile's start: the time it waits for a
+        worker (behind another request's slow constraint, say) is not its own."""
+        loop = asyncio.get_running_loop()
+        started = loop.create_future()
+
+        def build() -> llg.LLMatcher:
+            loop.call_soon_threadsafe(started.set_result, None)
+            return llg.LLMatcher(tokenizer, grammar, log_level=0)
+        matcher = loop.run_in_executor(self._workers, build)
+        await started
+        return await asyncio.wait_for(matcher, self.timeout_s)

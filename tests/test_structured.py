@@ -197,6 +197,24 @@ def test_a_constraint_that_fails_to_compile_or_takes_too_long_is_refused_alone(c
     assert chunked.wait_idle().pages_referenced == 0
 
 
+def test_the_compile_timeout_counts_from_the_compile_not_from_the_wait_for_a_worker(tiny_models):
+    """Both workers busy with slow schemas (each abandoned at the timeout, compiling on to its
+    end): an ordinary schema queued behind them still compiles, and the slow ones are refused."""
+    from router.constraints import Grammars
+    from router.validation import InvalidRequest
+    tokenizer = (tiny_models["llama"] / "tokenizer.json").read_text()
+    grammars = Grammars(tokenizer, 49152, [0], timeout_s=0.4)
+    slow = [dict(SLOW_SCHEMA, title=f"slow {i}") for i in range(2)]
+
+    async def run():
+        await grammars.constrained(pb.GenerateRequest(regex="warm"))  # the tokenizer's build is not timed
+        asks = [grammars.constrained(pb.GenerateRequest(json_schema=json.dumps(s))) for s in slow + [SCHEMA]]
+        return await asyncio.gather(*asks, return_exceptions=True)
+    *refused, ordinary = asyncio.run(run())
+    assert all(isinstance(r, InvalidRequest) and "took over 0.4 s" in str(r) for r in refused), refused
+    assert not isinstance(ordinary, BaseException), ordinary
+
+
 async def _collect(call) -> list[int]:
     return [t async for msg in call for t in msg.token_ids]
 
