@@ -4,9 +4,12 @@
 - Continue: the next chunk of every admitted prefill still in progress, round-robin;
 - Admit: the first chunk of new requests, picked by priority with aging.
 
-Steps rotate over the phases that can run, so a phase with work runs at least once in every
-three steps: decodes are never starved by prefills, and new requests join a running batch
-without waiting for it to drain (continuous batching). With `mixed_steps` (as Sarathi-Serve and
+Steps rotate over the phases that can run, in rounds: Decode, then Continue and Admit. Where the
+request next to be admitted is shorter than what remains of the prefill in progress, the round
+runs Admit before Continue, so a short prompt that arrives during a long one's chunks waits for
+one chunk, not two (shortest first, for time to first token). So Decode runs at least once in
+every three steps and Continue and Admit in every four: decodes are never starved by prefills,
+and new requests join a running batch without waiting for it to drain (continuous batching). With `mixed_steps` (as Sarathi-Serve and
 vLLM v1 run), every step carries the Decode rows and the rotation is over Continue and Admit
 alone: a decoding sequence then waits one step for each chunk, not a Decode, a Continue and an
 Admit step. With `chunk_size` 0 a prompt runs whole
@@ -78,7 +81,7 @@ class Scheduler:
         self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
         self.chunk_size, self.aging_s, self.clock = chunk_size, aging_s, clock
         self.mixed_steps = mixed_steps
-        self._rotation = [Phase.CONTINUE, Phase.ADMIT] if mixed_steps else PHASES
+        self._rotation = [Phase.CONTINUE, Phase.ADMIT] if mixed_steps else list(PHASES)
         self.waiting: list[Sequence] = []
         self.prefilling: deque[Sequence] = deque()   # admitted, prompt not fully computed
         self.decoding: list[Sequence] = []
@@ -112,6 +115,8 @@ class Scheduler:
     def _rotate(self, budget: int) -> Step | None:
         """The step of the next phase in the rotation that has work."""
         rotation = self._rotation
+        if self._next_phase == len(rotation) - 2:  # a round's prefill pair is next: Continue, Admit
+            rotation[-2:] = [Phase.ADMIT, Phase.CONTINUE] if self._shorter_waits() else [Phase.CONTINUE, Phase.ADMIT]
         for i in range(len(rotation)):
             phase = (self._next_phase + i) % len(rotation)
             step = self._step_of(rotation[phase], budget)
@@ -174,6 +179,13 @@ class Scheduler:
         return step if step.seqs else None
 
     # -- helpers ----------------------------------------------------------------------------------
+    def _shorter_waits(self) -> bool:
+        """Whether the request next to be admitted has a shorter prompt than what remains of the
+        prefill the next Continue step starts with (cached prefixes not counted)."""
+        seq = self._most_urgent() if self.prefilling else None
+        head = self.prefilling[0] if self.prefilling else None
+        return seq is not None and len(seq.prompt_ids) < len(head.prompt_ids) - head.num_computed
+
     def _most_urgent(self) -> Sequence | None:
         """The waiting sequence that may start with the highest effective priority (one pass)."""
         now = self.clock()

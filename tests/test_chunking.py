@@ -71,12 +71,15 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, m
             assert step.num_decode == decoding
         steps += 1
         ran = {Phase.DECODE: step.num_decode > 0, Phase.CONTINUE: step.phase is Phase.CONTINUE}
-        for phase in last_ran:  # rotation bound: a phase with work runs at least every 3 steps
+        # Rotation bounds: a phase with work runs at least every 3 steps (Decode; with mixed
+        # steps, every 2 steps and Continue every 3), Continue and Admit every 4.
+        bound = {Phase.DECODE: 2 if mixed else 3, Phase.CONTINUE: 3 if mixed else 4}
+        for phase in last_ran:
             if ran[phase] or not had[phase]:
                 last_ran[phase] = steps
-            assert steps - last_ran[phase] < (2 if mixed and phase is Phase.DECODE else 3), f"{phase} starved"
+            assert steps - last_ran[phase] < bound[phase], f"{phase} starved"
         if sched.waiting or step.phase is Phase.ADMIT:
-            assert steps - last_asked < 3, "admit not asked for 3 steps while requests waited"
+            assert steps - last_asked < bound[Phase.CONTINUE], "admit not asked while requests waited"
         else:
             last_asked = steps
         sched.complete(step)
@@ -92,7 +95,7 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, m
     assert pages.referenced == 0 and pages.reserved == 0
 
 
-def test_a_long_prompt_cannot_monopolize_prefill_or_starve_decodes():
+def test_a_long_prompt_cannot_monopolize_prefill_or_starve_decodes_and_a_shorter_one_goes_first():
     pages = PageManager(200, 4)
     sched = Scheduler(pages, max_batch=8, max_batch_tokens=8, chunk_size=8)
     long, short, decoder = _seq(1, 200, 2), _seq(2, 20, 2, base=1000), _seq(3, 3, 50, base=2000)
@@ -112,10 +115,13 @@ def test_a_long_prompt_cannot_monopolize_prefill_or_starve_decodes():
         phases.append(step.phase)
         served.append([s.seq_id for s in step.seqs if s is not decoder])
     assert all(Phase.DECODE in phases[i:i + 3] for i in range(len(phases) - 2)), phases
+    # The short prompt is admitted in the round after the long one's first chunk, before its
+    # second (shortest first); then round robin (one 8-token chunk fits the budget): 1, 2, 1,
+    # and the short prompt's last 4 tokens share a step with 4 of the long one's.
+    assert list(zip(phases, served))[:5] == [(Phase.DECODE, []), (Phase.ADMIT, [1]), (Phase.DECODE, []),
+                                             (Phase.ADMIT, [2]), (Phase.CONTINUE, [1])]
     continues = [ids for ids, phase in zip(served, phases) if phase is Phase.CONTINUE]
-    # Round robin once both prefill (one 8-token chunk fits the budget): 1, 2, 1, then the
-    # short prompt's last 4 tokens share a step with 4 of the long one's.
-    assert continues[:5] == [[1], [1], [2], [1], [2, 1]]
+    assert continues[:4] == [[1], [2], [1], [2, 1]]
     assert short in sched.decoding and short.num_computed > 20  # prefilled, now decoding
     assert long in sched.prefilling and long.num_computed < 200
 
