@@ -6,7 +6,7 @@ on), the medians over runs of: the active stream's maximum and p95 inter-token l
 late request's TTFT, the long request's TTFT, and the output rate in the window (from the long prompt's arrival until both new
 requests have their first token). Writes JSON and a PNG timeline of tokens over time.
 
-    .venv/bin/python -m bench.mixed [--runs 3]
+    .venv/bin/python -m bench.mixed [--runs 3] [--configs off 'chunk 256' ...]
 """
 from __future__ import annotations
 
@@ -73,10 +73,13 @@ METRICS = ["active_itl_max_ms", "active_itl_p95_ms", "short_ttft_ms", "long_ttft
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS),
+                    help="configurations to run ('off' is always run: the others are compared with it)")
     args = ap.parse_args()
+    configs = {name: flags for name, flags in CONFIGS.items() if name == "off" or name in args.configs}
     result = {"benchmark": "mixed", **machine(), "runs": args.runs, "configs": {}}
     rng = random.Random(0)  # fresh prompts every run, so no run hits an earlier one's prefix
-    for name, flags in CONFIGS.items():
+    for name, flags in configs.items():
         server = Server(*flags)
         try:
             one_run(server, rng)  # warm-up, not counted
@@ -89,7 +92,7 @@ def main() -> None:
               f"short TTFT {med['short_ttft_ms']:6.0f} ms; long TTFT {med['long_ttft_ms']:6.0f} ms; "
               f"window {med['window_tokens_per_s']:.1f} tok/s", flush=True)
     off = result["configs"]["off"]["median"]
-    for name in CONFIGS.keys() - {"off"}:
+    for name in configs.keys() - {"off"}:
         on = result["configs"][name]["median"]
         result["configs"][name]["vs_off"] = {m: on[m] / off[m] - 1 for m in METRICS}
         v = result["configs"][name]["vs_off"]
