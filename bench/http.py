@@ -5,21 +5,30 @@ ITL p50 within 0.5 ms.
 
     python -m bench.http [--streams 1,16] [--max-new-tokens 128] [--repeats 3]
     python -m bench.http --base-url http://127.0.0.1:8080/v1 [--model NAME]   # any OpenAI-compatible server
+    python -m bench.http --llama-server PATH [--streams 1,16,32]
 
 With --base-url it drives that server over HTTP alone (a peer such as llama.cpp's `llama-server`),
-with the same client and workload. Writes bench/out/http-<time>.json and .png.
+with the same client and workload. With --llama-server, Shardline (default flags) and
+`llama-server` (started per concurrency with that many slots) are both up and driven in turns
+over HTTP, so that a ratio compares runs minutes apart at most on a machine whose speed drifts.
+Writes bench/out/http-<time>.json and .png.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import statistics
+import subprocess
+import time
+from pathlib import Path
 
 import httpx
 
 from bench.common import machine, save
 from harness.client import decode_tok_s, http_concurrently, http_workload, percentiles, run_scenario, warm_up
-from harness.serve import CpuMeter, Server
+from harness.serve import CpuMeter, Server, free_port
 from protos import generation_pb2 as pb
 
 
@@ -33,7 +42,9 @@ def http_scenario(base_url: str, model: str, n: int, max_new: int, meter) -> dic
 
 
 def summary(runs: list[dict]) -> dict:
+    decode = [r["decode_tok_s"] for r in runs if r.get("decode_tok_s")]
     return {"tok_s": statistics.median(r["tok_s"] for r in runs),
+            "decode_tok_s": statistics.median(decode) if decode else None,
             "itl_ms_p50": statistics.median(r["itl_ms"].get("p50", 0) for r in runs),
             "itl_ms_p99": statistics.median(r["itl_ms"].get("p99", 0) for r in runs),
             "errors": sum(len(r["errors"]) for r in runs), "runs": runs}
@@ -65,6 +76,63 @@ def against_grpc(args, streams: list[int]) -> dict:
         server.stop()
 
 
+@contextlib.contextmanager
+def llama_server(path: str, slots: int):
+    """llama.cpp's `llama-server` on SmolLM2's GGUF with `slots` (`-np`, continuous batching) of
+    2048 tokens of context each, on every core; yields its base URL (".../v1") once healthy."""
+    from common.model_source import resolve_model
+    port = free_port()
+    proc = subprocess.Popen([path, "-m", str(resolve_model("smollm2").path), "-np", str(slots), "-c",
+                             str(2048 * slots), "-t", str(os.cpu_count()), "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {proc.returncode}")
+            time.sleep(0.1)
+        yield base + "/v1"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def against_llama_server(args, streams: list[int]) -> dict:
+    if not Path(args.llama_server).is_file():
+        raise SystemExit(f"no llama-server at {args.llama_server}")
+    server = Server("--max-batch", str(max(streams)))
+    try:
+        ours = server.http_url
+        model = server.stub.Info(pb.InfoRequest(), timeout=30).model
+        out = {}
+        for n in streams:
+            with llama_server(args.llama_server, n) as theirs:
+                urls = {"shardline": (ours, model), "llama-server": (theirs, "smollm2")}
+                for url, name in urls.values():  # untimed: warms this batch shape
+                    asyncio.run(http_concurrently(url, http_workload(name, n, 8)))
+                runs = {name: [] for name in urls}
+                for rep in range(args.repeats):
+                    for name in urls if rep % 2 == 0 else reversed(urls):  # neither always first
+                        url, served = urls[name]
+                        runs[name].append(http_scenario(url, served, n, args.max_new_tokens, CpuMeter(None)))
+                    print(f"{n} streams: " + ", ".join(f"{k} {v[-1]['tok_s']:.1f} tok/s" for k, v in runs.items()),
+                          flush=True)
+            ours_, theirs_ = summary(runs["shardline"]), summary(runs["llama-server"])
+            out[n] = {"shardline": ours_, "llama-server": theirs_,
+                      "tok_s_ratio": ours_["tok_s"] / theirs_["tok_s"],
+                      "decode_tok_s_ratio": ours_["decode_tok_s"] / theirs_["decode_tok_s"]}
+            print(f"{n} streams: Shardline/llama-server tok/s {out[n]['tok_s_ratio']:.2f}x, "
+                  f"decode {out[n]['decode_tok_s_ratio']:.2f}x", flush=True)
+        return out
+    finally:
+        server.stop()
+
+
 def peer(args, streams: list[int]) -> dict:
     model = args.model or httpx.get(args.base_url + "/models", timeout=30).json()["data"][0]["id"]
     meter, out = CpuMeter(None), {}
@@ -81,7 +149,7 @@ def plot(result: dict, png) -> None:
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     ns = sorted(result["streams"], key=int)
-    apis = [a for a in ("grpc", "http") if a in result["streams"][ns[0]]]
+    apis = [a for a, v in result["streams"][ns[0]].items() if isinstance(v, dict)]
     width = 0.8 / len(apis)
     for j, api in enumerate(apis):
         xs = [i + (j - (len(apis) - 1) / 2) * width for i in range(len(ns))]
@@ -91,7 +159,8 @@ def plot(result: dict, png) -> None:
         ax.set_xticks(range(len(ns)), [f"{n} streams" for n in ns])
         ax.set_title(title)
         ax.legend()
-    fig.suptitle(result.get("base_url") or "Shardline: HTTP against gRPC, same server, in turns", fontsize=10)
+    fig.suptitle(result.get("base_url") or ("Shardline against llama-server over HTTP, in turns" if "shardline" in apis
+                 else "Shardline: HTTP against gRPC, same server, in turns"), fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
 
@@ -103,11 +172,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--base-url", default="", help="an OpenAI-compatible server to drive instead (.../v1)")
     ap.add_argument("--model", default="", help="with --base-url: the model to ask for (default: its first)")
+    ap.add_argument("--llama-server", default="", help="llama.cpp's llama-server binary, driven in turns with Shardline")
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     result = {"benchmark": "http", **machine(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
               "base_url": args.base_url}
-    result["streams"] = peer(args, streams) if args.base_url else against_grpc(args, streams)
+    result["streams"] = (peer(args, streams) if args.base_url else against_llama_server(args, streams)
+                         if args.llama_server else against_grpc(args, streams))
     save("http", result, plot)
 
 

@@ -24,27 +24,21 @@ import asyncio
 import os
 import shutil
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import grpc
 
 from bench.common import llama_cpp_model, machine, save
-from bench.http import http_scenario, summary
+from bench.http import http_scenario, llama_server, summary
 from bench.load import hf_run, hf_setup
 from harness.client import PROMPTS, http_concurrently, http_workload, run_scenario, warm_up
-from harness.serve import CpuMeter, Server, free_port
+from harness.serve import CpuMeter, Server
 from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 
 
 def median(values: list[float]) -> float:
     return float(statistics.median(values))
-
-
-def gguf_path() -> Path:
-    from common.model_source import resolve_model
-    return resolve_model("smollm2").path
 
 
 def llama_cpp_peer(max_new: int, repeats: int) -> dict:
@@ -94,27 +88,11 @@ def llama_server_peer(path: str | None, streams: list[int], max_new: int, repeat
         return {"missing": "no llama-server (build it from the llama-cpp-python sdist; --llama-server PATH)"}
     out = {"path": path, "streams": {}}
     for n in streams:
-        port = free_port()
-        proc = subprocess.Popen([path, "-m", str(gguf_path()), "-np", str(n), "-c", str(2048 * n), "-t",
-                                 str(os.cpu_count()), "--host", "127.0.0.1", "--port", str(port)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            base = f"http://127.0.0.1:{port}"
-            import httpx
-            for _ in range(600):
-                try:
-                    if httpx.get(base + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
-            out["streams"][n] = http_runs(base + "/v1", "smollm2", n, max_new, repeats, CpuMeter(None))
+        with llama_server(path, n) as base_url:
+            out["streams"][n] = http_runs(base_url, "smollm2", n, max_new, repeats, CpuMeter(None))
             print(f"llama-server {n} streams: {out['streams'][n]['tok_s']:.1f} tok/s, "
                   f"decode {out['streams'][n]['decode_tok_s']:.1f}, ITL p50 {out['streams'][n]['itl_ms_p50']:.1f} ms",
                   flush=True)
-        finally:
-            proc.terminate()
-            proc.wait(30)
     return out
 
 
