@@ -96,6 +96,8 @@ def llama_server(path: str, slots: int):
             if proc.poll() is not None:
                 raise RuntimeError(f"llama-server exited with {proc.returncode}")
             time.sleep(0.1)
+        else:
+            raise RuntimeError("llama-server did not become healthy within 60 s")
         yield base + "/v1"
     finally:
         proc.terminate()

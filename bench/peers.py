@@ -76,9 +76,7 @@ def llama_cpp_peer(max_new: int, repeats: int) -> dict:
 def http_runs(base_url: str, model: str, n: int, max_new: int, repeats: int, meter) -> dict:
     """`n` streams through the OpenAI API at `base_url`, after an untimed warm-up of that shape."""
     asyncio.run(http_concurrently(base_url, http_workload(model, n, 8)))
-    runs = summary([http_scenario(base_url, model, n, max_new, meter) for _ in range(repeats)])
-    runs["decode_tok_s"] = median([r["decode_tok_s"] for r in runs["runs"]])
-    return runs
+    return summary([http_scenario(base_url, model, n, max_new, meter) for _ in range(repeats)])
 
 
 def llama_server_peer(path: str | None, streams: list[int], max_new: int, repeats: int) -> dict:

@@ -3,8 +3,8 @@ matcher per sequence, which says before every step which tokens may come next (a
 step plan carries to the sampling shard) and is advanced by every sampled token.
 
 - One `Grammars` per served tokenizer. It compiles a constraint on a worker thread, within
-  `timeout_s` of the compile's start, so a pathological one costs its own request a refusal (INVALID_ARGUMENT, with the
-  compiler's message) and never stalls the event loop. Compiled constraints are kept by content
+  `timeout_s` of the compile's start, so a pathological one costs its own request a refusal
+  (INVALID_ARGUMENT, with the compiler's message) and never stalls the event loop. Compiled constraints are kept by content
   (the last `CACHE_SIZE`); a sequence gets a copy of the compiled matcher and its first mask.
 - A `Constrained` sequence consumes each sampled token as it arrives; the next masks of a step's
   sequences are then computed together (`next_masks`), so a dead end is found between steps and

@@ -9,11 +9,11 @@ request next to be admitted is shorter than what remains of the prefill in progr
 runs Admit before Continue, so a short prompt that arrives during a long one's chunks waits for
 one chunk, not two (shortest first, for time to first token). So Decode runs at least once in
 every three steps and Continue and Admit in every four: decodes are never starved by prefills,
-and new requests join a running batch without waiting for it to drain (continuous batching). With `mixed_steps` (as Sarathi-Serve and
-vLLM v1 run), every step carries the Decode rows and the rotation is over Continue and Admit
-alone: a decoding sequence then waits one step for each chunk, not a Decode, a Continue and an
-Admit step. With `chunk_size` 0 a prompt runs whole
-in its Admit step; otherwise prompts are cut into chunks of at most `chunk_size` tokens, and
+and new requests join a running batch without waiting for it to drain (continuous batching).
+With `mixed_steps` (as Sarathi-Serve and vLLM v1 run), every step carries the Decode rows and
+the rotation is over Continue and Admit alone: a decoding sequence then waits one step for each
+chunk, not a Decode, a Continue and an Admit step. With `chunk_size` 0 a prompt runs whole in
+its Admit step; otherwise prompts are cut into chunks of at most `chunk_size` tokens, and
 only the final chunk of a prompt samples a token.
 
 Admission is all or nothing on pages: a request is admitted only when the pages of its cached
@@ -182,8 +182,9 @@ class Scheduler:
     def _shorter_waits(self) -> bool:
         """Whether the request next to be admitted has a shorter prompt than what remains of the
         prefill the next Continue step starts with (cached prefixes not counted)."""
-        seq = self._most_urgent() if self.prefilling else None
-        head = self.prefilling[0] if self.prefilling else None
+        if not self.prefilling:
+            return False
+        seq, head = self._most_urgent(), self.prefilling[0]
         return seq is not None and len(seq.prompt_ids) < len(head.prompt_ids) - head.num_computed
 
     def _most_urgent(self) -> Sequence | None:
