@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import faulthandler
 import os
+import signal
 import sys
 
 from shardline.flags import COUNT, SECONDS, SERVICES, SIZE, add_flag, client_tls_flags, number
@@ -68,6 +70,8 @@ def _exit_now(code: int):
 def main(argv: list[str] | None = None) -> int:
     from shardline.processes import die_with_parent
     die_with_parent()
+    # `kill -USR1 <pid>` writes every thread's Python stack to stderr: where a service hangs.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     parser = build_parser()
     args = parser.parse_args(argv)
     from common.telemetry import log_with_trace_ids

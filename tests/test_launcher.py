@@ -1,5 +1,7 @@
 """`shardline serve` as a user runs it: ready line, clean shutdown, no orphans. (Failing shards
 and drains: test_recovery.py.)"""
+import os
+import signal
 import time
 
 import psutil
@@ -41,4 +43,7 @@ def test_killed_launcher_takes_its_children_along(server):
     while any(alive(k) for k in kids) and time.monotonic() < deadline:
         time.sleep(0.05)
     survivors = {k: psutil.Process(k).as_dict(["name", "status", "cmdline"]) for k in kids if alive(k)}
-    assert not survivors, survivors
+    for k in survivors:  # their stacks, for the message (shardline/cli.py)
+        os.kill(k, signal.SIGUSR1)
+    time.sleep(1 if survivors else 0)
+    assert not survivors, f"{survivors}\n{server.output(300)}"
