@@ -1,8 +1,10 @@
 """The step loop: asks the scheduler for a step, sends its plan to the shards, applies the
 sampled tokens, and streams outputs to the waiting request handlers.
 
-Everything that changes pages happens here between steps, so a page a shard may still write is
-never released while its step is in flight (cancellations wait for the step boundary).
+Everything that changes pages happens here between steps (cancellations wait for the step
+boundary). A page is released only when no step sent before the one that may give it to another
+sequence still writes it: a step may be sent ahead of the one running (`run`), but a shard runs
+its plans in order.
 
 The shards hold each running sequence's block table and sampling parameters from its first step
 until a plan releases it, so a plan carries only what changed: new sequences whole, appended
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 from protos import shard_pb2
 from router.constraints import next_masks
@@ -32,6 +35,14 @@ from common.tokenizer import Detokenizer, TextCodec
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class InFlight:
+    """A step whose plan the shards were sent, and when."""
+    step: Step
+    plan: shard_pb2.StepPlan
+    sent_at: float
+
+
 class Engine:
     def __init__(self, scheduler: Scheduler, shards: ShardGroup, codec: TextCodec, max_position: int,
                  observers: list[RequestEvents] = ()):
@@ -43,6 +54,8 @@ class Engine:
         self._cancelled: set[Sequence] = set()
         self._announced: dict[int, int] = {}   # seq_id -> pages the shards hold for it
         self._released: list[int] = []         # seq_ids the next plan releases
+        self._received_at = 0.0                # perf_counter() of the last step's result
+        self._in_flight = 0                    # steps sent and not answered
         self.step_id = 0
 
     def submit(self, seq: Sequence, stops: list[str]) -> None:
@@ -52,6 +65,11 @@ class Engine:
             o.queued(seq)
         self._wake.set()
 
+    def has_work(self) -> bool:
+        """Requests to serve, or a step still in flight (one sent ahead for a sequence that has
+        since finished, say)."""
+        return self.scheduler.has_work() or self._in_flight > 0
+
     def cancel(self, seq: Sequence) -> None:
         """Marks the request; the loop drops it at the next step boundary."""
         if seq.status is not Status.FINISHED:
@@ -60,20 +78,52 @@ class Engine:
             self._wake.set()
 
     async def run(self) -> None:
-        """Runs steps until the shard group or the loop fails (the exception propagates)."""
+        """Runs steps until the shard group or the loop fails (the exception propagates).
+
+        While a decode step runs on a lone shard, the decode step after it is sent too when it
+        is sure to follow (`_ahead`); the shard then finds its next plan waiting when a step
+        ends, and neither the round trip to the router nor the router's work on the tokens
+        holds it up. At most one step is sent ahead, so a new request or a cancellation waits
+        for one step more."""
+        ahead: InFlight | None = None
         while True:
-            self._drop_cancelled()
-            step = self.scheduler.schedule()
-            if step is None:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            result = await self._execute(step)
+            if ahead is None:
+                self._drop_cancelled()
+                step = self.scheduler.schedule()
+                if step is None:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                current = await self._send(step)
+            else:
+                current, ahead = ahead, None
+            step = current.step
+            try:
+                if (next_step := self._ahead(step)) is not None:
+                    ahead = await self._send(next_step)
+                result = await self._receive(current)
+            except BaseException as e:  # every step in flight fails with it
+                for sent in (current, ahead):
+                    for o in self.observers if sent is not None else ():
+                        o.step_failed(sent.plan.step_id, sent.step, e)
+                raise
             failed = {f.seq_id: f.message for f in result.failures}
             self.scheduler.complete(step, failed)
             self._apply(step, result, failed)
+            if ahead is not None:  # the inputs the shard takes: the tokens just applied
+                ahead.step.inputs = [seq.output_ids[-1:] for seq in ahead.step.seqs]
 
-    async def _execute(self, step: Step) -> shard_pb2.StepResult:
+    def _ahead(self, step: Step) -> Step | None:
+        """The decode step to send while `step` runs, or None. Only a lone shard holds the tokens
+        it samples; a constrained sequence needs the mask of the token `step` samples."""
+        if not self.shards.samples_alone or step.phase is not Phase.DECODE or step.num_decode < len(step.seqs) \
+                or self._cancelled or any(seq.constrained is not None for seq in step.seqs):
+            return None
+        going = [seq for seq in step.seqs if seq.status is Status.RUNNING and not seq.cancelled
+                 and len(seq.output_ids) + 1 < seq.max_new_tokens and seq.num_tokens + 1 < self.max_position]
+        return self.scheduler.decode_ahead(going)
+
+    async def _send(self, step: Step) -> InFlight:
         self.step_id += 1
         if step.phase is Phase.ADMIT:
             now = time.monotonic()
@@ -85,8 +135,10 @@ class Engine:
         self._released = []
         for seq, inputs, emit in zip(step.seqs, step.inputs, step.emits):
             held = self._announced.get(seq.seq_id)
-            entry = plan.seqs.add(seq_id=seq.seq_id, token_ids=inputs, start_pos=seq.num_computed, emit=emit,
-                                  first=held is None, new_pages=seq.block_table[held or 0:])
+            entry = plan.seqs.add(seq_id=seq.seq_id, token_ids=inputs, emit=emit, first=held is None,
+                                  new_pages=seq.block_table[held or 0:])
+            # A step sent ahead computes the position after the one the step before it computes.
+            entry.start_pos, entry.sampled_input = seq.num_computed + step.sampled_inputs, step.sampled_inputs
             if held is None:
                 s = seq.sampling
                 entry.sampling.CopyFrom(shard_pb2.Sampling(temperature=s.temperature, top_p=s.top_p,
@@ -101,20 +153,28 @@ class Engine:
             self._announced[seq.seq_id] = len(seq.block_table)
         for o in self.observers:
             o.step_started(self.step_id, step, plan)
-        t0 = time.perf_counter()
         try:
-            result = await self.shards.step(plan)
+            await self.shards.send(plan)
         except BaseException as e:
             for o in self.observers:
                 o.step_failed(self.step_id, step, e)
             raise
-        wall_s = time.perf_counter() - t0
+        self._in_flight += 1
+        return InFlight(step, plan, time.perf_counter())
+
+    async def _receive(self, sent: InFlight) -> shard_pb2.StepResult:
+        step, step_id = sent.step, sent.plan.step_id
+        result = await self.shards.receive(sent.plan)
+        self._in_flight -= 1
+        # A step sent ahead starts when the one before it ends.
+        received_at = time.perf_counter()
+        wall_s, self._received_at = received_at - max(sent.sent_at, self._received_at), received_at
         for o in self.observers:
-            o.step_done(self.step_id, step, result, wall_s)
+            o.step_done(step_id, step, result, wall_s)
         failed = {f.seq_id for f in result.failures}
         want = sum(1 for seq, emit in zip(step.seqs, step.emits) if emit and seq.seq_id not in failed)
         if len(result.tokens) != want:
-            raise ShardError(f"step {self.step_id}: {len(result.tokens)} tokens for {want} emitting sequences")
+            raise ShardError(f"step {step_id}: {len(result.tokens)} tokens for {want} emitting sequences")
         return result
 
     def _apply(self, step: Step, result: shard_pb2.StepResult, failed: dict[int, str]) -> None:
@@ -130,8 +190,8 @@ class Engine:
             if not emit:
                 continue  # an intermediate chunk: KV written, nothing sampled
             token = next(sampled)
-            if seq.cancelled:
-                continue  # dropped at the top of the next loop
+            if seq.cancelled or seq.status is Status.FINISHED:
+                continue  # dropped at the top of the next loop, or it ended while a step sent ahead ran
             if why := self._missing_logprobs(seq, scores):
                 self.fail(seq, Failure("INTERNAL", why))
                 continue
@@ -216,6 +276,7 @@ class Engine:
             self.fail(seq, failure)
         self._cancelled.clear()
         self._text.clear()
+        self._in_flight = 0
         self._announced.clear()  # the shards start from nothing after a reconnect
         self._released.clear()
 

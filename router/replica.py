@@ -169,7 +169,7 @@ class Replica:
             await asyncio.gather(engine_task, ended_task, stop_task, return_exceptions=True)
 
     async def _drained(self, engine_task: asyncio.Future) -> None:
-        while self.engine.scheduler.has_work() and not engine_task.done():
+        while self.engine.has_work() and not engine_task.done():
             await asyncio.sleep(0.05)
 
     @staticmethod

@@ -59,11 +59,19 @@ class Step:
     inputs: list[list[int]] = field(default_factory=list)  # per sequence, the tokens this step computes
     emits: list[bool] = field(default_factory=list)        # per sequence, whether it samples its next token
     num_decode: int = 0
+    # Sent before the step ahead of it ended (`Scheduler.decode_ahead`): each decode row's input
+    # is the token the shard samples for it in that step, so `inputs` are [] until it is known.
+    sampled_inputs: bool = False
 
     @property
     def is_prefill(self) -> bool:
         """Whether the step computes prompt chunks (a mixed step has decode rows too)."""
         return self.phase is not Phase.DECODE
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions the step computes."""
+        return len(self.seqs) if self.sampled_inputs else sum(map(len, self.inputs))
 
     @property
     def chunks(self) -> list[tuple[Sequence, list[int]]]:
@@ -139,6 +147,20 @@ class Scheduler:
             self._grow(seq, seq.num_tokens)
         seqs = list(self.decoding)
         return Step(Phase.DECODE, seqs, [s.output_ids[-1:] for s in seqs], [True] * len(seqs), len(seqs))
+
+    def decode_ahead(self, seqs: list[Sequence]) -> Step | None:
+        """The decode step of `seqs`, to be sent while their decode step runs, when it is the step
+        that follows: no prefill is in progress and no waiting request may be admitted. `seqs`
+        are the sequences of that step that are sure to go on after it (not at their length
+        limit, unconstrained); each computes the position after the one it computes now, from
+        the token it samples there. Decode steps are then never rotated with the others: they
+        are the only phase with work."""
+        if not seqs or self.prefilling or (len(self.decoding) < self.max_batch and self._most_urgent()):
+            return None
+        for seq in seqs:
+            self._grow(seq, seq.num_computed + 2)
+        return Step(Phase.DECODE, list(seqs), [[] for _ in seqs], [True] * len(seqs), len(seqs),
+                    sampled_inputs=True)
 
     def _continue(self, budget: int) -> Step | None:
         step = Step(Phase.CONTINUE)
@@ -218,12 +240,13 @@ class Scheduler:
     # -- after a step -----------------------------------------------------------------------------
     def complete(self, step: Step, failed: Collection[int] = ()) -> None:
         """Every shard acked `step`: its tokens' KV is written, except for the sequences in
-        `failed` (ids), which the shards left out and which are to be finished. Advances each
-        other sequence, publishes the pages that became full, and moves finished prefills to
-        the decode phase."""
+        `failed` (ids), which the shards left out and which are to be finished, and for those
+        that finished while the step ran (sent ahead, it computed a token they do not need).
+        Advances each other sequence, publishes the pages that became full, and moves finished
+        prefills to the decode phase."""
         chunked = {id(seq) for seq, _ in step.chunks}
         for seq, inputs in zip(step.seqs, step.inputs):
-            if seq.seq_id in failed:
+            if seq.seq_id in failed or seq.status is Status.FINISHED:
                 continue
             seq.num_computed += len(inputs)
             self._publish(seq)
@@ -250,7 +273,9 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Takes the sequence out of its phase and returns its pages and reservation.
-        Called only at a step boundary, so no shard still writes these pages. Idempotent."""
+        Called only at a step boundary: a shard may still write these pages in a step sent
+        ahead, but a step that gives them to another sequence is sent after it, and a shard
+        runs its plans in order. Idempotent."""
         if seq.status is Status.FINISHED:
             return
         for queue in (self.waiting, self.prefilling, self.decoding):

@@ -60,9 +60,15 @@ class ShardClient:
         code = await self._stream.code()
         return f"shard {self.address} ended its step stream: {code.name} {await self._stream.details()}"
 
-    async def step(self, plan: shard_pb2.StepPlan) -> shard_pb2.StepResult:
+    async def send(self, plan: shard_pb2.StepPlan) -> None:
         try:
             await self._stream.write(plan)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
+            raise ShardError(f"shard {self.address}: {e}") from e
+
+    async def receive(self, plan: shard_pb2.StepPlan) -> shard_pb2.StepResult:
+        """The answer to `plan`, the oldest plan sent and not yet answered."""
+        try:
             result = await self._stream.read()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
             raise ShardError(f"shard {self.address}: {e}") from e
@@ -162,8 +168,18 @@ class ShardGroup:
             for t in tasks:
                 t.cancel()
 
-    async def step(self, plan: shard_pb2.StepPlan) -> shard_pb2.StepResult:
-        tasks = [asyncio.ensure_future(s.step(plan)) for s in self.shards]
+    @property
+    def samples_alone(self) -> bool:
+        """One shard: it holds every token it samples, and can be sent a plan that uses them."""
+        return len(self.shards) == 1
+
+    async def send(self, plan: shard_pb2.StepPlan) -> None:
+        """Sends a plan to every shard; each runs the plans it is sent in order, one at a time."""
+        await asyncio.gather(*(s.send(plan) for s in self.shards))
+
+    async def receive(self, plan: shard_pb2.StepPlan) -> shard_pb2.StepResult:
+        """Every shard's answer to `plan`, the oldest plan sent and not yet answered."""
+        tasks = [asyncio.ensure_future(s.receive(plan)) for s in self.shards]
         t0 = time.monotonic()
         try:
             for _ in range(HUNG_AFTER_TIMEOUTS):

@@ -23,7 +23,7 @@ from router.sequence import Ending, Failure, Sequence, ending_label
 class Tracing(RequestEvents):
     def __init__(self, tracer, model: str):
         self.tracer, self.model = tracer, model
-        self._step: trace.Span | None = None  # the step in flight (the engine runs one at a time)
+        self._steps: dict[int, trace.Span] = {}  # by step id: the steps in flight (one sent ahead too)
 
     def request_span(self, metadata, operation: str, attributes: dict) -> trace.Span:
         """Starts a request's span, continuing the trace context of the call's metadata."""
@@ -69,19 +69,22 @@ class Tracing(RequestEvents):
         span = self.tracer.start_span("step", context=otel_context.Context(), kind=SpanKind.CLIENT, links=links,
                                       attributes={"shardline.step.id": step_id, "shardline.step.phase": step.phase.value,
                                                   "shardline.step.batch_size": len(step.seqs),
-                                                  "shardline.step.tokens": sum(map(len, step.inputs))})
+                                                  "shardline.step.tokens": step.num_tokens,
+                                                  "shardline.step.sent_ahead": step.sampled_inputs})
         propagate.inject(plan.trace_context, context=trace.set_span_in_context(span))
-        self._step = span
+        self._steps[step_id] = span
 
     def step_done(self, step_id: int, step, result, wall_s: float) -> None:
-        span, self._step = self._step, None
+        span = self._steps.pop(step_id)
         span.set_attributes({"shardline.step.shard_compute_ms": result.compute_ms,
                              "shardline.step.decode_graph_launches": result.graph_launches,
                              "shardline.step.failed_sequences": len(result.failures)})
         span.end()
 
     def step_failed(self, step_id: int, step, error: BaseException) -> None:
-        span, self._step = self._step, None
+        span = self._steps.pop(step_id, None)
+        if span is None:
+            return
         span.record_exception(error)
         span.set_status(Status(StatusCode.ERROR, f"the step failed: {error}"))
         span.end()

@@ -126,7 +126,12 @@ class ModelRunner:
         if state is not None and s.start_pos != state.next_pos:
             return (f"the plan computes from position {s.start_pos}, but this shard holds "
                     f"{state.next_pos} positions of the sequence")
-        n, end = len(s.token_ids), s.start_pos + len(s.token_ids)
+        if s.sampled_input and s.token_ids:
+            return "the plan gives input tokens and asks for the sampled one"
+        if s.sampled_input and (state is None or state.sampled is None):
+            return "the plan asks for the token sampled in the sequence's previous step, which sampled none here"
+        n = 1 if s.sampled_input else len(s.token_ids)
+        end = s.start_pos + n
         if n == 0:
             return "no input tokens"
         if end > self.max_position:
@@ -138,8 +143,8 @@ class ModelRunner:
             return f"block table of {pages} pages is longer than the context needs"
         if s.new_pages and max(s.new_pages) >= self.kv.padding_page:
             return f"page id {max(s.new_pages)} outside the pool of {self.kv.padding_page} pages"
-        if max(s.token_ids) >= self.vocab_size or (s.HasField("next_token") and s.next_token >= self.vocab_size):
-            return f"token id {max(*s.token_ids, s.next_token)} outside the vocabulary of {self.vocab_size}"
+        if max(s.token_ids, default=0) >= self.vocab_size or (s.HasField("next_token") and s.next_token >= self.vocab_size):
+            return f"token id {max([*s.token_ids, s.next_token])} outside the vocabulary of {self.vocab_size}"
         if s.allowed_tokens and len(s.allowed_tokens) != mask_bytes(self.vocab_size):
             return (f"a token mask of {len(s.allowed_tokens)} bytes; the vocabulary of {self.vocab_size} "
                     f"takes {mask_bytes(self.vocab_size)}")
@@ -155,6 +160,8 @@ class ModelRunner:
 
     def _accept(self, s) -> SequenceState:
         state = self.table.get(s.seq_id)
+        if s.sampled_input:  # from here on the entry reads as any decode step's
+            s.token_ids.append(state.sampled)
         if state is None:
             sp = s.sampling
             state = self.table.admit(s.seq_id, s.start_pos, SamplingParams(
@@ -225,6 +232,7 @@ class ModelRunner:
             last, every = self._prefill(entries, states, scored)
         for s, st in zip(entries, states):
             st.next_pos += len(s.token_ids)
+            st.sampled = None  # until this step samples it a token
         if self.layout.samples:
             self._sample(entries, states, last, every, out)
         return out
@@ -273,7 +281,7 @@ class ModelRunner:
                     self.table.release(entries[i].seq_id)
                     logprobs.pop(i, None)
                     continue
-                token = draw.token
+                token = states[i].sampled = draw.token
                 out.tokens.append(token)
                 top = states[i].sampling.logprobs
                 if top is not None:

@@ -29,6 +29,7 @@ class SequenceState:
     pages: list[int]          # its block table, as the router sent it
     sampling: SamplingParams
     next_pos: int             # positions whose K/V this shard holds
+    sampled: int | None = None  # the token it sampled in its last step, if that step emitted
 
 
 class SequenceTable:

@@ -141,3 +141,27 @@ def test_a_token_mask_constrains_the_sampled_token_and_one_of_the_wrong_size_fai
     out = runner.step(_plan(masked, wrong))
     assert free != 43 and out.tokens == [43]
     assert "token mask of" in out.failures[2] and 2 not in runner.table.held
+
+
+def test_a_decode_step_with_the_sampled_input_continues_from_the_token_this_shard_sampled(model):
+    """A plan sent before the router saw the previous step's token names no input: the shard's
+    own sampled token is the input, and the tokens are those of plans that name it."""
+    prompt = list(range(100, 111))
+    named = _runner(model)
+    first = named.step(_plan(_first(1, prompt, [0, 1]))).tokens
+    reference = first + _decode(named, 1, first[0], len(prompt), 6, page_of=lambda pos: 2)
+
+    runner = _runner(model)
+    tokens = runner.step(_plan(_first(1, prompt, [0, 1]), _first(2, prompt[:5], [3], emit=False))).tokens
+    for pos in range(len(prompt), len(prompt) + 6):
+        sampled = _next(1, [], pos, [2] if pos % PAGE == 0 else [])
+        sampled.sampled_input = True
+        out = runner.step(_plan(sampled))
+        assert not out.failures, out.failures
+        tokens += out.tokens
+    assert tokens == reference
+    # No sampled token to take: after a step that emitted none, or with input tokens named too.
+    chunk, both = _next(2, [], 5), _next(1, [tokens[-1]], len(prompt) + 6)
+    chunk.sampled_input = both.sampled_input = True
+    out = runner.step(_plan(chunk, both))
+    assert "sampled none" in out.failures[2] and "input tokens" in out.failures[1] and not runner.table.held
