@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     from shardline.processes import die_with_parent
     die_with_parent()
     # `kill -USR1 <pid>` writes every thread's Python stack to stderr: where a service hangs.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     parser = build_parser()
     args = parser.parse_args(argv)
     from common.telemetry import log_with_trace_ids
