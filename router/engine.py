@@ -115,11 +115,13 @@ class Engine:
 
     def _ahead(self, step: Step) -> Step | None:
         """The decode step to send while `step` runs, or None. Only a lone shard holds the tokens
-        it samples; a constrained sequence needs the mask of the token `step` samples."""
-        if not self.shards.samples_alone or step.phase is not Phase.DECODE or step.num_decode < len(step.seqs) \
-                or self._cancelled or any(seq.constrained is not None for seq in step.seqs):
+        it samples; a constrained sequence needs the mask of the token `step` samples. (A mixed
+        step's phase is that of its chunks; a cancelled sequence is in `_cancelled` until it
+        is dropped, and FINISHED after.)"""
+        if not self.shards.samples_alone or step.phase is not Phase.DECODE or self._cancelled \
+                or any(seq.constrained is not None for seq in step.seqs):
             return None
-        going = [seq for seq in step.seqs if seq.status is Status.RUNNING and not seq.cancelled
+        going = [seq for seq in step.seqs if seq.status is Status.RUNNING
                  and len(seq.output_ids) + 1 < seq.max_new_tokens and seq.num_tokens + 1 < self.max_position]
         return self.scheduler.decode_ahead(going)
 
