@@ -1,5 +1,5 @@
 """Process plumbing that router, shard and launcher share: a bounded exit, how long a silent
-shard is waited for, and how fast a lost peer is reconnected to."""
+shard is waited for, how fast a lost peer is reconnected to, and whether the parent is gone."""
 from __future__ import annotations
 
 import os
@@ -12,6 +12,17 @@ def exit_soon(seconds: float = 10.0, code: int = 1) -> None:
     timer = threading.Timer(seconds, os._exit, args=(code,))
     timer.daemon = True
     timer.start()
+
+
+_FIRST_PARENT = os.getppid()  # at import, which a service does before it serves
+
+
+def parent_gone() -> bool:
+    """Whether the process that started this one has died (this one was reparented). A service's
+    serving loop checks it as well as relying on the parent-death SIGTERM: CI twice saw a shard
+    still in that loop 30 s after its launcher was SIGKILLed, its SIGTERM handler never run. A
+    service started by init or a container runtime keeps its parent and is unaffected."""
+    return os.getppid() != _FIRST_PARENT
 
 
 def hang_detection_s(step_timeout_s: float) -> tuple[float, float]:

@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import torch
 from opentelemetry import propagate, trace
 
-from common.process import exit_soon
+from common.process import exit_soon, parent_gone
 from common.telemetry import setup_tracing
 from common.tls import ShardTls
 from protos import shard_pb2, shard_pb2_grpc
@@ -221,7 +221,9 @@ def serve_shard(args) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_stop)
-    work.serve_until(stop.is_set)
+    work.serve_until(lambda: stop.is_set() or parent_gone())
+    if not stop.is_set():  # the launcher died and its SIGTERM never came: leave as if it had
+        on_stop()
     health_servicer.enter_graceful_shutdown()  # NOT_SERVING from now on
     deadline = time.monotonic() + args.drain_timeout_s
     work.serve_until(lambda: not service.streaming.is_set() or time.monotonic() > deadline)
