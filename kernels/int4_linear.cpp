@@ -79,10 +79,10 @@ void dequantize(const char* records, int64_t K, int64_t b0, int64_t b1, float* w
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t b = b0; b < b1; ++b) {
         const char* rec = record<Int4Codes>(records, groups, b, g);
-        const float *scale = scales<Int4Codes>(rec), *lo = los<Int4Codes>(rec);
+        const c10::Half *scale = scales<Int4Codes>(rec), *lo = los<Int4Codes>(rec);
         float* out = wt + g * G * ld + (b - b0) * B;
 #if defined(__AVX2__)
-        const __m256 s = _mm256_loadu_ps(scale), z = _mm256_loadu_ps(lo);
+        const __m256 s = shardline::load_half8(scale), z = shardline::load_half8(lo);
         const __m256i nibble = _mm256_set1_epi32(0xF);
         for (int l = 0; l < 4; ++l) {
           const __m256i w = Int4Codes::load(rec, l);
@@ -95,7 +95,7 @@ void dequantize(const char* records, int64_t K, int64_t b0, int64_t b1, float* w
 #else
         for (int64_t k = 0; k < G; ++k)
           for (int64_t i = 0; i < B; ++i)
-            out[k * ld + i] = lo[i] + scale[i] * static_cast<float>(Int4Codes::at(rec, i, k));
+            out[k * ld + i] = static_cast<float>(lo[i]) + static_cast<float>(scale[i]) * static_cast<float>(Int4Codes::at(rec, i, k));
 #endif
       }
   });

@@ -1,7 +1,8 @@
 // Shardline's 8-bit linear kernel (shardline_native::int8_linear), in practice the LM head.
 //
 // Weights are groups of 32 along the input dimension, w = lo + scale * code, with codes as int8
-// -128..126 (lo includes the +128 shift from the 0..254 grid) and scale and lo in fp32. As in
+// (the 0..254 grid shifted per group, the shift folded into lo: kernels/operands.py) and scale and
+// lo in fp16. As in
 // int4_linear.cpp, eight output rows are interleaved across the vector lanes: for each block of 8
 // outputs and each pair of weights (2p, 2p + 1), 16 bytes, output 8b + i's two codes at 2i and
 // 2i + 1, in records of a block's group (`int8_pack`, interleaved.h). So one load sign-extended to

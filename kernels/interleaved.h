@@ -3,9 +3,12 @@
 //
 // A layer is held as records, one per block of 8 outputs and group of 32 weights, in the order
 // the kernel reads them: the group's codes for the block's 8 outputs (CODE_BYTES), then their 8
-// fp32 scales and 8 fp32 los. One record after the other is one stream per thread: with codes,
+// fp16 scales and 8 fp16 los. One record after the other is one stream per thread: with codes,
 // scales and los in three arrays, decode's weights (read from memory once a step) streamed at 9
-// GB/s a core, as records at 13 (AVX2, SmolLM2's w13, one row).
+// GB/s a core, as records at 13 (AVX2, SmolLM2's w13, one row). fp16 is how GGUF's blocks hold
+// their scales (Q4_0, Q4_1 and Q8_0's exactly; Q4_K's products of two scales round to 2^-11),
+// and a decode step at one row streams its weights at the machine's read bandwidth: a 4-bit
+// record of 160 bytes rather than 192 with fp32 scales is a sixth less to read.
 //
 // Only how a record's codes are held differs, and a `Codes` type says it (AVX2 first):
 //   PAIRS:          pairs of weights per load (a group's 16 pairs take 16 / PAIRS loads);
@@ -29,7 +32,7 @@ namespace shardline::interleaved {
 constexpr int64_t G = 32;         // weights per group (one scale, one lo)
 constexpr int64_t B = 8;          // outputs per block, across the lanes
 constexpr int64_t ROW_BLOCK = 4;  // activation rows multiplied against one block's codes
-constexpr int64_t SCALE_BYTES = 2 * B * sizeof(float);  // a record's 8 scales and 8 los
+constexpr int64_t SCALE_BYTES = 2 * B * sizeof(c10::Half);  // a record's 8 scales and 8 los
 
 template <typename Codes>
 constexpr int64_t RECORD = Codes::CODE_BYTES + SCALE_BYTES;
@@ -40,28 +43,28 @@ inline const char* record(const char* records, int64_t groups, int64_t b, int64_
   return records + (b * groups + g) * RECORD<Codes>;
 }
 template <typename Codes>
-inline const float* scales(const char* rec) { return reinterpret_cast<const float*>(rec + Codes::CODE_BYTES); }
+inline const c10::Half* scales(const char* rec) { return reinterpret_cast<const c10::Half*>(rec + Codes::CODE_BYTES); }
 template <typename Codes>
-inline const float* los(const char* rec) { return scales<Codes>(rec) + B; }
+inline const c10::Half* los(const char* rec) { return scales<Codes>(rec) + B; }
 
 // A layer's records [N/8, K/32, RECORD] uint8: `pack_codes(record, b, g)` writes block b's codes
-// of group g into the record, and its scales and los [N, K/32] follow them.
+// of group g into the record, and its scales and los [N, K/32], rounded to fp16, follow them.
 template <typename Codes, typename PackCodes>
 at::Tensor pack(const at::Tensor& scale, const at::Tensor& lo, int64_t N, int64_t K, PackCodes pack_codes) {
   TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.size(1) == K / G && lo.sizes() == scale.sizes(),
               "scale and lo must be [N, K/32]");
-  const at::Tensor s = scale.to(at::kFloat).contiguous(), z = lo.to(at::kFloat).contiguous();
+  const at::Tensor s = scale.to(at::kHalf).contiguous(), z = lo.to(at::kHalf).contiguous();
   const int64_t groups = K / G;
   at::Tensor out = at::empty({N / B, groups, RECORD<Codes>}, scale.options().dtype(at::kByte));
   char* base = reinterpret_cast<char*>(out.data_ptr<uint8_t>());
-  const float* sp = s.const_data_ptr<float>();
-  const float* zp = z.const_data_ptr<float>();
+  const c10::Half* sp = s.const_data_ptr<c10::Half>();
+  const c10::Half* zp = z.const_data_ptr<c10::Half>();
   at::parallel_for(0, N / B, 8, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t g = 0; g < groups; ++g) {
         char* rec = base + (b * groups + g) * RECORD<Codes>;
         pack_codes(rec, b, g);
-        float* f = reinterpret_cast<float*>(rec + Codes::CODE_BYTES);
+        c10::Half* f = reinterpret_cast<c10::Half*>(rec + Codes::CODE_BYTES);
         for (int64_t i = 0; i < B; ++i) f[i] = sp[(b * B + i) * groups + g], f[B + i] = zp[(b * B + i) * groups + g];
       }
   });
@@ -82,7 +85,7 @@ void dot_block(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0,
     for (int b = 0; b < NB; ++b) rec[b] = record<Codes>(records, groups, b0 + b, g);
     // the records two runs of blocks ahead: decode's weights stream from memory, once per step
     // (past the layer's last record this touches nothing: prefetches do not fault). Into L2 only
-    // (T2): two runs ahead is about 28 KB a thread at one row of SmolLM2's layers, most of a 32 KB
+    // (T2): two runs ahead is about 24 KB a thread at one row of SmolLM2's layers, most of a 32 KB
     // L1, and prefetched into L1 they were evicted before their use (forced AVX2, in-process A/B,
     // the 30 layers' 120 multiplies at one row: 4.55 -> 3.52 ms; the 8-bit LM head 1.50 -> 1.00).
     for (int b = 0; b < NB; ++b)
@@ -107,8 +110,8 @@ void dot_block(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0,
       }
     }
     for (int b = 0; b < NB; ++b) {  // the group's sums scaled, and its lo term: 8 outputs at once
-      const __m256 s = _mm256_loadu_ps(scales<Codes>(rec[b]));
-      const __m256 z = _mm256_loadu_ps(los<Codes>(rec[b]));
+      const __m256 s = load_half8(scales<Codes>(rec[b]));
+      const __m256 z = load_half8(los<Codes>(rec[b]));
       for (int r = 0; r < R; ++r) {
         const int64_t i = (m0 + r) * groups + g;
         total[b][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[b][r]), _mm256_mul_ps(s, _mm256_set1_ps(xs.d[i])), total[b][r]);
@@ -129,7 +132,8 @@ void dot_block(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0,
           int32_t dot = 0;
           for (int64_t k = 0; k < G; ++k) dot += Codes::at(rec, i, k) * xq[g * G + k];
           const int64_t row = (m0 + r) * groups + g;
-          acc += static_cast<float>(dot) * scales<Codes>(rec)[i] * xs.d[row] + los<Codes>(rec)[i] * xs.sum[row];
+          acc += static_cast<float>(dot) * static_cast<float>(scales<Codes>(rec)[i]) * xs.d[row] +
+                 static_cast<float>(los<Codes>(rec)[i]) * xs.sum[row];
         }
         y[(m0 + r) * N + (b0 + b) * B + i] = acc;
       }

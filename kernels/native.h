@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
 
 #include <optional>
 #include <vector>
@@ -14,7 +15,7 @@
 namespace shardline {
 
 // codes [N, K] int8 (N a multiple of 8, K of 32), scale and lo [N, K/32] -> int8_linear's records
-// [N/8, K/32, 320] uint8, 8 outputs interleaved (int8_linear.cpp, interleaved.h).
+// [N/8, K/32, 288] uint8, 8 outputs interleaved (int8_linear.cpp, interleaved.h).
 at::Tensor int8_pack(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& lo);
 
 // x [M, K] fp32 times the weights lo + scale * code that int8_pack's records hold -> [M, N].
@@ -29,7 +30,7 @@ struct Int16Rows {
 Int16Rows int16_rows(const float* x, int64_t M, int64_t K);
 
 // codes [N, K] 0..15 (N a multiple of 8, K of 32), scale and lo [N, K/32] -> int4_linear's records
-// [N/8, K/32, 192] uint8, 8 outputs interleaved (int4_linear.cpp, interleaved.h).
+// [N/8, K/32, 160] uint8, 8 outputs interleaved (int4_linear.cpp, interleaved.h).
 at::Tensor int4_pack(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& lo);
 
 // x [M, K] fp32 times the weights lo + scale * code that int4_pack's records hold -> [M, N].
@@ -72,6 +73,11 @@ inline __m256i dot_pairs(__m256i acc, __m256i codes, __m256i x) {
   asm("" : "+x"(sum));
   return sum;
 #endif
+}
+
+// 8 fp16 values as fp32 (F16C: every AVX2 CPU has it, and x86-64-v3 includes it).
+inline __m256 load_half8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 // The sum, or the largest, of a vector's 8 floats.

@@ -3,7 +3,7 @@ takes:
 
 - `Kernel.TORCH`: torch's int4 CPU kernel (`_weight_int4pack_mm_for_cpu`, bf16 activations and
   scales); an 8-bit layer multiplies as two int4 halves of its codes.
-- `Kernel.NATIVE`: Shardline's own, fp32 scales beside the codes, 8 outputs across the vector
+- `Kernel.NATIVE`: Shardline's own, fp16 scales beside the codes, 8 outputs across the vector
   lanes, activations rounded to int16 per group of 32 and integer dot products:
   kernels/int8_linear.cpp for 8 bits, kernels/int4_linear.cpp for 4 (codes unpacked in
   registers; many rows through an fp32 GEMM on slices dequantized on the fly).
@@ -41,26 +41,57 @@ def torch_operands(codes, scale, lo, bits: int) -> list:
 
 
 # A native layer's records (kernels/interleaved.h): per block of LANES outputs and group, the
-# codes (4 or 8 bits each), then LANES fp32 scales and LANES fp32 los.
+# codes (4 or 8 bits each), then LANES fp16 scales and LANES fp16 los.
 LANES = 8
 CODE_BYTES = {bits: GROUP * LANES * bits // 8 for bits in (4, 8)}
-SCALE_BYTES = 2 * LANES * 4
+SCALE_BYTES = 2 * LANES * 2
 INT4_RECORD = CODE_BYTES[4] + SCALE_BYTES
 
 
 def native_operands(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int):
     """The operands of Shardline's kernels: one record per block of 8 outputs and group of 32
-    weights, the block's codes interleaved beside its scales and los (4 bits: `int4_pack`; 8 bits,
-    0..254: shifted to int8, the shift folded into lo, `int8_pack`). N is padded with zero weights
-    to whole blocks; the kernels return those outputs too (zeros), and `QuantizedLinear` drops
-    them."""
+    weights, the block's codes interleaved beside its scales and los, both rounded to fp16 (4 bits:
+    `int4_pack`; 8 bits, 0..254: shifted to int8, the shift folded into lo, `int8_pack`). N is
+    padded with zero weights to whole blocks; the kernels return those outputs too (zeros), and
+    `QuantizedLinear` drops them."""
     pad = -codes.shape[0] % LANES
     if pad:
         codes, scale, lo = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale, lo))
     scale, lo = scale.float(), lo.float()
     if bits == 4:
-        return (native.ops().int4_pack(codes, scale, lo),)
-    return (native.ops().int8_pack((codes - 128).to(torch.int8), scale, lo + 128 * scale),)
+        return (native.ops().int4_pack(*_counted_down_where_fp16_holds_it(codes, scale, lo, 16)),)
+    shift = _int8_shift(codes, scale, lo)
+    return (native.ops().int8_pack((codes - shift.repeat_interleave(GROUP, 1)).to(torch.int8), scale,
+                                   lo + shift * scale),)
+
+
+def _counted_down_where_fp16_holds_it(codes, scale, lo, levels: int):
+    """Groups whose lowest value fp16 does not hold count down from a grid value that it does, where
+    one lies above every code: codes c -> j - c, scale negated, lo the value at j. Q4_0's blocks are
+    d * (q - 8) with a d of either sign, and where d is negative the grid's lowest value is some
+    -k|d|, k < 8, rarely an fp16 number; its value at q = 0, -8d, is one."""
+    groups = codes.view(codes.shape[0], -1, GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    origin, top, todo = lo.clone(), torch.zeros_like(low), lo.half().float() != lo
+    for j in range(levels):
+        value = lo + j * scale
+        held = value.half().float()
+        fits = todo & (high <= j) & (j - low <= levels - 1) & ((held - value).abs() <= 1e-6 * scale.abs())
+        origin, top, todo = torch.where(fits, held, origin), torch.where(fits, j, top), todo & ~fits
+    down = (lo.half().float() != lo) & ~todo
+    codes = torch.where(down.repeat_interleave(GROUP, 1), top.repeat_interleave(GROUP, 1) - codes, codes)
+    return codes, torch.where(down, -scale, scale), origin
+
+
+def _int8_shift(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """Per group, the code that the int8 codes count from: the code of zero where zero lies on the
+    group's grid (Q8_0's blocks), so that the folded lo is exactly 0, which fp16 holds (lo + 128 *
+    scale would round); else 128."""
+    groups = codes.view(codes.shape[0], -1, GROUP)
+    zero = (-lo / scale.clamp_min(torch.finfo(torch.float32).tiny)).round()
+    fits = ((lo + zero * scale).abs() <= 1e-6 * scale.abs()) & (groups.amin(-1) - zero >= -128) & (
+        groups.amax(-1) - zero <= 127)
+    return torch.where(fits, zero, torch.full_like(zero, 128.0)).to(codes.dtype)
 
 
 def native_rows(held, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,7 +102,7 @@ def native_rows(held, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     lane, t, groups, code_bytes = tokens % LANES, torch.arange(len(tokens)), records.shape[1], CODE_BYTES[8]
     # per pair of weights, each lane's two codes side by side
     codes = records[:, :, :code_bytes].view(torch.int8).view(len(tokens), groups, GROUP // 2, LANES, 2)[t, :, :, lane]
-    scales = records[:, :, code_bytes:].contiguous().view(torch.float32)  # [T, groups, 2 * LANES]
+    scales = records[:, :, code_bytes:].contiguous().view(torch.float16).float()  # [T, groups, 2 * LANES]
     return codes.reshape(len(tokens), -1), scales[t, :, lane], scales[t, :, LANES + lane]
 
 

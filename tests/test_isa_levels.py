@@ -20,7 +20,10 @@ print(native.isa_flag(), native.build_folder())
 torch.manual_seed(0)
 for bits, levels in ((4, 16), (8, 255)):
     codes = torch.randint(0, levels, (72, 288), dtype=torch.int32)
-    scale, lo = torch.rand(72, 9) / 50, torch.randn(72, 9) / 10
+    # the records hold scales and los in fp16 (as GGUF's blocks do): values it holds exactly
+    scale, lo = (torch.rand(72, 9) / 50).half().float(), (torch.randn(72, 9) / 10).half().float()
+    if bits == 8:  # symmetric, as Q8_0's blocks: zero on the grid
+        lo = -128 * scale
     weights = lo.repeat_interleave(32, 1) + scale.repeat_interleave(32, 1) * codes
     held = native_operands(codes, scale, lo, bits)
     for rows in (1, 2, 3, 5, 17):

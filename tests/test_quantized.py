@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize as gguf_quantize
 
-from kernels import choice
-from kernels.grid import GROUP, grid_groups
-from kernels.operands import Kernel, multiply, native_operands, torch_operands
+from kernels import choice, native
+from kernels.grid import GROUP, grid_groups, grid_weights
+from kernels.operands import Kernel, multiply, native_operands, native_rows, torch_operands
 from kernels.quantized import Int8Embedding, QuantizedLinear
 from shard.config import ModelConfig
 from shard.model import Transformer
@@ -86,13 +86,35 @@ def test_quantized_layers_compute_their_weights(rows):
                     assert (got - want).abs().max() <= 1e-2 * want.abs().max(), (layer.bits, layer.kernel, layer.max_rows)
 
 
+@pytest.mark.parametrize("qtype, bits", [(GGMLQuantizationType.Q4_1, 4), (GGMLQuantizationType.Q4_0, 4),
+                                         (GGMLQuantizationType.Q8_0, 8)])
+def test_the_native_records_hold_ggufs_blocks_exactly(qtype, bits):
+    """The records keep scales and los in fp16, as GGUF's blocks keep theirs, so Q4_0, Q4_1 and
+    Q8_0 weights come back bit for bit: an 8-bit group's codes count from the code of zero, so its
+    folded lo is 0 (counted from 128, Q8_0's lo + 128 * scale would round in fp16)."""
+    if not native.available():
+        pytest.skip("Shardline's kernels did not build here")
+    torch.manual_seed(bits)
+    w = _gguf_roundtrip(torch.randn(16, 128) / 10, qtype)
+    codes, scale, lo, exact = grid_groups(w, 16 if bits == 4 else 255)
+    assert exact == 1.0
+    held = native_operands(codes, scale, lo, bits)
+    if bits == 8:
+        codes, scale, lo = native_rows(held, torch.arange(16))
+        assert (lo == 0).all()
+        torch.testing.assert_close(grid_weights(codes.float(), scale, lo), w, rtol=0, atol=0)
+    else:  # one-hot rows through the GEMM path read back each weight, fp32 products of exact values
+        torch.testing.assert_close(multiply(Kernel.NATIVE, held, torch.eye(128), direct_rows=0), w.t(), rtol=0, atol=0)
+
+
 def test_a_native_int8_layer_of_outputs_not_whole_blocks_of_8_drops_the_padding(monkeypatch):
     """The kernels interleave 8 outputs across the vector lanes; an LM head of an odd vocabulary
     (20 here) is padded with zero weights to 24, and the layer returns exactly its 20, and looks
     up its own rows (a tied embedding's) from the padded codes. (A 4-bit layer needs N a multiple
     of 16 anyway: torch's int4 kernel, measured against ours, packs no other.)"""
     monkeypatch.setattr("kernels.quantized.kernel_for", lambda bits: Kernel.NATIVE)
-    w = torch.randn(20, 64) / 10
+    torch.manual_seed(20)
+    w = _gguf_roundtrip(torch.randn(20, 64) / 10, GGMLQuantizationType.Q8_0)  # an LM head's type: fp16 holds its grid
     layer = QuantizedLinear(nn_linear(64, 20, weight=w, bias=None), 8, keep_rows=True)
     codes, scale, lo, _ = grid_groups(w, 255)
     grid = lo.repeat_interleave(GROUP, 1) + scale.repeat_interleave(GROUP, 1) * codes
@@ -129,7 +151,9 @@ def test_the_native_int4_kernel_computes_the_dequantized_weights(rows, k):
     torch.manual_seed(rows * k)
     codes = torch.randint(0, 16, (40, k), dtype=torch.int32)
     codes[0] = 15  # every nibble set: the top one carries the word's sign bit
-    scale, lo, x = torch.rand(40, k // GROUP) / 50, torch.randn(40, k // GROUP) / 10, torch.randn(rows, k)
+    # scales and los that fp16 holds exactly, as the records keep them (GGUF's blocks' are fp16)
+    scale, lo = (torch.rand(40, k // GROUP) / 50).half().float(), (torch.randn(40, k // GROUP) / 10).half().float()
+    x = torch.randn(rows, k)
     x[0, :GROUP] *= 1000  # a group of outliers beside ordinary groups
     weights = lo.repeat_interleave(GROUP, 1) + scale.repeat_interleave(GROUP, 1) * codes
     want = x.double() @ weights.double().t()
