@@ -265,6 +265,7 @@ at::Tensor paged_decode(const at::Tensor& qkv_in, const at::Tensor& cos_in, cons
   const int64_t token_stride = kv_heads * d;
 
   at::Tensor out = at::empty({B, heads * d}, qkv.options());
+  if (B == 0) return out;  // (attend splits the contexts per sequence)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_pages.scalar_type(), "paged_decode", [&] {
     scalar_t* kc = k_pages.data_ptr<scalar_t>();
     scalar_t* vc = v_pages.data_ptr<scalar_t>();

@@ -87,6 +87,16 @@ def test_paged_decode_rejects_a_qkv_width_that_disagrees_with_the_heads():
                                   4, 0.25)
 
 
+def test_paged_decode_of_no_rows_is_empty():
+    """(It split each sequence's context by the thread count over the batch: a division by zero,
+    SIGFPE, the process gone.)"""
+    k_pages = torch.zeros(4, 4, 2, 16)
+    out = native.ops().paged_decode(torch.zeros(0, 128), torch.zeros(0, 16), torch.zeros(0, 16), None, None, 0.0,
+                                    k_pages, k_pages.clone(), torch.zeros(0, dtype=torch.long),
+                                    torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long), 4, 0.25)
+    assert out.shape == (0, 64)
+
+
 @pytest.mark.parametrize("rows", [1, 7])
 def test_silu_mul_is_silu_of_the_gate_times_up(rows):
     x = torch.randn(rows, 2 * 96) * 4
