@@ -68,4 +68,22 @@ at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& attn_norm, con
   return linear(shardline::silu_mul(gate_up), w2_w, kinds[3], direct_rows[3], torch_rows[3]).add_(h);
 }
 
+DecodeLayer::DecodeLayer(at::Tensor attn_norm, at::Tensor mlp_norm, double eps, std::vector<at::Tensor> qkv,
+                         std::vector<at::Tensor> wo, std::vector<at::Tensor> w13, std::vector<at::Tensor> w2,
+                         std::vector<int64_t> kinds, std::vector<int64_t> direct_rows, std::vector<int64_t> torch_rows,
+                         std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> q_norm,
+                         std::optional<at::Tensor> k_norm, double qk_eps, int64_t heads, double scale)
+    : attn_norm_(std::move(attn_norm)), mlp_norm_(std::move(mlp_norm)), eps_(eps), qkv_(std::move(qkv)),
+      wo_(std::move(wo)), w13_(std::move(w13)), w2_(std::move(w2)), kinds_(std::move(kinds)),
+      direct_rows_(std::move(direct_rows)), torch_rows_(std::move(torch_rows)), qkv_bias_(std::move(qkv_bias)),
+      q_norm_(std::move(q_norm)), k_norm_(std::move(k_norm)), qk_eps_(qk_eps), heads_(heads), scale_(scale) {}
+
+at::Tensor DecodeLayer::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_pages,
+                                at::Tensor v_pages, const at::Tensor& slots, const at::Tensor& block_tables,
+                                const at::Tensor& context_lens) {
+  return decode_layer(x, attn_norm_, mlp_norm_, eps_, qkv_, wo_, w13_, w2_, kinds_, direct_rows_, torch_rows_, qkv_bias_,
+                      cos, sin, q_norm_, k_norm_, qk_eps_, std::move(k_pages), std::move(v_pages), slots, block_tables,
+                      context_lens, heads_, scale_);
+}
+
 }  // namespace shardline

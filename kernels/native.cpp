@@ -1,5 +1,5 @@
 // Registers Shardline's CPU kernels as torch operators, shardline_native::* (implementations in
-// int8_linear.cpp, int4_linear.cpp, paged_decode.cpp, decode_layer.cpp and token_mask.cpp; shapes for tracing in native.py).
+// int8_linear.cpp, int4_linear.cpp, paged_decode.cpp, decode_layer.cpp and token_mask.cpp; the decode layer as a class; shapes for tracing in native.py).
 
 #include "native.h"
 
@@ -15,10 +15,12 @@ TORCH_LIBRARY(shardline_native, m) {
         "int heads, float scale) -> Tensor");
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def("mask_logits(Tensor logits, Tensor packed) -> Tensor");
-  m.def("decode_layer(Tensor x, Tensor attn_norm, Tensor mlp_norm, float eps, Tensor[] qkv, Tensor[] wo, "
-        "Tensor[] w13, Tensor[] w2, int[] kinds, int[] direct_rows, int[] torch_rows, Tensor? qkv_bias, Tensor cos, "
-        "Tensor sin, Tensor? q_norm, Tensor? k_norm, float qk_eps, Tensor(a!) k_pages, Tensor(b!) v_pages, "
-        "Tensor slots, Tensor block_tables, Tensor context_lens, int heads, float scale) -> Tensor");
+  m.class_<shardline::DecodeLayer>("DecodeLayer")
+      .def(torch::init<at::Tensor, at::Tensor, double, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                       std::vector<int64_t>, std::optional<at::Tensor>, std::optional<at::Tensor>,
+                       std::optional<at::Tensor>, double, int64_t, double>())
+      .def("forward", &shardline::DecodeLayer::forward);
 }
 
 TORCH_LIBRARY_IMPL(shardline_native, CPU, m) {
@@ -29,5 +31,4 @@ TORCH_LIBRARY_IMPL(shardline_native, CPU, m) {
   m.impl("paged_decode", shardline::paged_decode);
   m.impl("silu_mul", shardline::silu_mul);
   m.impl("mask_logits", shardline::mask_logits);
-  m.impl("decode_layer", shardline::decode_layer);
 }

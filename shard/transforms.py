@@ -120,7 +120,8 @@ def _linears(block: nn.Module) -> list[nn.Module]:
 
 
 class FusedDecodeBlock(nn.Module):
-    """A `Block` whose decode steps run as one `decode_layer` call: one Python dispatch per layer
+    """A `Block` whose decode steps run as one call of a `DecodeLayer` (kernels/decode_layer.cpp),
+    which holds the layer's weights, norms and kernel choices: one Python dispatch per layer
     instead of some twenty operators, which at one stream cost more than the layer's arithmetic.
     The block stays inside, holding the weights, and runs every other step itself (prefill,
     chunks, decode graphs, batches above a layer's dense-copy crossover)."""
@@ -131,19 +132,17 @@ class FusedDecodeBlock(nn.Module):
         attn, linears = block.attn, _linears(block)
         self.max_rows = min(layer.max_rows for layer in linears)
         qk_norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm else (None, None, 0.0)
-        # decode_layer's arguments before and after the step's own, in its schema's order
-        self.leading = (block.attn_norm.weight, block.mlp_norm.weight, block.attn_norm.eps,
-                        *(_operands(layer) for layer in linears),
-                        [_LAYOUTS[(layer.kernel, layer.bits)] for layer in linears],
-                        [layer.direct_rows for layer in linears], [layer.torch_rows for layer in linears],
-                        attn.wqkv.bias)
-        self.qk_norms, self.heads, self.scale = qk_norms, attn.num_heads, attn.scale
+        self.decode = torch.classes.shardline_native.DecodeLayer(
+            block.attn_norm.weight, block.mlp_norm.weight, block.attn_norm.eps,
+            *(_operands(layer) for layer in linears), [_LAYOUTS[(layer.kernel, layer.bits)] for layer in linears],
+            [layer.direct_rows for layer in linears], [layer.torch_rows for layer in linears], attn.wqkv.bias,
+            *qk_norms, attn.num_heads, attn.scale)
 
     def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):
         if not batch.is_decode or batch.opaque or x.shape[0] > self.max_rows or not native.usable(x):
             return self.block(x, cos_sin, k_pages, v_pages, batch)
-        return native.ops().decode_layer(x, *self.leading, cos_sin[0], cos_sin[1], *self.qk_norms, k_pages, v_pages,
-                                         batch.slots, batch.block_tables, batch.context_lens, self.heads, self.scale)
+        return self.decode.forward(x, cos_sin[0], cos_sin[1], k_pages, v_pages, batch.slots, batch.block_tables,
+                                   batch.context_lens)
 
 
 def fusable(block: nn.Module) -> bool:
