@@ -81,6 +81,41 @@ def test_a_long_prefill_step_runs_in_pieces_with_the_same_tokens_and_kv(model, m
     torch.testing.assert_close(piece_kv, whole_kv, rtol=1e-5, atol=1e-5)
 
 
+def test_a_small_prefill_runs_as_decode_rows_and_computes_what_the_prefill_path_does(model, monkeypatch):
+    """Up to ROWS_ATTENTION_PAIRS a prefill step runs as decode rows, one per token, each attending its
+    sequence's cache up to itself; prompts, a chunk after cached context and a mix of sequences
+    give the prefill path's tokens, log-probabilities and K/V."""
+    import kernels.attention as attention
+    prompt = list(range(300, 341))
+
+    def run(limit):
+        monkeypatch.setattr(runner_module, "ROWS_ATTENTION_PAIRS", limit)
+        prefill_calls = []
+        monkeypatch.setattr(attention, "_prefill_torch", lambda *a: prefill_calls.append(1) or prefill(*a))
+        runner, out = _runner(model), []
+        first = _first(1, prompt[:20], list(range(6)), emit=False)
+        out.append(runner.step(_plan(first, _first(2, list(range(500, 503)), [6]))))
+        step = _next(1, prompt[20:], 20)
+        step.sampling.logprobs = 3
+        step.prompt_logprobs = 2
+        out.append(runner.step(_plan(step)))
+        kv = torch.stack([k[:7] for k, _ in runner.kv.layers])
+        return out, kv, len(prefill_calls)
+
+    prefill = attention._prefill_torch
+    (as_prefill, prefill_kv, calls) = run(0)
+    assert calls > 0
+    (as_rows, rows_kv, calls) = run(1 << 20)
+    assert calls == 0
+    assert [o.tokens for o in as_rows] == [o.tokens for o in as_prefill] and len(as_rows[0].tokens) == 1
+    torch.testing.assert_close(rows_kv, prefill_kv, rtol=1e-5, atol=1e-5)
+    rows_lp, prefill_lp = as_rows[1].logprobs[0], as_prefill[1].logprobs[0]
+    assert len(rows_lp.prompt) == len(prefill_lp.prompt) == 20
+    for got, want in zip([*rows_lp.prompt, *rows_lp.sampled], [*prefill_lp.prompt, *prefill_lp.sampled]):
+        assert got.token_id == want.token_id and abs(got.logprob - want.logprob) < 1e-4
+        assert list(got.top_ids) == list(want.top_ids) and len(got.top_ids) > 0
+
+
 def _decode(runner, seq_id, token, start, steps, page_of=None):
     """Greedy decode of `steps` tokens; a new page id from page_of(position) when one is needed."""
     out = []
