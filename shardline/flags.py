@@ -44,7 +44,7 @@ def add_flag(p: argparse.ArgumentParser, flag: str, default, kind=str, help: str
 
 def _model_flags(p):
     add_flag(p, "model", "smollm2", help="'smollm2', a .gguf file or a Hugging Face folder")
-    add_flag(p, "page-size", 64, number(int, 1, 1 << 16), "tokens per KV page")
+    add_flag(p, "page-size", 16, number(int, 1, 1 << 16), "tokens per KV page (and the prefix cache's grain)")
     add_flag(p, "dtype", "float32", help="serving dtype", choices=["float32", "bfloat16", "float16"])
 
 
