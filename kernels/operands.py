@@ -60,9 +60,8 @@ def native_operands(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, 
     scale, lo = scale.float(), lo.float()
     if bits == 4:
         return (native.ops().int4_pack(*_counted_down_where_fp16_holds_it(codes, scale, lo, 16)),)
-    shift = _int8_shift(codes, scale, lo)
-    return (native.ops().int8_pack((codes - shift.repeat_interleave(GROUP, 1)).to(torch.int8), scale,
-                                   lo + shift * scale),)
+    codes, lo = _int8_grid(codes, scale, lo)
+    return (native.ops().int8_pack(codes, scale, lo),)
 
 
 def _counted_down_where_fp16_holds_it(codes, scale, lo, levels: int):
@@ -72,26 +71,29 @@ def _counted_down_where_fp16_holds_it(codes, scale, lo, levels: int):
     -k|d|, k < 8, rarely an fp16 number; its value at q = 0, -8d, is one."""
     groups = codes.view(codes.shape[0], -1, GROUP)
     low, high = groups.amin(-1), groups.amax(-1)
-    origin, top, todo = lo.clone(), torch.zeros_like(low), lo.half().float() != lo
+    unheld = lo.half().float() != lo
+    origin, top, todo = lo.clone(), torch.zeros_like(low), unheld
     for j in range(levels):
         value = lo + j * scale
         held = value.half().float()
         fits = todo & (high <= j) & (j - low <= levels - 1) & ((held - value).abs() <= 1e-6 * scale.abs())
         origin, top, todo = torch.where(fits, held, origin), torch.where(fits, j, top), todo & ~fits
-    down = (lo.half().float() != lo) & ~todo
+    down = unheld & ~todo
     codes = torch.where(down.repeat_interleave(GROUP, 1), top.repeat_interleave(GROUP, 1) - codes, codes)
     return codes, torch.where(down, -scale, scale), origin
 
 
-def _int8_shift(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """Per group, the code that the int8 codes count from: the code of zero where zero lies on the
-    group's grid (Q8_0's blocks), so that the folded lo is exactly 0, which fp16 holds (lo + 128 *
-    scale would round); else 128."""
+def _int8_grid(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes 0..254 as int8, and lo with the shift folded in. A group counts from its code of
+    zero where zero lies on its grid (Q8_0's blocks), so that its lo is exactly 0, which fp16
+    holds (lo + 128 * scale would round); any other group from 128."""
     groups = codes.view(codes.shape[0], -1, GROUP)
     zero = (-lo / scale.clamp_min(torch.finfo(torch.float32).tiny)).round()
-    fits = ((lo + zero * scale).abs() <= 1e-6 * scale.abs()) & (groups.amin(-1) - zero >= -128) & (
+    on_grid = ((lo + zero * scale).abs() <= 1e-6 * scale.abs()) & (groups.amin(-1) - zero >= -128) & (
         groups.amax(-1) - zero <= 127)
-    return torch.where(fits, zero, torch.full_like(zero, 128.0)).to(codes.dtype)
+    shift = torch.where(on_grid, zero, torch.full_like(zero, 128.0)).to(codes.dtype)
+    folded = torch.where(on_grid, torch.zeros_like(lo), lo + shift * scale)
+    return (codes - shift.repeat_interleave(GROUP, 1)).to(torch.int8), folded
 
 
 def native_rows(held, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
