@@ -1,4 +1,4 @@
-// One decoder layer of a decode step as one operator (shardline_native::decode_layer), so that a
+// One decoder layer of a decode step as one call (DecodeLayer::forward, decode_layer.h), so that a
 // step costs one Python call per layer rather than some twenty operators each: at one stream on
 // a 2-core EPYC, the operators' dispatch cost more than the layer's arithmetic.
 //
@@ -12,7 +12,7 @@
 //      `direct_rows`, through the GEMM above; with [.., packed, scales_zeros] of torch's int4
 //      kernel as well, that kernel above the layer's `torch_rows`
 
-#include "native.h"
+#include "decode_layer.h"
 
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 
@@ -47,27 +47,6 @@ at::Tensor normed(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 namespace shardline {
 
-at::Tensor decode_layer(const at::Tensor& x_in, const at::Tensor& attn_norm, const at::Tensor& mlp_norm, double eps,
-                        at::TensorList qkv_w, at::TensorList wo_w, at::TensorList w13_w, at::TensorList w2_w,
-                        at::IntArrayRef kinds, at::IntArrayRef direct_rows, at::IntArrayRef torch_rows,
-                        const std::optional<at::Tensor>& qkv_bias, const at::Tensor& cos,
-                        const at::Tensor& sin, const std::optional<at::Tensor>& q_norm,
-                        const std::optional<at::Tensor>& k_norm, double qk_eps, at::Tensor k_pages,
-                        at::Tensor v_pages, const at::Tensor& slots, const at::Tensor& block_tables,
-                        const at::Tensor& context_lens, int64_t heads, double scale) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be [tokens, hidden] float32");
-  TORCH_CHECK(kinds.size() == 4 && direct_rows.size() == 4 && torch_rows.size() == 4,
-              "one kind, direct_rows and torch_rows per linear layer");
-  const at::Tensor x = x_in.contiguous();
-  at::Tensor qkv = linear(normed(x, attn_norm, eps), qkv_w, kinds[0], direct_rows[0], torch_rows[0]);
-  if (qkv_bias) qkv.add_(*qkv_bias);
-  const at::Tensor attended = shardline::paged_decode(qkv, cos, sin, q_norm, k_norm, qk_eps, k_pages, v_pages, slots,
-                                                      block_tables, context_lens, heads, scale);
-  at::Tensor h = linear(attended, wo_w, kinds[1], direct_rows[1], torch_rows[1]).add_(x);
-  const at::Tensor gate_up = linear(normed(h, mlp_norm, eps), w13_w, kinds[2], direct_rows[2], torch_rows[2]);
-  return linear(shardline::silu_mul(gate_up), w2_w, kinds[3], direct_rows[3], torch_rows[3]).add_(h);
-}
-
 DecodeLayer::DecodeLayer(at::Tensor attn_norm, at::Tensor mlp_norm, double eps, std::vector<at::Tensor> qkv,
                          std::vector<at::Tensor> wo, std::vector<at::Tensor> w13, std::vector<at::Tensor> w2,
                          std::vector<int64_t> kinds, std::vector<int64_t> direct_rows, std::vector<int64_t> torch_rows,
@@ -78,12 +57,20 @@ DecodeLayer::DecodeLayer(at::Tensor attn_norm, at::Tensor mlp_norm, double eps, 
       direct_rows_(std::move(direct_rows)), torch_rows_(std::move(torch_rows)), qkv_bias_(std::move(qkv_bias)),
       q_norm_(std::move(q_norm)), k_norm_(std::move(k_norm)), qk_eps_(qk_eps), heads_(heads), scale_(scale) {}
 
-at::Tensor DecodeLayer::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_pages,
-                                at::Tensor v_pages, const at::Tensor& slots, const at::Tensor& block_tables,
-                                const at::Tensor& context_lens) {
-  return decode_layer(x, attn_norm_, mlp_norm_, eps_, qkv_, wo_, w13_, w2_, kinds_, direct_rows_, torch_rows_, qkv_bias_,
-                      cos, sin, q_norm_, k_norm_, qk_eps_, std::move(k_pages), std::move(v_pages), slots, block_tables,
-                      context_lens, heads_, scale_);
+at::Tensor DecodeLayer::forward(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
+                                at::Tensor k_pages, at::Tensor v_pages, const at::Tensor& slots,
+                                const at::Tensor& block_tables, const at::Tensor& context_lens) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be [tokens, hidden] float32");
+  TORCH_CHECK(kinds_.size() == 4 && direct_rows_.size() == 4 && torch_rows_.size() == 4,
+              "one kind, direct_rows and torch_rows per linear layer");
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor qkv = linear(normed(x, attn_norm_, eps_), qkv_, kinds_[0], direct_rows_[0], torch_rows_[0]);
+  if (qkv_bias_) qkv.add_(*qkv_bias_);
+  const at::Tensor attended = paged_decode(qkv, cos, sin, q_norm_, k_norm_, qk_eps_, k_pages, v_pages, slots,
+                                           block_tables, context_lens, heads_, scale_);
+  at::Tensor h = linear(attended, wo_, kinds_[1], direct_rows_[1], torch_rows_[1]).add_(x);
+  const at::Tensor gate_up = linear(normed(h, mlp_norm_, eps_), w13_, kinds_[2], direct_rows_[2], torch_rows_[2]);
+  return linear(silu_mul(gate_up), w2_, kinds_[3], direct_rows_[3], torch_rows_[3]).add_(h);
 }
 
 }  // namespace shardline

@@ -1,7 +1,8 @@
 // Registers Shardline's CPU kernels as torch operators, shardline_native::* (implementations in
-// int8_linear.cpp, int4_linear.cpp, paged_decode.cpp, decode_layer.cpp and token_mask.cpp; the decode layer as a class; shapes for tracing in native.py).
+// int8_linear.cpp, int4_linear.cpp, paged_decode.cpp and token_mask.cpp; shapes for tracing in
+// native.py), and the decode layer as a class, shardline_native.DecodeLayer (decode_layer.h).
 
-#include "native.h"
+#include "decode_layer.h"
 
 #include <torch/library.h>
 

@@ -1,9 +1,8 @@
 // Shardline's CPU kernels (int8_linear.cpp, int4_linear.cpp, paged_decode.cpp), shared by their operators (native.cpp)
-// and the fused decoder layer (decode_layer.cpp).
+// and the fused decoder layer (decode_layer.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <torch/custom_class.h>
 #include <c10/util/Half.h>
 
 #include <optional>
@@ -44,42 +43,6 @@ at::Tensor paged_decode(const at::Tensor& qkv, const at::Tensor& cos, const at::
                         double softmax_scale);
 
 at::Tensor silu_mul(const at::Tensor& x);
-
-// One decoder layer of a decode step (decode_layer.cpp says how its linear layers arrive).
-at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& attn_norm, const at::Tensor& mlp_norm, double eps,
-                        at::TensorList qkv_w, at::TensorList wo_w, at::TensorList w13_w, at::TensorList w2_w,
-                        at::IntArrayRef kinds, at::IntArrayRef direct_rows, at::IntArrayRef torch_rows,
-                        const std::optional<at::Tensor>& qkv_bias, const at::Tensor& cos, const at::Tensor& sin,
-                        const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
-                        double qk_eps, at::Tensor k_pages, at::Tensor v_pages, const at::Tensor& slots,
-                        const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t heads,
-                        double scale);
-
-// A decoder layer's decode steps as an object (torch.classes.shardline_native.DecodeLayer) that
-// holds what does not change between steps (weights, norms, kernel choices): a step passes only
-// its own tensors. As an operator of ~25 arguments, parsing them cost more per layer and step
-// than the layer's attention.
-class DecodeLayer : public torch::CustomClassHolder {
- public:
-  DecodeLayer(at::Tensor attn_norm, at::Tensor mlp_norm, double eps, std::vector<at::Tensor> qkv,
-              std::vector<at::Tensor> wo, std::vector<at::Tensor> w13, std::vector<at::Tensor> w2,
-              std::vector<int64_t> kinds, std::vector<int64_t> direct_rows, std::vector<int64_t> torch_rows,
-              std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
-              double qk_eps, int64_t heads, double scale);
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_pages,
-                     at::Tensor v_pages, const at::Tensor& slots, const at::Tensor& block_tables,
-                     const at::Tensor& context_lens);
-
- private:
-  at::Tensor attn_norm_, mlp_norm_;
-  double eps_;
-  std::vector<at::Tensor> qkv_, wo_, w13_, w2_;
-  std::vector<int64_t> kinds_, direct_rows_, torch_rows_;
-  std::optional<at::Tensor> qkv_bias_, q_norm_, k_norm_;
-  double qk_eps_;
-  int64_t heads_;
-  double scale_;
-};
 
 // logits [rows, vocab] with -inf wherever the packed mask [rows, 4 x words] has a clear bit.
 at::Tensor mask_logits(const at::Tensor& logits, const at::Tensor& packed);
