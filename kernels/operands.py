@@ -69,9 +69,11 @@ def _counted_down_where_fp16_holds_it(codes, scale, lo, levels: int):
     one lies above every code: codes c -> j - c, scale negated, lo the value at j. Q4_0's blocks are
     d * (q - 8) with a d of either sign, and where d is negative the grid's lowest value is some
     -k|d|, k < 8, rarely an fp16 number; its value at q = 0, -8d, is one."""
+    unheld = lo.half().float() != lo
+    if not unheld.any():  # Q4_1's layers, say: every lo is an fp16 number already
+        return codes, scale, lo
     groups = codes.view(codes.shape[0], -1, GROUP)
     low, high = groups.amin(-1), groups.amax(-1)
-    unheld = lo.half().float() != lo
     origin, top, todo = lo.clone(), torch.zeros_like(low), unheld
     for j in range(levels):
         value = lo + j * scale
