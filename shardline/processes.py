@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -43,16 +44,30 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+_handed_out: set[int] = set()  # every port free_ports returned in this process
+_handing_out = threading.Lock()
+
+
 def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on loopback, all held open together so none is handed out twice."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """n distinct free TCP ports on loopback, none of them returned before by this process. A port
+    is free only until someone binds it, and the kernel hands a closed one out again: a caller
+    still holding one unbound (a `--metrics-port` for a server that is yet to start) got it back
+    from the next call, and two services of one test then raced for it (seen in CI: the router's
+    HTTP API and its metrics on the same port)."""
+    with _handing_out:
+        socks, ports = [], []
+        try:
+            while len(ports) < n:  # a refused port stays bound meanwhile, so it is not offered again
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", 0))
+                port = socks[-1].getsockname()[1]
+                if port not in _handed_out:
+                    ports.append(port)
+            _handed_out.update(ports)
+            return ports
+        finally:
+            for s in socks:
+                s.close()
 
 
 class HealthProbe:

@@ -47,3 +47,11 @@ def test_killed_launcher_takes_its_children_along(server):
         os.kill(k, signal.SIGUSR1)
     time.sleep(1 if survivors else 0)
     assert not survivors, f"{survivors}\n{server.output(300)}"
+
+
+def test_free_ports_never_hands_out_a_port_twice():
+    """A test picks a port for a flag, then starts a server that picks its own: the kernel reuses
+    closed ephemeral ports, and the two once collided (a router's HTTP API and metrics)."""
+    from shardline.processes import free_ports
+    ports = [p for _ in range(1500) for p in free_ports(1)] + free_ports(3)
+    assert len(set(ports)) == len(ports)
