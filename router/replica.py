@@ -95,7 +95,8 @@ class Replica:
                             prefix_cache=args.prefix_cache == "on", protected_ratio=args.slru_protected_ratio,
                             model_key=f"{head.model}/{head.dtype}")
         scheduler = Scheduler(pages, args.max_batch, args.max_batch_tokens, chunk_size=args.chunk_size,
-                              aging_s=args.priority_aging_s, mixed_steps=args.mixed_steps == "on")
+                              aging_s=args.priority_aging_s, mixed_steps=args.mixed_steps == "on",
+                              pair_cost=head.attention_pair_cost)
         if self.engine is None:
             self.engine = Engine(scheduler, self.shards, self.codec, head.context_length, self.observers)
         else:  # the old pool described KV that is gone: start from an empty one

@@ -14,7 +14,12 @@ With `mixed_steps` (as Sarathi-Serve and vLLM v1 run), every step carries the De
 the rotation is over Continue and Admit alone: a decoding sequence then waits one step for each
 chunk, not a Decode, a Continue and an Admit step. With `chunk_size` 0 a prompt runs whole in
 its Admit step; otherwise prompts are cut into chunks of at most `chunk_size` tokens, and
-only the final chunk of a prompt samples a token.
+only the final chunk of a prompt samples a token. A chunk's tokens attend to every token before
+them, so late in a long prompt a chunk of `chunk_size` tokens costs far more than the first (on
+a 2-core CPU, SmolLM2's eighth chunk of 256 took 1.6-2x its first): given `pair_cost` (one
+attention pair's work over one token's through the weights, shards' Info), a chunk holds as many
+tokens as cost what `chunk_size` tokens cost at the start of a prompt, so that the steps a
+decoding sequence waits for stay about as long as the first chunk however long the prompt is.
 
 Admission is all or nothing on pages: a request is admitted only when the pages of its cached
 prefix are pinned and every other page it can ever need is reserved; otherwise the request
@@ -31,6 +36,7 @@ Priority orders only admission. A waiting request's effective priority grows by 
 from __future__ import annotations
 
 import enum
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -81,14 +87,15 @@ class Step:
 
 class Scheduler:
     def __init__(self, pages: PageManager, max_batch: int, max_batch_tokens: int, chunk_size: int = 0,
-                 aging_s: float = 1.0, clock: Callable[[], float] = time.monotonic, mixed_steps: bool = False):
-        if max_batch < 1 or max_batch_tokens < 1 or chunk_size < 0 or not aging_s > 0:
+                 aging_s: float = 1.0, clock: Callable[[], float] = time.monotonic, mixed_steps: bool = False,
+                 pair_cost: float = 0.0):
+        if max_batch < 1 or max_batch_tokens < 1 or chunk_size < 0 or not aging_s > 0 or not pair_cost >= 0:
             raise ValueError(f"scheduler limits out of range: max_batch {max_batch}, max_batch_tokens "
-                             f"{max_batch_tokens}, chunk_size {chunk_size}, aging_s {aging_s}")
+                             f"{max_batch_tokens}, chunk_size {chunk_size}, aging_s {aging_s}, pair_cost {pair_cost}")
         self.pages = pages
         self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
         self.chunk_size, self.aging_s, self.clock = chunk_size, aging_s, clock
-        self.mixed_steps = mixed_steps
+        self.mixed_steps, self.pair_cost = mixed_steps, pair_cost
         self._rotation = [Phase.CONTINUE, Phase.ADMIT] if mixed_steps else list(PHASES)
         self.waiting: list[Sequence] = []
         self.prefilling: deque[Sequence] = deque()   # admitted, prompt not fully computed
@@ -217,12 +224,26 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int, first: bool, computed: int | None = None) -> int:
         """Prompt tokens `seq` computes in this step: the rest of its prompt, cut to the chunk
-        size and the step's token budget. With chunking off a prompt runs whole, alone if it is
-        larger than the budget."""
-        remaining = len(seq.prompt_ids) - (seq.num_computed if computed is None else computed)
+        size at its position and the step's token budget. With chunking off a prompt runs whole,
+        alone if it is larger than the budget."""
+        start = seq.num_computed if computed is None else computed
+        remaining = len(seq.prompt_ids) - start
         if self.chunk_size:
-            return max(0, min(remaining, self.chunk_size, budget))
+            return max(0, min(remaining, self.chunk_at(start), budget))
         return remaining if first or remaining <= budget else 0
+
+    def chunk_at(self, start: int) -> int:
+        """The most tokens a chunk after `start` computed ones holds: at least one, at most
+        `chunk_size`, as many as cost no more than `chunk_size` tokens at position 0. n tokens
+        after `start` cost n (the weights) + pair_cost * n * (start + (n - 1) / 2) (attention
+        pairs): the positive root of that quadratic in n, rounded down."""
+        size, p = self.chunk_size, self.pair_cost
+        if not p:
+            return size
+        limit = size * (1 + p * (size - 1) / 2)
+        b = 1 + p * (start - 0.5)
+        n = (math.sqrt(b * b + 2 * p * limit) - b) / p
+        return max(1, min(size, int(n + 1e-6)))
 
     def _add_chunk(self, step: Step, seq: Sequence, n: int) -> None:
         start = seq.num_computed

@@ -27,6 +27,14 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
 
+    @property
+    def attention_pair_cost(self) -> float:
+        """One attention pair's multiply-adds (q·k and p·v over every head for a new token and one
+        token it sees) over one token's through the weights of a layer."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        weights = self.hidden_size * (2 * q + 2 * kv + 3 * self.intermediate_size)
+        return 2 * q / weights
+
     @classmethod
     def from_hf(cls, path: Path) -> "ModelConfig":
         raw = json.loads((path / "config.json").read_text())

@@ -115,6 +115,7 @@ def load_shard(args) -> LoadedShard:
         tp_rank=layout.tp_rank, tp_size=layout.tp, pp_stage=layout.pp_stage, pp_size=layout.pp,
         dtype=args.dtype, device=str(device), eos_token_ids=full.eos_token_ids,
         weight_bytes=weight_bytes(model), kv_bytes_per_page=per_page,
-        kv_dtype=str(kv_dtype).removeprefix("torch."), weight_formats=weight_formats(model), group_id=group_id(layout))
+        kv_dtype=str(kv_dtype).removeprefix("torch."), weight_formats=weight_formats(model), group_id=group_id(layout),
+        attention_pair_cost=full.attention_pair_cost)
     log.info("weights: %s", ", ".join(f"{k} {v}" for k, v in info.weight_formats.items()))
     return LoadedShard(model, layout, device, dtype, kv_dtype, decode_graphs, info)

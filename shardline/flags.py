@@ -85,7 +85,8 @@ def _router_flags(p):
     add_flag(p, "num-pages", 0, SIZE, "KV pages in the pool (0: what the shards' memory budget holds)")
     add_flag(p, "max-batch", 32, number(int, 1, 4096), "most sequences in one step")
     add_flag(p, "max-batch-tokens", 4096, COUNT, "most prompt tokens in one step")
-    add_flag(p, "chunk-size", 0, SIZE, "most prompt tokens of one sequence in one step (0: whole prompts)")
+    add_flag(p, "chunk-size", 0, SIZE, "most prompt tokens of one sequence in one step, fewer late in a "
+             "long prompt where each attends to more (0: whole prompts)")
     add_flag(p, "mixed-steps", "off", help="every step carries the decode rows beside its prompt chunk "
              "(Sarathi-Serve's stall-free batching) instead of rotating decode, chunk and admission steps",
              choices=["on", "off"])

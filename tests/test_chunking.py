@@ -22,10 +22,12 @@ def _seq(i, prompt_len, max_new, priority=0, base=0):
 @settings(max_examples=150, deadline=None)
 @given(chunk=st.sampled_from([1, 3, 7, 64]), budget=st.sampled_from([4, 16, 100]),
        reqs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 6), st.integers(0, 3)), min_size=1, max_size=12),
-       cancel_at=st.lists(st.integers(0, 60), max_size=3), mixed=st.booleans())
-def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, mixed):
+       cancel_at=st.lists(st.integers(0, 60), max_size=3), mixed=st.booleans(),
+       pair_cost=st.sampled_from([0.0, 0.02, 0.5]))
+def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, mixed, pair_cost):
     pages = PageManager(40, 4)
-    sched = Scheduler(pages, max_batch=4, max_batch_tokens=budget, chunk_size=chunk, mixed_steps=mixed)
+    sched = Scheduler(pages, max_batch=4, max_batch_tokens=budget, chunk_size=chunk, mixed_steps=mixed,
+                      pair_cost=pair_cost)
     seqs = [_seq(i, p, n, base=100 * (i % 3)) for i, (p, n, _) in enumerate(reqs)]
     arrivals = {s: a for s, (_, _, a) in zip(seqs, reqs)}
     last_ran = {Phase.DECODE: 0, Phase.CONTINUE: 0}
@@ -124,6 +126,26 @@ def test_a_long_prompt_cannot_monopolize_prefill_or_starve_decodes_and_a_shorter
     assert continues[:4] == [[1], [2], [1], [2, 1]]
     assert short in sched.decoding and short.num_computed > 20  # prefilled, now decoding
     assert long in sched.prefilling and long.num_computed < 200
+
+
+@settings(max_examples=300, deadline=None)
+@given(size=st.integers(1, 512), start=st.integers(0, 40000),
+       pair_cost=st.sampled_from([0.0, 1152 / 3538944, 1e-3, 0.05, 2.0]))
+def test_a_chunk_late_in_a_prompt_holds_the_most_tokens_that_cost_what_a_first_chunk_does(size, start, pair_cost):
+    """n tokens after `start` cost n + pair_cost * (attention pairs to the tokens before each);
+    a chunk is the largest n (at least 1, at most the chunk size) that costs no more than a
+    chunk of `size` tokens at the start of a prompt. (1152 / 3538944: SmolLM2-135M's.)"""
+    sched = Scheduler(PageManager(4, 4), max_batch=1, max_batch_tokens=1, chunk_size=size, pair_cost=pair_cost)
+
+    def cost(n):
+        return n + pair_cost * (n * start + n * (n - 1) / 2)
+    limit = size + pair_cost * size * (size - 1) / 2
+    n = sched.chunk_at(start)
+    assert 1 <= n <= size
+    assert n == 1 or cost(n) <= limit * (1 + 1e-9)
+    assert n == size or cost(n + 1) > limit * (1 - 1e-9)
+    assert sched.chunk_at(0) == size
+    assert sched.chunk_at(start + 1) <= n
 
 
 def test_priority_orders_admission_and_aging_bounds_the_wait():
