@@ -4,22 +4,27 @@
 - Continue: the next chunk of every admitted prefill still in progress, round-robin;
 - Admit: the first chunk of new requests, picked by priority with aging.
 
-Steps rotate over the phases that can run, in rounds: Decode, then Continue and Admit. Where the
-request next to be admitted is shorter than what remains of the prefill in progress, the round
-runs Admit before Continue, so a short prompt that arrives during a long one's chunks waits for
-one chunk, not two (shortest first, for time to first token). So Decode runs at least once in
-every three steps and Continue and Admit in every four: decodes are never starved by prefills,
-and new requests join a running batch without waiting for it to drain (continuous batching).
-With `mixed_steps` (as Sarathi-Serve and vLLM v1 run), every step carries the Decode rows and
-the rotation is over Continue and Admit alone: a decoding sequence then waits one step for each
-chunk, not a Decode, a Continue and an Admit step. With `chunk_size` 0 a prompt runs whole in
-its Admit step; otherwise prompts are cut into chunks of at most `chunk_size` tokens, and
-only the final chunk of a prompt samples a token. A chunk's tokens attend to every token before
-them, so late in a long prompt a chunk of `chunk_size` tokens costs far more than the first (on
-a 2-core CPU, SmolLM2's eighth chunk of 256 took 1.6-2x its first): given `pair_cost` (one
-attention pair's work over one token's through the weights, shards' Info), a chunk holds as many
-tokens as cost what `chunk_size` tokens cost at the start of a prompt, so that the steps a
-decoding sequence waits for stay about as long as the first chunk however long the prompt is.
+Prefill steps rotate in rounds of Continue and Admit, each where it has work, and a Decode step
+follows every prefill step while sequences decode. Where the request next to be admitted is
+shorter than what remains of the prefill in progress, the round runs Admit before Continue, so a
+short prompt that arrives during a long one's chunks waits for one chunk, not two (shortest
+first, for time to first token). So Decode runs at least once in every two steps, and Continue
+and Admit in every six (three prefill steps): a decoding sequence waits for one prefill step at
+most, not a Continue and an Admit back to back (in `bench.mixed` that pair, a short prompt's
+admission and a long one's chunk, was the decoding stream's slowest gap), and new requests join
+a running batch without waiting for it to drain (continuous batching). With `mixed_steps` (as
+Sarathi-Serve and vLLM v1 run), every step carries the Decode rows instead of a Decode step
+following each prefill step: a decoding sequence then waits for no step but the one that
+computes its token.
+
+With `chunk_size` 0 a prompt runs whole in its Admit step; otherwise prompts are cut into chunks
+of at most `chunk_size` tokens, and only the final chunk of a prompt samples a token. A chunk's
+tokens attend to every token before them, so late in a long prompt a chunk of `chunk_size`
+tokens costs far more than the first (on a 2-core CPU, SmolLM2's eighth chunk of 256 took 1.6-2x
+its first): given `pair_cost` (one attention pair's multiply-adds over one token's through the
+weights, from the shards' Info), a chunk holds as many tokens as cost what `chunk_size` tokens
+cost at the start of a prompt, so that the steps a decoding sequence waits for grow little with
+the prompt.
 
 Admission is all or nothing on pages: a request is admitted only when the pages of its cached
 prefix are pinned and every other page it can ever need is reserved; otherwise the request
@@ -52,7 +57,6 @@ class Phase(enum.Enum):
     ADMIT = "admit"
 
 
-PHASES = list(Phase)  # the rotation's order
 
 
 @dataclass
@@ -96,7 +100,10 @@ class Scheduler:
         self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
         self.chunk_size, self.aging_s, self.clock = chunk_size, aging_s, clock
         self.mixed_steps, self.pair_cost = mixed_steps, pair_cost
-        self._rotation = [Phase.CONTINUE, Phase.ADMIT] if mixed_steps else list(PHASES)
+        # A round's prefill phases, each a step where it has work: Continue first, or Admit where
+        # a shorter request waits (`_rotate`).
+        self._rotation = [Phase.CONTINUE, Phase.ADMIT]
+        self._decode_due = False  # without mixed steps: the step before was a prefill step
         self.waiting: list[Sequence] = []
         self.prefilling: deque[Sequence] = deque()   # admitted, prompt not fully computed
         self.decoding: list[Sequence] = []
@@ -128,23 +135,28 @@ class Scheduler:
                     decode.emits + chunks.emits, num_decode=len(decode.seqs))
 
     def _rotate(self, budget: int) -> Step | None:
-        """The step of the next phase in the rotation that has work."""
+        """The next step: without mixed steps, Decode after every prefill step; then the next
+        prefill phase of the round that has work, or else Decode."""
+        if self._decode_due:
+            self._decode_due = False
+            step = self._decode()
+            if step is not None:
+                return step
         rotation = self._rotation
-        if self._next_phase == len(rotation) - 2:  # a round's prefill pair is next: Continue, Admit
-            rotation[-2:] = [Phase.ADMIT, Phase.CONTINUE] if self._shorter_waits() else [Phase.CONTINUE, Phase.ADMIT]
+        if self._next_phase == 0:  # a round's prefill pair is next: Continue, Admit
+            rotation[:] = [Phase.ADMIT, Phase.CONTINUE] if self._shorter_waits() else [Phase.CONTINUE, Phase.ADMIT]
         for i in range(len(rotation)):
             phase = (self._next_phase + i) % len(rotation)
             step = self._step_of(rotation[phase], budget)
             if step is not None:
                 self._next_phase = (phase + 1) % len(rotation)
+                self._decode_due = not self.mixed_steps
                 return step
-        return None
+        return None if self.mixed_steps else self._decode()
 
     # -- phases -----------------------------------------------------------------------------------
     def _step_of(self, phase: Phase, budget: int) -> Step | None:
         # Looked up per call, not bound once: a test watches the phases by replacing them.
-        if phase is Phase.DECODE:
-            return self._decode()
         return {Phase.CONTINUE: self._continue, Phase.ADMIT: self._admit}[phase](budget)
 
     def _decode(self) -> Step | None:
