@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import time
 from pathlib import Path
 
@@ -14,6 +15,29 @@ from harness.serve import ROOT, Server, free_port  # noqa: F401  (re-exported fo
 from harness.tiny_models import TINY_CONFIGS, make_tiny_model, smollm2_codec, smollm2_tokenizer  # noqa: F401
 from protos import generation_pb2 as pb
 from shardline.processes import free_ports  # noqa: F401
+
+
+def prompt_chunks(prompt: int, size: int, model) -> list[int]:
+    """The chunks the router should cut a prompt into: each the most tokens whose weight and
+    attention multiply-adds (the model's, counted here by brute force) are at most those of
+    `size` tokens at position 0."""
+    cfg = json.loads((model / "config.json").read_text())
+    hidden, heads, inter = cfg["hidden_size"], cfg["num_attention_heads"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    q, kv = heads * head_dim, cfg["num_key_value_heads"] * head_dim
+    token, pair = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter, 2 * q
+
+    def cost(n, start):
+        return n * token + pair * sum(start + i for i in range(n))
+    chunks, start = [], 0
+    while start < prompt:
+        n = 1
+        while n < min(size, prompt - start) and cost(n + 1, start) <= cost(size, 0):
+            n += 1
+        chunks.append(n)
+        start += n
+    return chunks
+
 
 def hf_model(path: Path):
     from transformers import AutoModelForCausalLM

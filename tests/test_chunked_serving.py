@@ -1,6 +1,5 @@
 """Chunked prefill end to end: identical greedy tokens at every chunk size, cancellation in
 every phase."""
-import json
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -9,7 +8,8 @@ import grpc
 import pytest
 
 from protos import generation_pb2 as pb
-from tests.support import Server, assert_greedy_match, assert_serves_like_reference, hf_greedy, hf_model, smollm2_hf_model, smollm2_tokenizer
+from tests.support import (Server, assert_greedy_match, assert_serves_like_reference, hf_greedy, hf_model,
+                           prompt_chunks, smollm2_hf_model, smollm2_tokenizer)
 
 PAGE = 16
 
@@ -38,31 +38,10 @@ def test_tiny_greedy_tokens_do_not_depend_on_chunking(tiny_models, reference, ch
             prompt = random.Random(chunk).choices(range(1000), k=330)
             steps = server.wait_idle().steps
             server.generate(prompt_token_ids=pb.PromptTokens(ids=prompt), max_new_tokens=1, ignore_eos=True)
-            assert server.wait_idle().steps - steps == len(_chunks(330, chunk, tiny_models["qwen3"]))
+            assert server.wait_idle().steps - steps == len(prompt_chunks(330, chunk, tiny_models["qwen3"]))
     finally:
         assert server.stop() == 0
 
-
-def _chunks(prompt: int, size: int, model) -> list[int]:
-    """The chunks the router should cut a prompt into: each the most tokens whose weight and
-    attention multiply-adds (the model's, counted here by brute force) are at most those of
-    `size` tokens at position 0."""
-    cfg = json.loads((model / "config.json").read_text())
-    hidden, heads, inter = cfg["hidden_size"], cfg["num_attention_heads"], cfg["intermediate_size"]
-    head_dim = cfg.get("head_dim") or hidden // heads
-    q, kv = heads * head_dim, cfg["num_key_value_heads"] * head_dim
-    token, pair = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter, 2 * q
-
-    def cost(n, start):
-        return n * token + pair * sum(start + i for i in range(n))
-    chunks, start = [], 0
-    while start < prompt:
-        n = 1
-        while n < min(size, prompt - start) and cost(n + 1, start) <= cost(size, 0):
-            n += 1
-        chunks.append(n)
-        start += n
-    return chunks
 
 
 def test_mixed_steps_decode_beside_chunks_with_the_same_greedy_tokens(tiny_models, reference):

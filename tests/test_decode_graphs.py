@@ -88,10 +88,13 @@ def test_a_replica_counts_launches_per_rank_and_pipeline_stages_stay_eager(llama
     """TP2: one graph launch per rank per decode step. PP2: no graphs, one eager decode step per
     stage, and Info says so. Greedy tokens as transformers' either way."""
     from protos import generation_pb2 as pb
-    from tests.support import Server
+    from tests.support import Server, prompt_chunks
 
     ref = hf_model(llama)
-    prompt = [random.Random(5).randrange(ref.config.vocab_size) for _ in range(20)]
+    # 18 prompt tokens in chunks of 7, 6 and 5 (later chunks hold fewer: router/scheduler.py),
+    # none of one token, which would decode through a graph like a decode step.
+    assert prompt_chunks(18, 7, llama) == [7, 6, 5]
+    prompt = [random.Random(5).randrange(ref.config.vocab_size) for _ in range(18)]
     want, margins = hf_greedy(ref, prompt, 8)
     server = Server("--model", str(llama), "--page-size", str(PAGE), "--tp", str(tp), "--pp", str(pp),
                     "--threads", "1", "--max-batch", "2", "--decode-graphs", "on", "--chunk-size", "7", timeout=600)
@@ -104,7 +107,7 @@ def test_a_replica_counts_launches_per_rank_and_pipeline_stages_stay_eager(llama
         st = server.wait_idle()
         graphs, eager = st.decode_graph_launches - before.decode_graph_launches, \
             st.eager_decode_steps - before.eager_decode_steps
-        # 20 prompt tokens in chunks of 7, 7, 6: no one-token chunk; 7 decode steps follow.
+        # 7 decode steps follow the prompt's chunks.
         assert (graphs, eager) == ((7 * tp, 0) if pp == 1 else (0, 7 * pp))
         # A constrained sequence decodes through the same graphs: its mask applies to their logits.
         req = pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=prompt), max_new_tokens=12,
