@@ -57,8 +57,6 @@ class Phase(enum.Enum):
     ADMIT = "admit"
 
 
-
-
 @dataclass
 class Step:
     """A step's sequences: its first `num_decode` decode one token each, the others compute a
