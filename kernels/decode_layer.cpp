@@ -55,14 +55,15 @@ DecodeLayer::DecodeLayer(at::Tensor attn_norm, at::Tensor mlp_norm, double eps, 
     : attn_norm_(std::move(attn_norm)), mlp_norm_(std::move(mlp_norm)), eps_(eps), qkv_(std::move(qkv)),
       wo_(std::move(wo)), w13_(std::move(w13)), w2_(std::move(w2)), kinds_(std::move(kinds)),
       direct_rows_(std::move(direct_rows)), torch_rows_(std::move(torch_rows)), qkv_bias_(std::move(qkv_bias)),
-      q_norm_(std::move(q_norm)), k_norm_(std::move(k_norm)), qk_eps_(qk_eps), heads_(heads), scale_(scale) {}
+      q_norm_(std::move(q_norm)), k_norm_(std::move(k_norm)), qk_eps_(qk_eps), heads_(heads), scale_(scale) {
+  TORCH_CHECK(kinds_.size() == 4 && direct_rows_.size() == 4 && torch_rows_.size() == 4,
+              "one kind, direct_rows and torch_rows per linear layer");
+}
 
 at::Tensor DecodeLayer::forward(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
                                 at::Tensor k_pages, at::Tensor v_pages, const at::Tensor& slots,
                                 const at::Tensor& block_tables, const at::Tensor& context_lens) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be [tokens, hidden] float32");
-  TORCH_CHECK(kinds_.size() == 4 && direct_rows_.size() == 4 && torch_rows_.size() == 4,
-              "one kind, direct_rows and torch_rows per linear layer");
   const at::Tensor x = x_in.contiguous();
   at::Tensor qkv = linear(normed(x, attn_norm_, eps_), qkv_, kinds_[0], direct_rows_[0], torch_rows_[0]);
   if (qkv_bias_) qkv.add_(*qkv_bias_);
