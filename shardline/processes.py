@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections import deque
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -44,16 +45,20 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-_handed_out: set[int] = set()  # every port free_ports returned in this process
+# The ports free_ports returned last, oldest first. Bounded: the launcher calls it at every start
+# of its shard group, for the life of the server, and a caller binds its port long before this
+# many more have been handed out.
+RECENT_PORTS = 4096
+_handed_out: deque[int] = deque(maxlen=RECENT_PORTS)
 _handing_out = threading.Lock()
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on loopback, none of them returned before by this process. A port
-    is free only until someone binds it, and the kernel hands a closed one out again: a caller
-    still holding one unbound (a `--metrics-port` for a server that is yet to start) got it back
-    from the next call, and two services of one test then raced for it (seen in CI: the router's
-    HTTP API and its metrics on the same port)."""
+    """n distinct free TCP ports on loopback, none of them among the last RECENT_PORTS this
+    process returned. A port is free only until someone binds it, and the kernel hands a closed
+    one out again: a caller still holding one unbound (a `--metrics-port` for a server that is
+    yet to start) got it back from the next call, and two services of one test then raced for it
+    (seen in CI: the router's HTTP API and its metrics on the same port)."""
     with _handing_out:
         socks, ports = [], []
         try:
@@ -63,7 +68,7 @@ def free_ports(n: int) -> list[int]:
                 port = socks[-1].getsockname()[1]
                 if port not in _handed_out:
                     ports.append(port)
-            _handed_out.update(ports)
+            _handed_out.extend(ports)
             return ports
         finally:
             for s in socks:

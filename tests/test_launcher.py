@@ -52,6 +52,10 @@ def test_killed_launcher_takes_its_children_along(server):
 def test_free_ports_never_hands_out_a_port_twice():
     """A test picks a port for a flag, then starts a server that picks its own: the kernel reuses
     closed ephemeral ports, and the two once collided (a router's HTTP API and metrics)."""
-    from shardline.processes import free_ports
+    from shardline.processes import RECENT_PORTS, _handed_out, free_ports
     ports = [p for _ in range(1500) for p in free_ports(1)] + free_ports(3)
     assert len(set(ports)) == len(ports)
+    # and it remembers a bounded number: the launcher calls it at every restart of its group
+    for _ in range(RECENT_PORTS // 2):
+        free_ports(2)
+    assert len(_handed_out) == RECENT_PORTS
