@@ -13,6 +13,7 @@ router closes it, for up to `--drain-timeout-s`.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import logging
 import os
 import queue
@@ -35,6 +36,7 @@ from shard.runner import ModelRunner
 
 log = logging.getLogger("shardline.shard")
 MAX_SEQUENCES = 4096  # sequences a shard holds at once: the top of the router's --max-batch range
+WEDGED_S = 15.0       # the main loop not turning this long, outside a call: exit (MainThreadWork)
 
 
 class MainThreadWork:
@@ -51,16 +53,27 @@ class MainThreadWork:
         return future.result()
 
     def serve_until(self, done) -> None:
-        """Runs queued calls on this (the main) thread until `done()`."""
-        while not done():
-            try:
-                fn, args, future = self._queue.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # the handler that asked re-raises it
-                future.set_exception(e)
+        """Runs queued calls on this (the main) thread until `done()`.
+
+        While it waits, the loop turns every 50 ms. If it stops turning for WEDGED_S seconds
+        outside a call, the process is wedged: faulthandler's own thread, which needs no GIL,
+        writes every thread's stack to stderr and exits (code 1). CI saw a shard stuck in this
+        wait, its SIGTERM handler and parent check never run, 30 s after its launcher was
+        killed: its main thread never got the GIL back (cause not found)."""
+        try:
+            while not done():
+                faulthandler.dump_traceback_later(WEDGED_S, exit=True)  # re-armed at every turn
+                try:
+                    fn, args, future = self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                faulthandler.cancel_dump_traceback_later()  # a call (a step) may run long
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # the handler that asked re-raises it
+                    future.set_exception(e)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
 
 class ShardService(shard_pb2_grpc.ShardServicer):

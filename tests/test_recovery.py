@@ -4,6 +4,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -192,3 +193,32 @@ def test_separately_run_shards_restarted_by_their_supervisor_are_taken_back(tiny
         for proc in [router, *shards]:
             proc.kill()
             proc.wait()
+
+
+WEDGE = r"""
+import sys, threading, time
+import shard.server as server
+server.WEDGED_S = 1.0
+work = server.MainThreadWork()
+started = time.monotonic()
+# A call longer than WEDGED_S runs to its end: the watchdog is off during calls.
+threading.Thread(target=lambda: print("call", work.call(time.sleep, 1.5), flush=True), daemon=True).start()
+work.serve_until(lambda: time.monotonic() - started > 2.5)
+print("served", flush=True)
+if sys.argv[1] == "wedge":  # then a thread that takes the GIL while the loop waits, for good
+    threading.Thread(target=lambda: (time.sleep(0.5), sum(range(10 ** 13))), daemon=True).start()
+    work.serve_until(lambda: False)
+"""
+
+
+@pytest.mark.parametrize("case", ["wedge", "calm"])
+def test_a_shard_whose_main_loop_stops_turning_exits_with_every_threads_stack(case):
+    """A wedged main thread (here: another thread holds the GIL) cannot run Python, not even its
+    SIGTERM handler; the loop's watchdog ends the process from outside the GIL. A long call is
+    not a wedge."""
+    done = subprocess.run([sys.executable, "-c", WEDGE, case], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert "call None" in done.stdout and "served" in done.stdout, done.stdout + done.stderr
+    if case == "wedge":
+        assert done.returncode == 1 and "Timeout" in done.stderr and "serve_until" in done.stderr, done.stderr
+    else:
+        assert done.returncode == 0, done.stderr
