@@ -379,7 +379,7 @@ def _answers(url: str) -> int | None:
 # -- a drain -----------------------------------------------------------------------------------------
 def test_sigterm_drains_http_streams(tiny_models):
     server = Server("--model", str(tiny_models["llama"]), "--page-size", str(PAGE), "--drain-timeout-s", "60")
-    body = {"model": "llama", "prompt": "A story:", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+    body = {"model": "llama", "prompt": "A story:", "max_tokens": 400, "stream": True, "ignore_eos": True}
     try:
         with httpx.Client(timeout=60) as http:
             with http.stream("POST", server.http_url + "/completions", json=body) as response:

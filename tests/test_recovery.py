@@ -73,7 +73,7 @@ def test_kill_9_of_a_shard_mid_stream_then_the_same_router_answers_correctly(tin
 
 
 def test_a_sigstopped_shard_is_detected_and_its_group_restarted(tiny_models, reference):
-    server = Server("--model", str(tiny_models["llama"]), "--page-size", "16", "--step-timeout-s", "2")
+    server = Server("--model", str(tiny_models["llama"]), "--page-size", "16", "--step-timeout-s", "1")
     try:
         (shard,) = server.shard_pids()
         stream = server.stub.Generate(LONG, timeout=120)

@@ -1,4 +1,4 @@
-"""A short soak (bench/soak.py's workload, 12 s on a tiny model): many streams with random
+"""A short soak (bench/soak.py's workload, 8 s on a tiny model): many streams with random
 cancels, deadlines, dropped connections and three SIGKILLed clients lose nothing and leave
 nothing behind."""
 import asyncio
@@ -11,7 +11,7 @@ def test_a_short_soak_loses_nothing(tiny_models):
     server = Server("--model", str(tiny_models["llama"]), "--page-size", "16", "--num-pages", "512",
                     "--max-batch", "16", "--max-waiting", "128")
     try:
-        args = SoakArgs(streams=40, duration_s=12, silent_s=10, kill_every_s=3.5, request_timeout_s=60)
+        args = SoakArgs(streams=40, duration_s=8, silent_s=10, kill_every_s=2.5, request_timeout_s=60)
         result = asyncio.run(run_soak(server.target, args))
         pool, statuses = result["end_pool"], result["statuses"]
         assert pool["pages_referenced"] == 0 and pool["pages_reserved"] == 0

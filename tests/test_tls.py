@@ -98,7 +98,7 @@ class Router:
         self.proc = spawn_service(["router", "--model", str(model), "--page-size", "16",
                                    "--shards", shard, "--host", "127.0.0.1", "--port", str(self.port),
                                    "--http-port", str(self.http_port),
-                                   "--shard-timeout", "5",  # a refused handshake is reported after this
+                                   "--shard-timeout", "2",  # a refused handshake is reported after this
                                    *_mtls_flags(mtls), *public], cwd=ROOT,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []

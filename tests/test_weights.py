@@ -18,18 +18,24 @@ def test_unpermute_inverts_llama_cpp_permutation():
 
 @pytest.mark.smollm2
 def test_smollm2_weights_equal_transformers_gguf_loader():
-    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     source = resolve_model(None)
     cfg, ours = load_state_dict(source)
-    hf_config = AutoConfig.from_pretrained(source.path.parent, gguf_file=source.path.name)
+    # The skeleton only names the tensors; transformers reads the heads it unpermutes by from the
+    # file's own config, which it returns, so the file is parsed once (each parse takes seconds).
     with torch.device("meta"):
-        skeleton = LlamaForCausalLM(hf_config)
-    theirs = load_gguf_checkpoint(str(source.path), return_tensors=True, model_to_load=skeleton)["tensors"]
+        skeleton = LlamaForCausalLM(LlamaConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads, tie_word_embeddings=cfg.tie_word_embeddings))
+    parsed = load_gguf_checkpoint(str(source.path), return_tensors=True, model_to_load=skeleton)
+    theirs, hf_config = parsed["tensors"], parsed["config"]
     assert set(theirs) == set(ours)
     for name, tensor in theirs.items():
         assert torch.equal(torch.as_tensor(tensor).float(), ours[name]), name
-    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (
-        hf_config.num_hidden_layers, hf_config.num_attention_heads, hf_config.num_key_value_heads)
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size, cfg.intermediate_size) == (
+        hf_config["num_hidden_layers"], hf_config["num_attention_heads"], hf_config["num_key_value_heads"],
+        hf_config["hidden_size"], hf_config["intermediate_size"])
     assert cfg.tie_word_embeddings
