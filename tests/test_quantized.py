@@ -170,11 +170,14 @@ def test_the_native_int4_kernel_computes_the_dequantized_weights(rows, k):
 
 
 def test_the_crossover_is_the_last_row_count_before_the_dense_kernel_measures_faster(own_machine_choices):
+    # Sleeps of 10 and 20 ms, not 1 and 2: a fresh-clone suite once measured test-2's 2 ms sleep
+    # no slower than the 1 ms one (a loaded machine oversleeps by a millisecond or more).
     def slow_above(n):  # quantized: free up to n rows, then slower than dense
-        return lambda x: time.sleep(0.002 if x.shape[0] > n else 0)
-    assert choice.crossover("test-1", slow_above(4), lambda x: time.sleep(0.001), 8) == 4
-    assert choice.crossover("test-2", slow_above(0), lambda x: time.sleep(0.001), 8) == 0
-    assert choice.crossover("test-3", slow_above(1 << 20), lambda x: time.sleep(0.001), 8) >= 1 << 20
+        return lambda x: time.sleep(0.02 if x.shape[0] > n else 0)
+    dense = lambda x: time.sleep(0.01)  # noqa: E731
+    assert choice.crossover("test-1", slow_above(4), dense, 8) == 4
+    assert choice.crossover("test-2", slow_above(0), dense, 8) == 0
+    assert choice.crossover("test-3", slow_above(1 << 20), dense, 8) >= 1 << 20
 
 
 def test_the_crossover_keeps_the_quantized_kernel_unless_dense_wins_by_the_margin(own_machine_choices):
