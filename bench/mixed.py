@@ -1,10 +1,11 @@
 """The workload chunked prefill exists for, on SmolLM2: one stream decoding; after its 8th token a
 2048-token prompt arrives, and 20 ms later a 128-token prompt.
 
-Reports, per configuration (chunking off, --chunk-size 256 and 512, each also with --mixed-steps
-on), the medians over runs of: the active stream's maximum and p95 inter-token latency, the short
-late request's TTFT, the long request's TTFT, and the output rate in the window (from the long prompt's arrival until both new
-requests have their first token). Writes JSON and a PNG timeline of tokens over time.
+Reports, per configuration (chunking off; --chunk-size 256 and 512 with whole chunks, each also
+with --mixed-steps on; 256 with the long prompt's chunks in 8 layer groups, the default, and in
+4), the medians over runs of: the active stream's maximum and p95 inter-token latency, the short
+late request's TTFT, the long request's TTFT, and the output rate in the window (from the long
+prompt's arrival until both new requests have their first token). Writes JSON and a PNG timeline of tokens over time.
 
     .venv/bin/python -m bench.mixed [--runs 3] [--configs off 'chunk 256' ...]
 """
@@ -23,7 +24,10 @@ from harness.client import Stream, astream, percentiles, token_request
 from harness.serve import Server
 from protos import generation_pb2_grpc as pb_grpc
 
-CONFIGS = {"off": [], "chunk 256": ["--chunk-size", "256"], "chunk 512": ["--chunk-size", "512"],
+CONFIGS = {"off": [], "chunk 256": ["--chunk-size", "256", "--layer-groups", "1"],
+           "chunk 512": ["--chunk-size", "512", "--layer-groups", "1"],
+           "groups 256": ["--chunk-size", "256", "--layer-groups", "8"],
+           "groups4 256": ["--chunk-size", "256", "--layer-groups", "4"],
            "mixed 256": ["--chunk-size", "256", "--mixed-steps", "on"],
            "mixed 512": ["--chunk-size", "512", "--mixed-steps", "on"]}
 

@@ -133,7 +133,8 @@ class Engine:
                 seq.admitted_at = now
                 for o in self.observers:
                     o.admitted(seq)
-        plan = shard_pb2.StepPlan(step_id=self.step_id, released=self._released)
+        plan = shard_pb2.StepPlan(step_id=self.step_id, released=self._released, layer_start=step.layer_start,
+                                  layer_end=step.layer_end)
         self._released = []
         for seq, inputs, emit in zip(step.seqs, step.inputs, step.emits):
             held = self._announced.get(seq.seq_id)

@@ -71,6 +71,10 @@ class Replica:
         if len(buckets) > 1:  # every shard opened its step stream: the next attempt must find them closed
             await self.shards.close_streams(abandon=False)
             raise ShardError(f"the shards captured different decode graph buckets: {sorted(buckets)}")
+        # Layer groups cut a long prompt's chunks (there are none without chunking); a mixed
+        # step's decode rows run every layer, and pipeline stages run whole chunks.
+        layer_groups = (min(args.layer_groups, head.num_layers)
+                        if args.chunk_size and args.mixed_steps == "off" and head.pp_size == 1 else 1)
         self.info = pb.InfoResponse(
             model=head.model, page_size=head.page_size, num_pages=num_pages,
             tensor_parallel=head.tp_size, pipeline_parallel=head.pp_size, max_batch=args.max_batch,
@@ -78,7 +82,7 @@ class Replica:
             device=head.device, prefix_cache=args.prefix_cache == "on", eviction_policy=args.eviction,
             slru_protected_ratio=args.slru_protected_ratio, chunk_size=args.chunk_size,
             max_batch_tokens=args.max_batch_tokens, mixed_steps=args.mixed_steps == "on",
-            step_timeout_s=args.step_timeout_s,
+            layer_groups=layer_groups, step_timeout_s=args.step_timeout_s,
             drain_timeout_s=args.drain_timeout_s, shard_weight_bytes=max(i.weight_bytes for i in infos),
             shard_kv_pool_bytes=max(w.kv_pool_bytes for w in warmups),
             decode_graphs=bool(warmups[0].decode_graph_buckets), decode_graph_buckets=warmups[0].decode_graph_buckets,
@@ -96,7 +100,7 @@ class Replica:
                             model_key=f"{head.model}/{head.dtype}")
         scheduler = Scheduler(pages, args.max_batch, args.max_batch_tokens, chunk_size=args.chunk_size,
                               aging_s=args.priority_aging_s, mixed_steps=args.mixed_steps == "on",
-                              pair_cost=head.attention_pair_cost)
+                              pair_cost=head.attention_pair_cost, num_layers=head.num_layers, layer_groups=layer_groups)
         if self.engine is None:
             self.engine = Engine(scheduler, self.shards, self.codec, head.context_length, self.observers)
         else:  # the old pool described KV that is gone: start from an empty one

@@ -26,6 +26,15 @@ weights, from the shards' Info), a chunk holds as many tokens as cost what `chun
 cost at the start of a prompt, so that the steps a decoding sequence waits for grow little with
 the prompt.
 
+With `layer_groups` G > 1, the chunks of a prompt longer than one chunk run in layer groups: a
+step runs about 1/G of the model's layers on the chunk, and the shard keeps the chunk's hidden
+states until the next group (`StepPlan.layer_start`). Each group is a prefill step of its own in
+the rotation, so a decoding sequence waits for one group, not one chunk, and a short prompt that
+arrives during a long one's chunk is admitted after the group that runs (shortest first, above),
+not after the chunk. A prompt that fits in one chunk runs whole, its first token being near. One
+chunk at a time runs in groups, alone in its step; a chunk with nothing to give way to (no other
+sequence running or waiting) runs its remaining layers at once.
+
 Admission is all or nothing on pages: a request is admitted only when the pages of its cached
 prefix are pinned and every other page it can ever need is reserved; otherwise the request
 keeps its place at the head of the queue and nothing changes.
@@ -67,6 +76,11 @@ class Step:
     inputs: list[list[int]] = field(default_factory=list)  # per sequence, the tokens this step computes
     emits: list[bool] = field(default_factory=list)        # per sequence, whether it samples its next token
     num_decode: int = 0
+    # A layer group (`Scheduler.layer_groups`): the step runs layers [layer_start, layer_end) of
+    # its chunk; layer_end 0: through the last layer, the only step of a chunk whose positions
+    # count as computed and that may emit.
+    layer_start: int = 0
+    layer_end: int = 0
     # Sent before the step ahead of it ended (`Scheduler.decode_ahead`): each decode row's input
     # is the token the shard samples for it in that step, so `inputs` are [] until it is known.
     sampled_inputs: bool = False
@@ -90,11 +104,18 @@ class Step:
 class Scheduler:
     def __init__(self, pages: PageManager, max_batch: int, max_batch_tokens: int, chunk_size: int = 0,
                  aging_s: float = 1.0, clock: Callable[[], float] = time.monotonic, mixed_steps: bool = False,
-                 pair_cost: float = 0.0):
-        if max_batch < 1 or max_batch_tokens < 1 or chunk_size < 0 or not aging_s > 0 or not pair_cost >= 0:
+                 pair_cost: float = 0.0, layer_groups: int = 1, num_layers: int = 0):
+        if max_batch < 1 or max_batch_tokens < 1 or chunk_size < 0 or not aging_s > 0 or not pair_cost >= 0 \
+                or not 1 <= layer_groups <= max(1, num_layers):
             raise ValueError(f"scheduler limits out of range: max_batch {max_batch}, max_batch_tokens "
-                             f"{max_batch_tokens}, chunk_size {chunk_size}, aging_s {aging_s}, pair_cost {pair_cost}")
+                             f"{max_batch_tokens}, chunk_size {chunk_size}, aging_s {aging_s}, pair_cost {pair_cost}, "
+                             f"layer_groups {layer_groups} of {num_layers} layers")
+        if layer_groups > 1 and mixed_steps:
+            raise ValueError("layer groups and mixed steps exclude each other: a mixed step's decode rows run every layer")
         self.pages = pages
+        # Layer group boundaries: group i runs layers [bounds[i], bounds[i + 1]).
+        self.layer_bounds = [round(i * num_layers / layer_groups) for i in range(layer_groups + 1)]
+        self._group: Step | None = None  # the chunk running in layer groups, as its last group ran
         self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
         self.chunk_size, self.aging_s, self.clock = chunk_size, aging_s, clock
         self.mixed_steps, self.pair_cost = mixed_steps, pair_cost
@@ -180,15 +201,19 @@ class Scheduler:
                     sampled_inputs=True)
 
     def _continue(self, budget: int) -> Step | None:
+        if self._group is not None:
+            return self._next_group()
         step = Step(Phase.CONTINUE)
         for _ in range(len(self.prefilling)):
             seq = self.prefilling[0]
             n = self._chunk(seq, budget, first=not step.seqs)
-            if n == 0:
+            if n == 0 or (step.seqs and self._grouped(seq, n)):
                 break
             self.prefilling.rotate(-1)  # round robin: the next Continue step starts after it
             self._add_chunk(step, seq, n)
             budget -= n
+            if step.layer_end:
+                break
         return step if step.seqs else None
 
     def _admit(self, budget: int) -> Step | None:
@@ -203,7 +228,9 @@ class Scheduler:
             hits = [] if seq.prompt_logprobs is not None else pages.lookup(seq.prompt_hashes)
             cached = len(hits) * pages.page_size
             n = self._chunk(seq, budget, first=not step.seqs, computed=cached)
-            if n == 0:
+            # A chunk in layer groups runs alone, and one at a time: a long prompt waits for both.
+            grouped = self.layer_groups > 1 and n < len(seq.prompt_ids) - cached
+            if n == 0 or grouped and (step.seqs or self._group is not None):
                 break
             total = pages.pages_for(seq.max_tokens)
             if not pages.admit(hits, total, len(seq.prompt_ids)):
@@ -215,7 +242,35 @@ class Scheduler:
             self.prefilling.append(seq)
             self._add_chunk(step, seq, n)
             budget -= n
+            if step.layer_end:
+                break
         return step if step.seqs else None
+
+    # -- layer groups -----------------------------------------------------------------------------
+    @property
+    def layer_groups(self) -> int:
+        return len(self.layer_bounds) - 1
+
+    def _grouped(self, seq: Sequence, n: int) -> bool:
+        """Whether a chunk of `n` tokens of `seq` runs in layer groups: its prompt (past its cached
+        prefix) does not fit in one chunk, and no other chunk is in groups."""
+        return self.layer_groups > 1 and self._group is None and n < len(seq.prompt_ids) - seq.cached_prompt_tokens
+
+    def _group_end(self, done: int) -> int:
+        """Where the group after `done` layers ends: the next bound, or 0 (the last layer) when
+        nothing else runs or waits, or the bound is the last."""
+        if not (self.decoding or self.waiting or len(self.prefilling) > 1):
+            return 0
+        end = next(b for b in self.layer_bounds if b > done)
+        return 0 if end == self.layer_bounds[-1] else end
+
+    def _next_group(self) -> Step:
+        """The next layer group of the chunk in groups: its tokens again, from where the last ended."""
+        (seq, inputs), = self._group.chunks
+        done = self._group.layer_end
+        step = Step(Phase.CONTINUE, [seq], [inputs], layer_start=done, layer_end=self._group_end(done))
+        step.emits = [not step.layer_end and seq.num_computed + len(inputs) == len(seq.prompt_ids)]
+        return step
 
     # -- helpers ----------------------------------------------------------------------------------
     def _shorter_waits(self) -> bool:
@@ -256,11 +311,14 @@ class Scheduler:
         return max(1, min(size, int(n + 1e-6)))
 
     def _add_chunk(self, step: Step, seq: Sequence, n: int) -> None:
+        """Adds a chunk to the step; a chunk that runs in layer groups (alone) adds its first."""
         start = seq.num_computed
         self._grow(seq, start + n)
+        if self._grouped(seq, n):
+            step.layer_end = self._group_end(0)
         step.seqs.append(seq)
         step.inputs.append(seq.prompt_ids[start:start + n])
-        step.emits.append(start + n == len(seq.prompt_ids))
+        step.emits.append(start + n == len(seq.prompt_ids) and not step.layer_end)
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
         """Gives the sequence the reserved pages that cover `num_tokens` positions."""
@@ -275,6 +333,13 @@ class Scheduler:
         that finished while the step ran (sent ahead, it computed a token they do not need).
         Advances each other sequence, publishes the pages that became full, and moves finished
         prefills to the decode phase."""
+        if step.layer_end:  # a layer group that stops short of the last layer: nothing computed yet
+            seq = step.seqs[0]
+            gone = seq.seq_id in failed or seq.status is Status.FINISHED
+            self._group = None if gone else step
+            return
+        if step.layer_start:
+            self._group = None
         chunked = {id(seq) for seq, _ in step.chunks}
         for seq, inputs in zip(step.seqs, step.inputs):
             if seq.seq_id in failed or seq.status is Status.FINISHED:
@@ -309,6 +374,8 @@ class Scheduler:
         runs its plans in order. Idempotent."""
         if seq.status is Status.FINISHED:
             return
+        if self._group is not None and self._group.seqs[0] is seq:
+            self._group = None
         for queue in (self.waiting, self.prefilling, self.decoding):
             if seq in queue:
                 queue.remove(seq)

@@ -23,6 +23,7 @@ class StatsCounters(RequestEvents):
         self.requests_failed = 0
         self.decode_graph_launches = self.eager_decode_steps = 0   # summed over the shards
         self.mixed_steps = 0
+        self.layer_group_steps = 0
         # Recent decode steps as (router wall ms, shard compute ms).
         self.decode_step_times: deque[tuple[float, float]] = deque(maxlen=STEP_WINDOW)
 
@@ -40,8 +41,10 @@ class StatsCounters(RequestEvents):
         self.decode_graph_launches += result.graph_launches
         self.eager_decode_steps += result.eager_decode_steps
         if step.is_prefill:
-            self.prompt_tokens_computed += sum(len(inputs) for _, inputs in step.chunks)
+            if not step.layer_end:  # a chunk's tokens count once, when its last layer ran
+                self.prompt_tokens_computed += sum(len(inputs) for _, inputs in step.chunks)
             self.mixed_steps += step.num_decode > 0
+            self.layer_group_steps += bool(step.layer_start or step.layer_end)
         else:
             self.decode_step_times.append((wall_s * 1e3, result.compute_ms))
 
@@ -67,6 +70,7 @@ def stats_response(replica, counters: StatsCounters) -> pb.StatsResponse:
         steps=c.steps, tokens_generated=c.tokens_generated, prompt_tokens_computed=c.prompt_tokens_computed,
         requests_failed=c.requests_failed, decode_graph_launches=c.decode_graph_launches,
         eager_decode_steps=c.eager_decode_steps, mixed_steps=c.mixed_steps,
+        layer_group_steps=c.layer_group_steps,
         decode_step_ms_p50=_median([w for w, _ in c.decode_step_times]),
         shard_decode_step_ms_p50=_median([s for _, s in c.decode_step_times])))
     return st

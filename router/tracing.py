@@ -61,7 +61,7 @@ class Tracing(RequestEvents):
 
     # -- steps ------------------------------------------------------------------------------------
     def step_started(self, step_id: int, step, plan) -> None:
-        for seq, inputs in step.chunks:
+        for seq, inputs in step.chunks if not step.layer_start else ():  # a chunk's first step
             if seq.span is not None:
                 seq.span.add_event("prefill_chunk", {"shardline.chunk.start": seq.num_computed,
                                                      "shardline.chunk.tokens": len(inputs), "shardline.step.id": step_id})
@@ -70,7 +70,9 @@ class Tracing(RequestEvents):
                                       attributes={"shardline.step.id": step_id, "shardline.step.phase": step.phase.value,
                                                   "shardline.step.batch_size": len(step.seqs),
                                                   "shardline.step.tokens": step.num_tokens,
-                                                  "shardline.step.sent_ahead": step.sampled_inputs})
+                                                  "shardline.step.sent_ahead": step.sampled_inputs,
+                                                  "shardline.step.layer_start": step.layer_start,
+                                                  "shardline.step.layer_end": step.layer_end})
         propagate.inject(plan.trace_context, context=trace.set_span_in_context(span))
         self._steps[step_id] = span
 

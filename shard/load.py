@@ -116,6 +116,6 @@ def load_shard(args) -> LoadedShard:
         dtype=args.dtype, device=str(device), eos_token_ids=full.eos_token_ids,
         weight_bytes=weight_bytes(model), kv_bytes_per_page=per_page,
         kv_dtype=str(kv_dtype).removeprefix("torch."), weight_formats=weight_formats(model), group_id=group_id(layout),
-        attention_pair_cost=full.attention_pair_cost)
+        attention_pair_cost=full.attention_pair_cost, num_layers=full.num_layers)
     log.info("weights: %s", ", ".join(f"{k} {v}" for k, v in info.weight_formats.items()))
     return LoadedShard(model, layout, device, dtype, kv_dtype, decode_graphs, info)

@@ -124,12 +124,14 @@ class Transformer(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_pages: list[tuple],
-                batch: AttentionBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+                batch: AttentionBatch, hidden: torch.Tensor | None = None,
+                layers: slice = slice(None)) -> torch.Tensor:
         """tokens, positions [T] -> hidden states [T, hidden] (before the final norm).
-        A later pipeline stage passes the previous stage's `hidden` instead of embedding tokens."""
+        A later pipeline stage, or a step that starts past the first layer (`layers`, of this
+        module's), passes the hidden states going into its first layer instead of embedding tokens."""
         x = self.embed(tokens) if hidden is None else hidden
         cos_sin = self.rotary.at(positions, x.dtype)
-        for layer, (k_pages, v_pages) in zip(self.layers, kv_pages):
+        for layer, (k_pages, v_pages) in zip(self.layers[layers], kv_pages[layers]):
             x = layer(x, cos_sin, k_pages, v_pages, batch)
         return x
 

@@ -12,6 +12,12 @@ megabytes whatever the prompt's length. The router still sees one step.
 
 A small prefill step runs as decode rows, a row per token (ROWS_ATTENTION_PAIRS).
 
+A layer group (StepPlan.layer_start, layer_end) runs a part of the layers on its chunks; the
+shard keeps each chunk's hidden states in its SequenceState until the group that runs the last
+layer, which alone advances the sequence's positions, scores and samples. The layers before it
+have written the chunk's K/V at their own depth, and no other step reads a position the sequence
+does not hold yet, so decode steps of other sequences can run in between.
+
 A plan entry that cannot be served (a page id outside the pool, positions its block table does
 not cover, a token outside the vocabulary, a position or announcement that disagrees with what
 the shard holds) fails its sequence alone: it is left out of the step, forgotten and reported.
@@ -128,9 +134,19 @@ class ModelRunner:
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
-    def check(self, s) -> str | None:
-        """Why this plan entry cannot be served, or None."""
+    def check(self, s, layer_start: int = 0, finishing: bool = True) -> str | None:
+        """Why this plan entry cannot be served in a step that runs layers from `layer_start`
+        (and through the last one when `finishing`), or None."""
         state = self.table.get(s.seq_id)
+        held_layers = state.partial_layers if state is not None else 0
+        if held_layers != layer_start:
+            return (f"the plan runs the sequence's chunk from layer {layer_start}, but this shard holds it "
+                    f"after {held_layers} layers")
+        if layer_start and (s.first or s.sampled_input or len(s.token_ids) != len(state.partial)):
+            return (f"the plan continues a chunk of {len(state.partial)} tokens past layer {layer_start} "
+                    f"with other inputs")
+        if s.emit and not finishing:
+            return "the plan samples from a step that stops before the last layer"
         if s.first and state is not None:
             return f"the plan announces sequence {s.seq_id} as new, but this shard already holds it"
         if not s.first and state is None:
@@ -205,14 +221,15 @@ class ModelRunner:
                                block_tables_list=[s.block_table for s in spans])
         return tokens, positions, batch
 
-    def _forward(self, tokens, positions, batch) -> torch.Tensor | None:
-        """Runs this shard's layers; the hidden states [T, hidden] on the last stage, else None
-        (they went to the next stage)."""
-        layout, hidden_in = self.layout, None
+    def _forward(self, tokens, positions, batch, hidden_in=None, layers: slice = slice(None)) -> torch.Tensor | None:
+        """Runs this shard's layers (`layers` of them, from `hidden_in` when they start past the
+        first); the hidden states [T, hidden] on the last stage, else None (they went to the
+        next stage)."""
+        layout = self.layout
         if not layout.is_first_stage:
             hidden_in = torch.empty(len(tokens), self.model.cfg.hidden_size, dtype=self.dtype, device=self.device)
             dist.recv(hidden_in, src=layout.peer(layout.pp_stage - 1))
-        hidden = self.model(tokens, positions, self.kv.layers, batch, hidden_in)
+        hidden = self.model(tokens, positions, self.kv.layers, batch, hidden_in, layers)
         if not layout.is_last_stage:
             dist.send(hidden, dst=layout.peer(layout.pp_stage + 1))
             return None
@@ -225,9 +242,17 @@ class ModelRunner:
         out = StepOutput()
         for seq_id in plan.released:
             self.table.release(seq_id)
+        num_layers = len(self.model.layers)
+        layers = slice(plan.layer_start, plan.layer_end or num_layers)
+        grouped, finishing = layers != slice(0, num_layers), layers.stop == num_layers
+        layers_why = None
+        if grouped and self.layout.pp > 1:
+            layers_why = "the plan runs a layer group on a pipeline stage: layer groups need a single stage"
+        elif grouped and not layers.start < layers.stop <= num_layers:
+            layers_why = f"the plan runs layers {layers.start} to {layers.stop} of {num_layers}"
         entries, states = [], []
         for s in plan.seqs:
-            why = self.check(s)
+            why = layers_why or self.check(s, layers.start, finishing)
             if why is None:
                 entries.append(s)
                 states.append(self._accept(s))
@@ -236,8 +261,11 @@ class ModelRunner:
                 self.table.release(s.seq_id)
         if not entries:
             return out
-        scored = {i for i, s in enumerate(entries) if s.HasField("prompt_logprobs")}
-        if all(len(s.token_ids) == 1 for s in entries):  # a decode step (or one-token chunks)
+        scored = {i for i, s in enumerate(entries) if s.HasField("prompt_logprobs")} if finishing else set()
+        if grouped:  # a layer group of prompt chunks: every chunk's hidden states are kept
+            last, chunks = self._prefill(entries, states, set(range(len(entries))), layers)
+            every = {i: chunks[i] for i in scored}
+        elif all(len(s.token_ids) == 1 for s in entries):  # a decode step (or one-token chunks)
             tokens = [s.token_ids[0] for s in entries]
             if self.graphs is not None and self.graphs.bucket_for(len(entries)):
                 last = self.graphs.run(tokens, [st.next_pos for st in states], [st.row for st in states])
@@ -248,23 +276,34 @@ class ModelRunner:
             every = {i: last[i:i + 1] for i in scored} if last is not None else {}
         else:
             last, every = self._prefill(entries, states, scored)
-        for s, st in zip(entries, states):
-            st.next_pos += len(s.token_ids)
+        for i, (s, st) in enumerate(zip(entries, states)):
             st.sampled = None  # until this step samples it a token
+            if finishing:
+                st.next_pos += len(s.token_ids)
+                st.partial, st.partial_layers = None, 0
+            else:
+                st.partial, st.partial_layers = chunks[i], layers.stop
+        if not finishing:
+            return out
         if self.layout.samples:
             self._sample(entries, states, last, every, out)
         return out
 
-    def _prefill(self, entries, states, scored: set[int]):
-        """Runs a prefill step in pieces. Returns the hidden state of each sequence's last token
-        [n, H], and all hidden states of the sequences in `scored` (for prompt log-probabilities);
-        (None, {}) off the last stage."""
+    def _prefill(self, entries, states, kept_for: set[int], layers: slice = slice(None)):
+        """Runs a prefill step (or the layer group `layers` of one) in pieces. Returns the hidden
+        state of each sequence's last token [n, H], and all hidden states of the sequences in
+        `kept_for` (for prompt log-probabilities, or a layer group's partial chunks); (None, {})
+        off the last stage."""
         spans = [Span(list(s.token_ids), s.start_pos, self.table.tables[st.row, :len(st.pages)])
                  for s, st in zip(entries, states)]
         rows = [None] * len(spans)
-        kept: dict[int, list[torch.Tensor]] = {i: [] for i in scored}
+        kept: dict[int, list[torch.Tensor]] = {i: [] for i in kept_for}
         for piece in pieces(spans, PREFILL_PIECE_TOKENS):
-            hidden = self._forward(*self._prefill_batch([span for _, span in piece]))
+            hidden_in = None
+            if layers.start:  # the chunks' hidden states after the layers before this group
+                hidden_in = torch.cat([states[i].partial[span.start_pos - spans[i].start_pos:][:len(span.token_ids)]
+                                       for i, span in piece])
+            hidden = self._forward(*self._prefill_batch([span for _, span in piece]), hidden_in, layers)
             if hidden is None:
                 continue
             end = 0

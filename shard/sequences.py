@@ -30,6 +30,11 @@ class SequenceState:
     sampling: SamplingParams
     next_pos: int             # positions whose K/V this shard holds
     sampled: int | None = None  # the token it sampled in its last step, if that step emitted
+    # A prompt chunk part way through the layers (StepPlan.layer_start): the hidden states of
+    # its tokens after `partial_layers` layers. Its positions are not in `next_pos` until the
+    # step that runs the last layer.
+    partial: torch.Tensor | None = None
+    partial_layers: int = 0
 
 
 class SequenceTable:

@@ -90,6 +90,9 @@ def _router_flags(p):
     add_flag(p, "mixed-steps", "off", help="every step carries the decode rows beside its prompt chunk "
              "(Sarathi-Serve's stall-free batching) instead of rotating decode, chunk and admission steps",
              choices=["on", "off"])
+    add_flag(p, "layer-groups", 8, COUNT, "with --chunk-size, the chunks of a prompt longer than one chunk run "
+             "in this many steps of a part of the layers each, so that decode steps and short prompts cut in "
+             "between (1: whole chunks; whole on pipeline stages and with --mixed-steps on)")
     add_flag(p, "priority-aging-s", 1.0, SECONDS, "seconds of waiting that raise a request's priority by one")
     add_flag(p, "max-waiting", 256, COUNT, "most queued requests before RESOURCE_EXHAUSTED")
     add_flag(p, "shard-timeout", 300.0, SECONDS, "seconds to wait for the shards to come up")

@@ -44,13 +44,16 @@ def test_tiny_greedy_tokens_do_not_depend_on_chunking(tiny_models, reference, ch
 
 
 
-def test_mixed_steps_decode_beside_chunks_with_the_same_greedy_tokens(tiny_models, reference):
-    """Every prompt at once, twice: decode rows ride in the steps that compute the others' chunks."""
+@pytest.mark.parametrize("flags", [("--mixed-steps", "on"), ("--layer-groups", "3")])
+def test_decodes_beside_or_between_chunks_give_the_same_greedy_tokens(tiny_models, reference, flags):
+    """Every prompt at once, twice: decode rows ride in the steps that compute the others' chunks
+    (mixed steps), or run between the layer groups of a long prompt's chunks."""
     _, prompts, wants = reference
     server = Server("--model", str(tiny_models["qwen3"]), "--page-size", str(PAGE), "--chunk-size", "7",
-                    "--mixed-steps", "on", "--max-batch-tokens", "512")
+                    "--max-batch-tokens", "512", *flags)
     try:
-        assert server.stub.Info(pb.InfoRequest()).mixed_steps
+        info = server.stub.Info(pb.InfoRequest())
+        assert (info.mixed_steps, info.layer_groups) == ((True, 1) if "--mixed-steps" in flags else (False, 3))
         for _ in range(2):
             with ThreadPoolExecutor(len(prompts)) as pool:
                 runs = list(pool.map(lambda p: server.generate(prompt_token_ids=pb.PromptTokens(ids=p),
@@ -58,8 +61,8 @@ def test_mixed_steps_decode_beside_chunks_with_the_same_greedy_tokens(tiny_model
             for (got, _, _), (want, margins) in zip(runs, wants):
                 assert_greedy_match(got, want, margins)
         st = server.wait_idle()
-        assert st.mixed_steps > 0 and st.pages_referenced == 0
-        assert st.pages_free + st.pages_evictable == st.pages_total
+        assert (st.mixed_steps > 0) == info.mixed_steps and (st.layer_group_steps > 0) == (info.layer_groups > 1)
+        assert st.pages_referenced == 0 and st.pages_free + st.pages_evictable == st.pages_total
     finally:
         assert server.stop() == 0
 

@@ -23,11 +23,13 @@ def _seq(i, prompt_len, max_new, priority=0, base=0):
 @given(chunk=st.sampled_from([1, 3, 7, 64]), budget=st.sampled_from([4, 16, 100]),
        reqs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 6), st.integers(0, 3)), min_size=1, max_size=12),
        cancel_at=st.lists(st.integers(0, 60), max_size=3), mixed=st.booleans(),
-       pair_cost=st.sampled_from([0.0, 0.02, 0.5]))
-def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, mixed, pair_cost):
+       pair_cost=st.sampled_from([0.0, 0.02, 0.5]), groups=st.sampled_from([1, 2, 3]))
+def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, mixed, pair_cost, groups):
     pages = PageManager(40, 4)
+    groups = 1 if mixed else groups  # they exclude each other
     sched = Scheduler(pages, max_batch=4, max_batch_tokens=budget, chunk_size=chunk, mixed_steps=mixed,
-                      pair_cost=pair_cost)
+                      pair_cost=pair_cost, layer_groups=groups, num_layers=5)
+    group = None  # the chunk in layer groups: (sequence, its tokens, where its last group ended)
     seqs = [_seq(i, p, n, base=100 * (i % 3)) for i, (p, n, _) in enumerate(reqs)]
     arrivals = {s: a for s, (_, _, a) in zip(seqs, reqs)}
     last_ran = {Phase.DECODE: 0, Phase.CONTINUE: 0}
@@ -43,15 +45,18 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, m
         return step
     sched._admit = admit
     last_asked = 0
-    for t in range(400):
+    for t in range(1500):  # chunks of 1 in 3 layer groups take hundreds of steps
         for s in seqs:
             if arrivals[s] == t and sched.can_ever_fit(s.max_tokens):
                 sched.add(s)
         if t in cancel_at and sched.running:
+            if group and group[0] is sched.running[0]:
+                group = None
             sched.finish(sched.running[0])
         had = {Phase.DECODE: bool(sched.decoding), Phase.CONTINUE: bool(sched.prefilling)}
         before = {s: s.num_computed for s in sched.running}
         decoding = len(sched.decoding)
+        alone = len(sched.running) + len(sched.waiting) == 1
         step = sched.schedule()
         if step is None:
             asked.clear()
@@ -71,6 +76,18 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, m
             assert all(len(i) <= chunk for _, i in step.chunks)
         if mixed:  # every step decodes every decoding sequence
             assert step.num_decode == decoding
+        if step.layer_start or step.layer_end:  # a layer group: one chunk, of a prompt longer than one
+            (seq, inputs), = step.chunks
+            assert step.num_decode == 0 and groups > 1
+            assert len(inputs) < len(seq.prompt_ids) - seq.cached_prompt_tokens
+            assert 0 <= step.layer_start < (step.layer_end or 5) <= 5
+        elif groups > 1 and any(len(i) < len(seq.prompt_ids) - seq.cached_prompt_tokens for seq, i in step.chunks):
+            assert alone, "a long prompt's chunk ran whole while other work waited or ran"
+        if step.layer_start:  # the next group of the chunk in groups, before any other chunk of it
+            assert group is not None and (group[0], group[1], group[2]) == (*step.chunks[0], step.layer_start)
+        elif group is not None:
+            assert group[0] not in step.seqs, "a sequence's chunk interrupted by another step of it"
+        group = (*step.chunks[0], step.layer_end) if step.layer_end else None if step.layer_start else group
         steps += 1
         ran = {Phase.DECODE: step.num_decode > 0, Phase.CONTINUE: step.phase is Phase.CONTINUE}
         # Rotation bounds: Decode runs at least every 2 steps; Continue and Admit every 6 (a
@@ -87,7 +104,8 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, m
             last_asked = steps
         sched.complete(step)
         for seq, inputs, emit in zip(step.seqs, step.inputs, step.emits):
-            assert seq.num_computed == before.get(seq, seq.cached_prompt_tokens) + len(inputs)
+            computed = 0 if step.layer_end else len(inputs)  # a chunk's positions count after its last layer
+            assert seq.num_computed == before.get(seq, seq.cached_prompt_tokens) + computed
             assert emit == (seq.num_computed >= len(seq.prompt_ids))  # only the final chunk samples
             if emit:
                 seq.output_ids.append(1)
@@ -128,6 +146,36 @@ def test_a_long_prompt_cannot_monopolize_prefill_or_starve_decodes_and_a_shorter
     assert continues[:4] == [[1], [2], [1], [2, 1]]
     assert short in sched.decoding and short.num_computed > 20  # prefilled, now decoding
     assert long in sched.prefilling and long.num_computed < 200
+
+
+def test_a_long_prompts_chunks_run_in_layer_groups_that_a_short_prompt_and_decodes_cut_between():
+    pages = PageManager(200, 4)
+    sched = Scheduler(pages, max_batch=8, max_batch_tokens=8, chunk_size=8, layer_groups=3, num_layers=6)
+    assert sched.layer_bounds == [0, 2, 4, 6]
+    long, short, decoder = _seq(1, 20, 1), _seq(2, 8, 1, base=1000), _seq(3, 3, 7, base=2000)
+    sched.add(decoder)
+    sched.add(long)
+    steps = []
+    for i in range(14):
+        if i == 3:  # arrives while the long prompt's first chunk runs its first group
+            sched.add(short)
+        step = sched.schedule()
+        sched.complete(step)
+        for seq, emit in zip(step.seqs, step.emits):
+            if emit:
+                seq.output_ids.append(5)
+                if len(seq.output_ids) >= seq.max_new_tokens:
+                    sched.finish(seq)
+        steps.append((step.phase.name[0], [s.seq_id for s in step.seqs], step.layer_start, step.layer_end))
+    assert steps == [
+        ("A", [3], 0, 0), ("D", [3], 0, 0),
+        ("A", [1], 0, 2),                    # the long prompt's first chunk: layers 0-1 (its prompt needs 3)
+        ("D", [3], 0, 0), ("A", [2], 0, 0),  # the short prompt, whole, before the chunk's next group
+        ("D", [3], 0, 0), ("C", [1], 2, 4), ("D", [3], 0, 0), ("C", [1], 4, 0),  # to the last layer
+        ("D", [3], 0, 0), ("C", [1], 0, 2), ("D", [3], 0, 0),
+        ("C", [1], 2, 0),  # the decoder is done: with nothing else to run, the rest of the layers at once
+        ("C", [1], 0, 0)]  # and the last chunk whole
+    assert long.num_computed == 20 and long.output_ids and short.output_ids
 
 
 @settings(max_examples=300, deadline=None)

@@ -200,3 +200,61 @@ def test_a_decode_step_with_the_sampled_input_continues_from_the_token_this_shar
     chunk.sampled_input = both.sampled_input = True
     out = runner.step(_plan(chunk, both))
     assert "sampled none" in out.failures[2] and "input tokens" in out.failures[1] and not runner.table.held
+
+
+def test_a_chunk_run_in_layer_groups_computes_what_it_computes_whole(model):
+    """Layer groups: steps that run a part of the layers each, the shard keeping the chunk's
+    hidden states between them; another sequence's decode steps run in between. The tokens,
+    prompt log-probabilities and K/V are those of the whole chunk, and the positions count only
+    once the last layer ran."""
+    num_layers = len(model.layers)
+    assert num_layers >= 2
+    prompt, other = list(range(300, 341)), list(range(500, 505))
+
+    def run(groups: list[tuple[int, int]]):
+        runner = _runner(model)
+        first = runner.step(_plan(_first(2, other, [7]))).tokens
+        decoded = []
+        for i, (start, end) in enumerate(groups):
+            last = end == num_layers
+            entry = (_first(1, prompt, list(range(6)), emit=last) if i == 0 else _next(1, prompt, 0, emit=last))
+            entry.prompt_logprobs = 2
+            plan = _plan(entry)
+            plan.layer_start, plan.layer_end = start, 0 if last else end
+            out = runner.step(plan)
+            assert not out.failures, out.failures
+            assert runner.table.held[1].next_pos == (len(prompt) if last else 0)
+            assert bool(out.tokens) == last and bool(out.logprobs) == last
+            if not last:  # the other sequence decodes between the groups
+                decoded += _decode(runner, 2, (decoded or first)[-1], len(other) + len(decoded), 1, page_of=lambda pos: 8)
+        kv = torch.stack([k[:6] for k, _ in runner.kv.layers])
+        return out, decoded, kv
+
+    whole, _, whole_kv = run([(0, num_layers)])
+    grouped, decoded, grouped_kv = run([(0, 1), *((i, i + 1) for i in range(1, num_layers))])
+    assert grouped.tokens == whole.tokens and len(decoded) == num_layers - 1
+    torch.testing.assert_close(grouped_kv, whole_kv, rtol=1e-5, atol=1e-5)
+    got, want = grouped.logprobs[0].prompt, whole.logprobs[0].prompt
+    assert len(got) == len(want) == len(prompt) - 1
+    assert all(g.token_id == w.token_id and abs(g.logprob - w.logprob) < 1e-4 for g, w in zip(got, want))
+
+
+def test_a_layer_group_that_does_not_follow_the_one_the_shard_holds_fails_its_sequence(model):
+    num_layers = len(model.layers)
+    prompt = list(range(300, 320))
+    runner = _runner(model)
+
+    def group(entry, start, end):
+        plan = _plan(entry)
+        plan.layer_start, plan.layer_end = start, end
+        return runner.step(plan)
+
+    assert "after 0 layers" in group(_first(1, prompt, [0, 1, 2], emit=False), 1, 2).failures[1]
+    assert "samples from a step that stops" in group(_first(1, prompt, [0, 1, 2]), 0, 1).failures[1]
+    assert not group(_first(1, prompt, [0, 1, 2], emit=False), 0, 1).failures
+    assert "after 1 layers" in group(_next(1, prompt, 0, emit=False), 0, 0).failures[1]  # a whole step
+    assert not runner.table.held, "a failed sequence is forgotten"
+    assert not group(_first(2, prompt, [0, 1, 2], emit=False), 0, 1).failures
+    assert "other inputs" in group(_next(2, prompt[:-1], 0, emit=False), 1, 0).failures[2]
+    out = group(_first(3, prompt, [0, 1, 2]), 0, num_layers + 1)
+    assert f"layers 0 to {num_layers + 1}" in out.failures[3]
