@@ -80,14 +80,24 @@ def smollm2_reference():
 @pytest.mark.smollm2
 @pytest.mark.parametrize("chunk", [7, 300])
 def test_smollm2_greedy_tokens_do_not_depend_on_chunking(smollm2_reference, chunk):
+    """Computed cold, then from the first run's cached pages. With chunks of 300 another request
+    decodes meanwhile, so the prompt's two chunks run in layer groups (8, the default)."""
     ids, (want, margins) = smollm2_reference
     server = Server("--chunk-size", str(chunk), "--weights", "dequantized")
     try:
-        for _ in range(2):  # computed cold, then from the first one's cached pages
-            got, _, last = server.generate(prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=12,
-                                           ignore_eos=True)
-            assert_greedy_match(got, want, margins)
+        with ThreadPoolExecutor(1) as pool:
+            if chunk == 300:
+                side = pool.submit(server.generate, prompt_token_ids=pb.PromptTokens(ids=ids[:20]),
+                                   max_new_tokens=40, ignore_eos=True)
+                _wait_for(server, lambda st: st.requests_decoding == 1)
+            for _ in range(2):
+                got, _, last = server.generate(prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=12,
+                                               ignore_eos=True)
+                assert_greedy_match(got, want, margins)
+            if chunk == 300:
+                assert len(side.result()[0]) == 40
         assert last.usage.cached_prompt_tokens > 0
+        assert (server.stats().layer_group_steps >= 8) == (chunk == 300)
     finally:
         assert server.stop() == 0
 
