@@ -5,7 +5,8 @@ Reports, per configuration (chunking off; --chunk-size 256 and 512 with whole ch
 with --mixed-steps on; 256 with the long prompt's chunks in 8 layer groups, the default, and in
 4), the medians over runs of: the active stream's maximum and p95 inter-token latency, the short
 late request's TTFT, the long request's TTFT, and the output rate in the window (from the long
-prompt's arrival until both new requests have their first token). Writes JSON and a PNG timeline of tokens over time.
+prompt's arrival until both new requests have their first token). Writes JSON and a PNG timeline
+of tokens over time.
 
     .venv/bin/python -m bench.mixed [--runs 3] [--configs off 'chunk 256' ...]
 """

@@ -207,10 +207,11 @@ class Scheduler:
         for _ in range(len(self.prefilling)):
             seq = self.prefilling[0]
             n = self._chunk(seq, budget, first=not step.seqs)
-            if n == 0 or (step.seqs and self._grouped(seq, n)):
+            grouped = self._in_groups(seq, n, seq.cached_prompt_tokens)
+            if n == 0 or grouped and step.seqs:
                 break
             self.prefilling.rotate(-1)  # round robin: the next Continue step starts after it
-            self._add_chunk(step, seq, n)
+            self._add_chunk(step, seq, n, grouped)
             budget -= n
             if step.layer_end:
                 break
@@ -229,7 +230,7 @@ class Scheduler:
             cached = len(hits) * pages.page_size
             n = self._chunk(seq, budget, first=not step.seqs, computed=cached)
             # A chunk in layer groups runs alone, and one at a time: a long prompt waits for both.
-            grouped = self.layer_groups > 1 and n < len(seq.prompt_ids) - cached
+            grouped = self._in_groups(seq, n, cached)
             if n == 0 or grouped and (step.seqs or self._group is not None):
                 break
             total = pages.pages_for(seq.max_tokens)
@@ -240,7 +241,7 @@ class Scheduler:
             seq.num_computed = seq.cached_prompt_tokens = cached
             seq.reserved_pages, seq.status = total - len(hits), Status.RUNNING
             self.prefilling.append(seq)
-            self._add_chunk(step, seq, n)
+            self._add_chunk(step, seq, n, grouped)
             budget -= n
             if step.layer_end:
                 break
@@ -251,10 +252,10 @@ class Scheduler:
     def layer_groups(self) -> int:
         return len(self.layer_bounds) - 1
 
-    def _grouped(self, seq: Sequence, n: int) -> bool:
-        """Whether a chunk of `n` tokens of `seq` runs in layer groups: its prompt (past its cached
-        prefix) does not fit in one chunk, and no other chunk is in groups."""
-        return self.layer_groups > 1 and self._group is None and n < len(seq.prompt_ids) - seq.cached_prompt_tokens
+    def _in_groups(self, seq: Sequence, n: int, cached: int) -> bool:
+        """Whether a chunk of `n` tokens of `seq` runs in layer groups: its prompt past its `cached`
+        prefix does not fit in one chunk. (Callers start one only while no other is in groups.)"""
+        return self.layer_groups > 1 and n < len(seq.prompt_ids) - cached
 
     def _group_end(self, done: int) -> int:
         """Where the group after `done` layers ends: the next bound, or 0 (the last layer) when
@@ -310,11 +311,11 @@ class Scheduler:
         n = (math.sqrt(b * b + 2 * p * limit) - b) / p
         return max(1, min(size, int(n + 1e-6)))
 
-    def _add_chunk(self, step: Step, seq: Sequence, n: int) -> None:
+    def _add_chunk(self, step: Step, seq: Sequence, n: int, grouped: bool) -> None:
         """Adds a chunk to the step; a chunk that runs in layer groups (alone) adds its first."""
         start = seq.num_computed
         self._grow(seq, start + n)
-        if self._grouped(seq, n):
+        if grouped:
             step.layer_end = self._group_end(0)
         step.seqs.append(seq)
         step.inputs.append(seq.prompt_ids[start:start + n])

@@ -87,6 +87,7 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, m
             assert group is not None and (group[0], group[1], group[2]) == (*step.chunks[0], step.layer_start)
         elif group is not None:
             assert group[0] not in step.seqs, "a sequence's chunk interrupted by another step of it"
+            assert not step.layer_end, "a second chunk started in groups while one is mid-group"
         group = (*step.chunks[0], step.layer_end) if step.layer_end else None if step.layer_start else group
         steps += 1
         ran = {Phase.DECODE: step.num_decode > 0, Phase.CONTINUE: step.phase is Phase.CONTINUE}
