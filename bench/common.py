@@ -38,7 +38,7 @@ def llama_cpp_model(model: str = "smollm2", n_ctx: int = 2048, **options):
     if importlib.util.find_spec("llama_cpp") is None:
         return None
     import llama_cpp
-    from common.model_source import resolve_model
+    from shardline.common.model_source import resolve_model
     return llama_cpp.Llama(model_path=str(resolve_model(model).path), n_ctx=n_ctx, n_threads=os.cpu_count(),
                            n_threads_batch=os.cpu_count(), verbose=False, **options)
 

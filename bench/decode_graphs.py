@@ -19,7 +19,7 @@ import time
 from bench.common import machine, save
 from harness.client import run_scenario
 from harness.serve import CpuMeter, Server
-from protos import generation_pb2 as pb
+from shardline.protos import generation_pb2 as pb
 
 
 def start(name: str, graphs: str, max_batch: int, env: dict) -> tuple[Server, float]:

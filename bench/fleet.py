@@ -33,7 +33,7 @@ from bench.common import machine, save
 from harness.client import astream, concurrently, percentiles, token_request
 from harness.serve import Server, free_port
 from harness.tiny_models import make_tiny_model
-from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 from shardline.processes import HealthProbe, spawn_service
 
 POLICIES = ["round-robin", "least-load", "prefix"]

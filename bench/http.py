@@ -29,7 +29,7 @@ import httpx
 from bench.common import machine, save
 from harness.client import decode_tok_s, http_concurrently, http_workload, percentiles, run_scenario, warm_up
 from harness.serve import CpuMeter, Server, free_port
-from protos import generation_pb2 as pb
+from shardline.protos import generation_pb2 as pb
 
 
 def http_scenario(base_url: str, model: str, n: int, max_new: int, meter) -> dict:
@@ -80,7 +80,7 @@ def against_grpc(args, streams: list[int]) -> dict:
 def llama_server(path: str, slots: int):
     """llama.cpp's `llama-server` on SmolLM2's GGUF with `slots` (`-np`, continuous batching) of
     2048 tokens of context each, on every core; yields its base URL (".../v1") once healthy."""
-    from common.model_source import resolve_model
+    from shardline.common.model_source import resolve_model
     port = free_port()
     proc = subprocess.Popen([path, "-m", str(resolve_model("smollm2").path), "-np", str(slots), "-c",
                              str(2048 * slots), "-t", str(os.cpu_count()), "--host", "127.0.0.1", "--port", str(port)],

@@ -20,10 +20,10 @@ import time
 import torch
 
 from bench.common import machine, save
-from kernels import native
-from kernels.choice import median_ms
-from kernels.linear import onednn_linear
-from kernels.operands import Kernel, multiply, native_operands, torch_operands
+from shardline.kernels import native
+from shardline.kernels.choice import median_ms
+from shardline.kernels.linear import onednn_linear
+from shardline.kernels.operands import Kernel, multiply, native_operands, torch_operands
 
 SHAPES = {"qkv 960x576": (960, 576), "wo 576x576": (576, 576), "w13 3072x576": (3072, 576),
           "w2 576x1536": (576, 1536), "LM head 49152x576": (49152, 576)}

@@ -20,7 +20,7 @@ from google.protobuf.json_format import MessageToDict
 
 from harness.client import PROMPTS, run_scenario, warm_up
 from harness.serve import ROOT, CpuMeter, Server
-from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 
 def median_tree(rows: list[dict]) -> dict:
     """Median over repeats of every numeric leaf, nested dicts included."""
@@ -38,8 +38,8 @@ def median_tree(rows: list[dict]) -> dict:
 
 def hf_setup(model_spec: str):
     from transformers import AutoTokenizer
-    from common.model_source import resolve_model
-    from common.tokenizer_files import tokenizer_folder
+    from shardline.common.model_source import resolve_model
+    from shardline.common.tokenizer_files import tokenizer_folder
     from harness.reference import transformers_model
     source = resolve_model(model_spec)
     tok = AutoTokenizer.from_pretrained(tokenizer_folder(source))  # the files the router reads
@@ -205,7 +205,7 @@ def main() -> int:
     server = None
     try:
         if not args.target:
-            from common.model_source import resolve_model
+            from shardline.common.model_source import resolve_model
             src = resolve_model(args.model)
             res["cache_present"] = src.kind != "gguf" or src.cache_dir.exists()
             server = Server("--model", args.model, "--max-batch", str(args.max_batch),

@@ -23,7 +23,7 @@ import grpc
 from bench.common import machine, save
 from harness.client import Stream, astream, percentiles, token_request
 from harness.serve import Server
-from protos import generation_pb2_grpc as pb_grpc
+from shardline.protos import generation_pb2_grpc as pb_grpc
 
 CONFIGS = {"off": [], "chunk 256": ["--chunk-size", "256", "--layer-groups", "1"],
            "chunk 512": ["--chunk-size", "512", "--layer-groups", "1"],

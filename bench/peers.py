@@ -34,7 +34,7 @@ from bench.http import http_scenario, llama_server, summary
 from bench.load import hf_run, hf_setup
 from harness.client import PROMPTS, http_concurrently, http_workload, run_scenario, warm_up
 from harness.serve import CpuMeter, Server
-from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 
 
 def median(values: list[float]) -> float:
@@ -47,8 +47,8 @@ def llama_cpp_peer(max_new: int, repeats: int) -> dict:
         return {"missing": "llama-cpp-python is not installed (pip install -e .[peers])"}
     import llama_cpp
     from transformers import AutoTokenizer
-    from common.model_source import resolve_model
-    from common.tokenizer_files import tokenizer_folder
+    from shardline.common.model_source import resolve_model
+    from shardline.common.tokenizer_files import tokenizer_folder
 
     tok = AutoTokenizer.from_pretrained(tokenizer_folder(resolve_model("smollm2")))
     no_eos = {llm.token_eos(): -1e9}  # always max_new tokens, as the other peers generate

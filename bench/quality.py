@@ -21,7 +21,7 @@ import argparse
 from bench.common import llama_cpp_model, machine, save
 from harness.quality import TOP, compare, prompt_scores, reference_text
 from harness.serve import Server
-from protos import generation_pb2 as pb
+from shardline.protos import generation_pb2 as pb
 
 
 def llama_cpp_scores(model: str, ids: list[int]) -> list[pb.TokenLogprob] | None:
@@ -75,9 +75,9 @@ def main() -> None:
         server = Server("--model", args.model, "--weights", weights)
         try:
             if "ids" not in result:
-                from common.tokenizer import TextCodec
-                from common.model_source import resolve_model
-                from common.tokenizer_files import tokenizer_folder
+                from shardline.common.tokenizer import TextCodec
+                from shardline.common.model_source import resolve_model
+                from shardline.common.tokenizer_files import tokenizer_folder
                 codec = TextCodec(tokenizer_folder(resolve_model(args.model)))
                 result["ids"] = codec.encode(reference_text())[:args.tokens]
             result[f"weight_formats_{weights}"] = dict(server.stub.Info(pb.InfoRequest()).weight_formats)

@@ -26,14 +26,14 @@ import time
 import jsonschema
 
 from bench.common import machine, save
-from common.model_source import resolve_model
+from shardline.common.model_source import resolve_model
 from harness.client import concurrently, percentiles
 from harness.schemas import SCHEMAS, prompt
 from harness.serve import Server
-from protos import generation_pb2 as pb
-from router.constraints import Grammars, grammar_of
-from common.tokenizer import TextCodec
-from common.tokenizer_files import tokenizer_folder
+from shardline.protos import generation_pb2 as pb
+from shardline.router.constraints import Grammars, grammar_of
+from shardline.common.tokenizer import TextCodec
+from shardline.common.tokenizer_files import tokenizer_folder
 
 OTHERS = [  # (name, constraint fields, what a valid output fullmatches)
     ("regex: a date", dict(regex=r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"), r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"),

@@ -20,7 +20,7 @@ import grpc
 from bench.common import machine, save
 from bench.turns import plot_turns, take_turns
 from harness.serve import ROOT, free_port, tree_cpu_s
-from protos import generation_pb2_grpc as pb_grpc
+from shardline.protos import generation_pb2_grpc as pb_grpc
 from shardline.certs import make_certs
 from shardline.processes import healthy, spawn_service
 

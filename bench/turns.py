@@ -7,7 +7,7 @@ import statistics
 
 from harness.client import run_scenario, warm_up
 from harness.serve import CpuMeter
-from protos import generation_pb2 as pb
+from shardline.protos import generation_pb2 as pb
 
 
 def take_turns(configs: dict, streams: int, max_new: int, repeats: int) -> dict:

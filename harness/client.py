@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 
 # 52-56 SmolLM2 tokens each: under one 64-token KV page, so repeats cannot hit the prefix cache.
 TOPICS = ["a lighthouse keeper", "a lost robot", "a dragon who cannot fly", "a time-travelling baker",

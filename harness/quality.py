@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from protos import generation_pb2 as pb
+from shardline.protos import generation_pb2 as pb
 
 TOP = 20
 

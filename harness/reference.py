@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from common.model_source import ModelSource
-from shard.config import ModelConfig
-from shard.weights import load_state_dict
+from shardline.common.model_source import ModelSource
+from shardline.shard.config import ModelConfig
+from shardline.shard.weights import load_state_dict
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 

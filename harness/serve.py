@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import psutil
 
-from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 from shardline.processes import free_ports, spawn_service
 
 ROOT = Path(__file__).resolve().parent.parent

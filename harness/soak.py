@@ -28,7 +28,7 @@ import grpc
 
 from harness.client import percentiles
 from harness.serve import ROOT, Server, rss_mb
-from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 
 
 def _arg(default, help: str):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from common.model_source import resolve_model
-from common.tokenizer_files import tokenizer_folder
+from shardline.common.model_source import resolve_model
+from shardline.common.tokenizer_files import tokenizer_folder
 
 TINY_CONFIGS = {
     # Large enough init that random logits are not near-uniform (greedy ties would be noise).
@@ -31,7 +31,7 @@ def smollm2_tokenizer():
 @functools.cache
 def smollm2_codec():
     """The router's own tokenizer of the default model."""
-    from common.tokenizer import TextCodec
+    from shardline.common.tokenizer import TextCodec
     return TextCodec(tokenizer_folder(resolve_model(None)))
 
 

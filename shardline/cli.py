@@ -74,25 +74,25 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     parser = build_parser()
     args = parser.parse_args(argv)
-    from common.telemetry import log_with_trace_ids
+    from shardline.common.telemetry import log_with_trace_ids
     log_with_trace_ids(f"%(asctime)s {args.command} %(levelname)s %(name)s%(trace_ids)s: %(message)s",
                        os.environ.get("SHARDLINE_LOG_LEVEL", "INFO"))
     if args.command == "serve" and args.replicas > 1:
-        from shardline.fleet import serve_fleet
-        _exit_now(serve_fleet(args))
+        from shardline.replica_set import serve_replica_set
+        _exit_now(serve_replica_set(args))
     if args.command == "serve":
         from shardline.launcher import serve
         _exit_now(serve(args))
     if args.command == "router":
         import asyncio
-        from router.app import serve_router
+        from shardline.router.app import serve_router
         args.shards = [a for a in args.shards.split(",") if a]
         if not args.shards:
             parser.error("router: --shards is required")
         _exit_now(asyncio.run(serve_router(args)))
     if args.command == "gateway":
         import asyncio
-        from gateway.app import serve_gateway
+        from shardline.gateway.app import serve_gateway
         if not [e for e in args.routers.split(",") if e]:
             parser.error("gateway: --routers is required")
         _exit_now(asyncio.run(serve_gateway(args)))
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"--tp {args.tp} / --pp {args.pp}")
         if args.tp * args.pp > 1 and not args.dist_init:
             parser.error("shard: --dist-init tcp://HOST:PORT is required with --tp or --pp above 1")
-        from shard.server import serve_shard
+        from shardline.shard.server import serve_shard
         _exit_now(serve_shard(args))
     if args.command == "certs":
         from pathlib import Path
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "health":
         from shardline.processes import healthy
-        from common.tls import client_credentials
+        from shardline.common.tls import client_credentials
         return 0 if healthy(args.target, args.timeout, client_credentials(args)) else 1
     from shardline.client import generate
     return generate(args)

@@ -5,8 +5,8 @@ import sys
 
 import grpc
 
-from common.tls import client_credentials
-from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+from shardline.common.tls import client_credentials
+from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 
 
 def generate(args) -> int:

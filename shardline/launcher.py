@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common.process import hang_detection_s
+from shardline.common.process import hang_detection_s
 from shardline.flags import service_flags
 from shardline.processes import HealthProbe, free_ports, spawn_service
 

@@ -14,7 +14,7 @@ from collections import deque
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.process import FAST_RECONNECT
+from shardline.common.process import FAST_RECONNECT
 
 _PR_SET_PDEATHSIG = 1
 _PARENT = "SHARDLINE_PARENT_PID"

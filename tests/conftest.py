@@ -8,7 +8,7 @@ def own_machine_choices(tmp_path, monkeypatch):
     """Per-machine kernel choices (kernels/choice.py) kept in a folder of this test's own, so a
     unit test that builds quantized layers neither reads nor writes the machine's (the kernels
     stay built where they are)."""
-    from kernels import choice, native
+    from shardline.kernels import choice, native
     native.available()
     monkeypatch.setattr(choice.native, "build_folder", lambda: tmp_path)
     return tmp_path

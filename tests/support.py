@@ -10,10 +10,10 @@ from pathlib import Path
 import psutil
 import torch
 
-from common.model_source import resolve_model
+from shardline.common.model_source import resolve_model
 from harness.serve import ROOT, Server, free_port  # noqa: F401  (re-exported for the tests)
 from harness.tiny_models import TINY_CONFIGS, make_tiny_model, smollm2_codec, smollm2_tokenizer  # noqa: F401
-from protos import generation_pb2 as pb
+from shardline.protos import generation_pb2 as pb
 from shardline.processes import free_ports  # noqa: F401
 
 
@@ -97,7 +97,7 @@ def hf_constrained_greedy(model, prompt_ids: list[int], req: pb.GenerateRequest,
     models and SmolLM2 have), and at each step the gap between the two best allowed logits."""
     import llguidance as llg
     from transformers import LogitsProcessorList
-    from router.constraints import grammar_of
+    from shardline.router.constraints import grammar_of
     tokenizer = _llg_tokenizer(model.config.vocab_size, model.config.eos_token_id)
     masked = _Masked(llg.LLMatcher(tokenizer, grammar_of(req)), len(prompt_ids))
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import AttentionBatch, paged_attention
+from shardline.kernels.attention import AttentionBatch, paged_attention
 
 PAGE, KVH, HEADS, HD, PAGES = 4, 2, 4, 8, 32
 
@@ -23,7 +23,7 @@ def _slots(table, positions):
 
 @pytest.mark.parametrize("kernel", ["fused", "plain"])
 def test_prefill_chunks_and_decode_match_dense(monkeypatch, kernel):
-    import kernels.attention as attention
+    import shardline.kernels.attention as attention
     if kernel == "plain":  # the path other devices take, checked here on the CPU
         monkeypatch.setattr(attention, "_attend", attention.attend_plain)
     torch.manual_seed(0)
@@ -111,8 +111,7 @@ def _decode_case(lens, seed=2):
 
 
 def test_decode_in_blocks_matches_dense_and_reads_only_what_each_sequence_reaches(monkeypatch):
-    import kernels.attention as attention
-
+    import shardline.kernels.attention as attention
     monkeypatch.setattr(attention, "DECODE_BLOCK_TOKENS", 2 * PAGE)  # blocks of 8 tokens
     calls = []
     real = attention._attend
@@ -128,7 +127,7 @@ def test_decode_in_blocks_matches_dense_and_reads_only_what_each_sequence_reache
 
 
 def test_plain_and_fused_cpu_attention_agree_on_output_and_log_sum_exp():
-    from kernels.attention import attend_fused_cpu, attend_plain
+    from shardline.kernels.attention import attend_fused_cpu, attend_plain
 
     torch.manual_seed(3)
     q, k, v = torch.randn(3, 2, 4, HD), torch.randn(3, 2, 20, HD), torch.randn(3, 2, 20, HD)

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from protos import generation_pb2 as pb
+from shardline.protos import generation_pb2 as pb
 from tests.support import (Server, assert_greedy_match, assert_serves_like_reference, hf_greedy, hf_model,
                            prompt_chunks, smollm2_hf_model, smollm2_tokenizer)
 

@@ -1,9 +1,9 @@
 """Chunked prefill and phase rotation in the scheduler; priority with aging on a fake clock."""
 from hypothesis import given, settings, strategies as st
 
-from router.page_manager import PageManager
-from router.scheduler import Phase, Scheduler
-from router.sequence import Sampling, Sequence
+from shardline.router.page_manager import PageManager
+from shardline.router.scheduler import Phase, Scheduler
+from shardline.router.sequence import Sampling, Sequence
 
 
 class FakeClock:

@@ -18,7 +18,7 @@ import yaml
 
 from harness.otlp_receiver import OtlpReceiver
 
-from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 from shardline.processes import spawn_service
 from tests.support import ROOT, free_port, wait_for
 
@@ -270,7 +270,7 @@ def test_the_observability_wiring_points_at_services_that_exist():
 
 def _served_metric_names() -> set[str]:
     """Every sample name the router's registry can produce (families with their suffixes)."""
-    from router.metrics import Metrics
+    from shardline.router.metrics import Metrics
     metrics = Metrics()
     metrics.watch(SimpleNamespace(failures=0, recoveries=0, engine=None))
     names = set()

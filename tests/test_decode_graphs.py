@@ -6,11 +6,11 @@ import random
 import pytest
 import torch
 
-from common.model_source import resolve_model
-from protos import shard_pb2
-from shard.decode_graphs import buckets_for
-from shard.runner import ModelRunner
-from shard.weights import build_model
+from shardline.common.model_source import resolve_model
+from shardline.protos import shard_pb2
+from shardline.shard.decode_graphs import buckets_for
+from shardline.shard.runner import ModelRunner
+from shardline.shard.weights import build_model
 from tests.support import assert_constrained_match, assert_greedy_match, hf_constrained_greedy, hf_greedy, hf_model
 
 PAGE, NEW = 8, 6
@@ -87,7 +87,7 @@ def test_graph_decode_matches_transformers_with_one_launch_per_step(llama, graph
 def test_a_replica_counts_launches_per_rank_and_pipeline_stages_stay_eager(llama, tp, pp):
     """TP2: one graph launch per rank per decode step. PP2: no graphs, one eager decode step per
     stage, and Info says so. Greedy tokens as transformers' either way."""
-    from protos import generation_pb2 as pb
+    from shardline.protos import generation_pb2 as pb
     from tests.support import Server, prompt_chunks
 
     ref = hf_model(llama)
@@ -124,7 +124,7 @@ def test_graphs_keep_parity_with_chunking_and_the_prefix_cache(llama):
     edges) run as graphs; every answer is transformers' answer, computed cold in chunks of 7 and
     again from the prefix cache (unchunked prompts decode through graphs in test_native_weights)."""
     from concurrent.futures import ThreadPoolExecutor
-    from protos import generation_pb2 as pb
+    from shardline.protos import generation_pb2 as pb
     from tests.support import Server
 
     ref = hf_model(llama)

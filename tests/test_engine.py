@@ -4,13 +4,13 @@ import asyncio
 
 import pytest
 
-from protos import shard_pb2
-from router.engine import Engine
-from router.page_manager import PageManager
-from router.scheduler import Scheduler
-from router.sequence import Failure, FinishReason, Sampling, Sequence
-from router.shard_client import ShardError
-from router.stats import StatsCounters
+from shardline.protos import shard_pb2
+from shardline.router.engine import Engine
+from shardline.router.page_manager import PageManager
+from shardline.router.scheduler import Scheduler
+from shardline.router.sequence import Failure, FinishReason, Sampling, Sequence
+from shardline.router.shard_client import ShardError
+from shardline.router.stats import StatsCounters
 from tests.support import smollm2_codec
 
 

@@ -1,5 +1,5 @@
 """Publishing into the shared cache folder: whole files and folders, the first one kept."""
-from common.files import publish
+from shardline.common.files import publish
 
 
 def test_a_file_is_published_whole_and_the_first_copy_is_kept(tmp_path):

@@ -14,7 +14,7 @@ from shardline.cli import build_parser, main
 from shardline.flags import SERVICES, service_flags
 from shardline.launcher import router_command, shard_command
 from shardline.processes import spawn_service
-from protos import shard_pb2
+from shardline.protos import shard_pb2
 from tests.support import ROOT, free_port, wait_for
 
 OUT_OF_RANGE = [
@@ -96,7 +96,7 @@ class FakeShards:
         self.infos, self.sampler, self.warmed = infos, 0, False
 
     async def info(self, timeout):
-        from router.shard_client import ShardGroup
+        from shardline.router.shard_client import ShardGroup
         group = ShardGroup([])
         group.shards = [StaticInfo(i) for i in self.infos]
         infos = await group.info(timeout)
@@ -133,8 +133,8 @@ def _args(**overrides):
 ], ids=["page size", "dtype", "model", "vocabulary", "shards' page sizes", "shards' models", "shards' KV dtypes", "layout",
         "router's page size"])
 def test_the_router_refuses_shards_that_serve_something_else(infos, args, phrase):
-    from router.replica import Replica
-    from router.shard_client import ShardError
+    from shardline.router.replica import Replica
+    from shardline.router.shard_client import ShardError
     from tests.support import smollm2_codec
 
     async def scenario():

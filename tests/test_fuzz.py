@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
-from protos import generation_pb2 as pb
+from shardline.protos import generation_pb2 as pb
 from tests.support import Server, health_status
 
 ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE}

@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CHECK = r"""
 import torch
-from kernels import native
-from kernels.operands import Kernel, multiply, native_operands
+from shardline.kernels import native
+from shardline.kernels.operands import Kernel, multiply, native_operands
 assert native.available(), "the kernels did not build"
 assert native.isa_flag() in native.flags(), native.flags()
 print(native.isa_flag(), native.build_folder())
@@ -62,6 +62,6 @@ def test_a_lower_isa_build_computes_the_weights(level):
 
 def test_an_unknown_isa_level_is_refused():
     env = {**os.environ, "SHARDLINE_CPU_ISA": "avx9"}
-    done = subprocess.run([sys.executable, "-c", "from kernels import native; native.available()"], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-c", "from shardline.kernels import native; native.available()"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "SHARDLINE_CPU_ISA must be one of" in done.stderr

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from protos import generation_pb2 as pb
+from shardline.protos import generation_pb2 as pb
 from tests.support import ROOT, Server, assert_greedy_match, hf_greedy, hf_model
 
 POISON_SEED = 666

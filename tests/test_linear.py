@@ -2,8 +2,8 @@
 import torch
 from torch import nn
 
-from kernels.linear import OneDnnLinear
-from shard.transforms import use_onednn
+from shardline.kernels.linear import OneDnnLinear
+from shardline.shard.transforms import use_onednn
 
 
 def test_onednn_linear_computes_what_nn_linear_computes():

@@ -7,7 +7,7 @@ import grpc
 import pytest
 import torch
 
-from protos import generation_pb2 as pb
+from shardline.protos import generation_pb2 as pb
 from tests.support import Server, hf_model, smollm2_hf_model, smollm2_tokenizer
 
 TOP = 5

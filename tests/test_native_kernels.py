@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import native
-from kernels.attention import AttentionBatch, paged_attention
-from shard.model import RMSNorm, Rotary
+from shardline.kernels import native
+from shardline.kernels.attention import AttentionBatch, paged_attention
+from shardline.shard.model import RMSNorm, Rotary
 
 
 @pytest.fixture(autouse=True)
@@ -106,7 +106,7 @@ def test_silu_mul_is_silu_of_the_gate_times_up(rows):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_the_kernels_reject_records_of_another_width_or_shape(bits):
-    from kernels.operands import native_operands
+    from shardline.kernels.operands import native_operands
     records, = native_operands(torch.zeros(8, 64, dtype=torch.int32), torch.zeros(8, 2), torch.zeros(8, 2), bits)
     other, = native_operands(torch.zeros(8, 64, dtype=torch.int32), torch.zeros(8, 2), torch.zeros(8, 2), 12 - bits)
     linear = (lambda x, r: native.ops().int4_linear(x, r, 1 << 30)) if bits == 4 else native.ops().int8_linear
@@ -121,15 +121,15 @@ def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_
     """Qwen3-like blocks (q/k norms, a qkv bias): the fused layer's output and K/V writes equal the
     block's own, for every kernel and width a layer may be loaded with; prefill and batches above
     the layers' dense-copy crossover run the block itself."""
-    from kernels.operands import Kernel
-    from shard.config import ModelConfig
-    from shard.kv_cache import KVPages
-    from shard.model import Transformer
-    from shard.transforms import FusedDecodeBlock, fuse_decode, quantize
+    from shardline.kernels.operands import Kernel
+    from shardline.shard.config import ModelConfig
+    from shardline.shard.kv_cache import KVPages
+    from shardline.shard.model import Transformer
+    from shardline.shard.transforms import FusedDecodeBlock, fuse_decode, quantize
 
-    monkeypatch.setattr("kernels.quantized.kernel_for", lambda b: Kernel(kernel.removesuffix("+torch")))
+    monkeypatch.setattr("shardline.kernels.quantized.kernel_for", lambda b: Kernel(kernel.removesuffix("+torch")))
     if kernel.startswith("native"):  # not whatever this machine's timing says: torch's int4 kernel measured
-        from kernels import quantized  # faster from 2 rows on (the batch's 3 take it), or never, and our
+        from shardline.kernels import quantized  # faster from 2 rows on (the batch's 3 take it), or never, and our
         measured = quantized.crossover  # direct kernel (int16 activations) for every batch of the test
         pinned = {"int4-torch": 1 if kernel == "native+torch" else 1 << 30, "int4-direct": 1 << 30}
         def crossover(name, *args, **kw):

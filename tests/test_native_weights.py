@@ -16,7 +16,7 @@ import random
 import pytest
 
 from harness.quality import compare, prompt_scores
-from protos import generation_pb2 as pb
+from shardline.protos import generation_pb2 as pb
 from tests.support import Server
 
 QUANT = ["--quantize", "int4", "--page-size", "16", "--max-batch-tokens", "512"]

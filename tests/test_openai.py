@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.otlp_receiver import OtlpReceiver
-from protos import generation_pb2 as pb
+from shardline.protos import generation_pb2 as pb
 from shardline.processes import spawn_service
 from tests.support import ROOT, Server, free_port, smollm2_codec, wait_for
 
@@ -218,7 +218,7 @@ def test_a_stream_whose_client_left_before_its_first_event_is_released():
     """A unit test of the streamed response with a stand-in answer: the client left while the
     request was admitted, so Starlette cancels the response before it iterates the answer at
     all, and the answer's finally never runs; the response releases it all the same."""
-    from router.openai_api import _Stream
+    from shardline.router.openai_api import _Stream
 
     class Answer:
         closed = iterated = False

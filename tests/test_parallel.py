@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from protos import generation_pb2 as pb
+from shardline.protos import generation_pb2 as pb
 from tests.support import (Server, assert_constrained_match, assert_greedy_match, assert_serves_like_reference,
                            hf_constrained_greedy, hf_greedy, hf_model, smollm2_hf_model, smollm2_tokenizer)
 
@@ -66,11 +66,11 @@ def test_smollm2_parallel_layouts_match_transformers(tp, pp, smollm2_reference):
 
 @pytest.mark.parametrize("stage", [0, 1])
 def test_kv_writes_land_only_in_scheduled_slots_on_each_stage(tiny_models, stage):
-    from kernels.attention import AttentionBatch
-    from shard.kv_cache import KVPages
-    from shard.parallel import Layout, keep_stage
-    from common.model_source import resolve_model
-    from shard.weights import build_model
+    from shardline.kernels.attention import AttentionBatch
+    from shardline.shard.kv_cache import KVPages
+    from shardline.shard.parallel import Layout, keep_stage
+    from shardline.common.model_source import resolve_model
+    from shardline.shard.weights import build_model
 
     model = build_model(resolve_model(str(tiny_models["qwen2"])), torch.float32, torch.device("cpu"))
     keep_stage(model, Layout(pp=2, pp_stage=stage))

@@ -10,13 +10,13 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize as gguf_quantize
 
-from kernels import choice, native
-from kernels.grid import GROUP, grid_groups, grid_weights
-from kernels.operands import Kernel, multiply, native_operands, native_rows, torch_operands
-from kernels.quantized import Int8Embedding, QuantizedLinear
-from shard.config import ModelConfig
-from shard.model import Transformer
-from shard.transforms import quantize
+from shardline.kernels import choice, native
+from shardline.kernels.grid import GROUP, grid_groups, grid_weights
+from shardline.kernels.operands import Kernel, multiply, native_operands, native_rows, torch_operands
+from shardline.kernels.quantized import Int8Embedding, QuantizedLinear
+from shardline.shard.config import ModelConfig
+from shardline.shard.model import Transformer
+from shardline.shard.transforms import quantize
 
 pytestmark = pytest.mark.usefixtures("own_machine_choices")
 
@@ -111,11 +111,11 @@ def test_a_native_int8_layer_of_outputs_not_whole_blocks_of_8_drops_the_padding(
     (20 here) is padded with zero weights to 24, and the layer returns exactly its 20, and looks
     up its own rows (a tied embedding's) from the padded codes. (A 4-bit layer needs N a multiple
     of 16 anyway: torch's int4 kernel, measured against ours, packs no other.)"""
-    monkeypatch.setattr("kernels.quantized.kernel_for", lambda bits: Kernel.NATIVE)
+    monkeypatch.setattr("shardline.kernels.quantized.kernel_for", lambda bits: Kernel.NATIVE)
     # The kernel multiplies every row count here. Measured (in this test's own folder of machine
     # choices), the crossover to the layer's bf16 copy fell at 4 rows in a busy run, and the copy's
     # rounding failed the comparison at 5.
-    monkeypatch.setattr("kernels.quantized.crossover", lambda *args, **kwargs: choice.ALWAYS)
+    monkeypatch.setattr("shardline.kernels.quantized.crossover", lambda *args, **kwargs: choice.ALWAYS)
     torch.manual_seed(20)
     w = _gguf_roundtrip(torch.randn(20, 64) / 10, GGMLQuantizationType.Q8_0)  # an LM head's type: fp16 holds its grid
     layer = QuantizedLinear(nn_linear(64, 20, weight=w, bias=None), 8, keep_rows=True)
@@ -132,9 +132,9 @@ def test_a_native_int8_layer_of_outputs_not_whole_blocks_of_8_drops_the_padding(
 
 def test_a_native_int4_layer_hands_batch_rows_to_torchs_kernel_where_that_measured_faster(monkeypatch):
     measured = choice.crossover
-    monkeypatch.setattr("kernels.quantized.crossover",
+    monkeypatch.setattr("shardline.kernels.quantized.crossover",
                         lambda name, *a, **kw: 2 if name.startswith("int4-torch") else measured(name, *a, **kw))
-    monkeypatch.setattr("kernels.quantized.kernel_for", lambda bits: Kernel.NATIVE)
+    monkeypatch.setattr("shardline.kernels.quantized.kernel_for", lambda bits: Kernel.NATIVE)
     layer = QuantizedLinear(nn_linear(256, 96, weight=torch.randn(96, 256) / 10, bias=None), 4)
     assert layer.torch_rows == 2 and layer.torch_operands is not None
     for rows in (1, 2, 3, 8):
@@ -229,7 +229,7 @@ def test_input_dimension_must_hold_whole_groups():
 
 @pytest.mark.parametrize("kernel", list(Kernel), ids=[k.value for k in Kernel])
 def test_quantize_swaps_tagged_layers_keeps_hooks_and_feeds_a_tied_embedding(kernel, monkeypatch):
-    monkeypatch.setattr("kernels.quantized.kernel_for", lambda bits: kernel if bits == 8 else Kernel.TORCH)
+    monkeypatch.setattr("shardline.kernels.quantized.kernel_for", lambda bits: kernel if bits == 8 else Kernel.TORCH)
     cfg = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
                       rms_norm_eps=1e-5, max_position=64, tie_word_embeddings=True, eos_token_ids=[0])

@@ -10,11 +10,9 @@ import asyncio
 import grpc
 import pytest
 
-from protos import shard_pb2
-from router.shard_client import ShardError, ShardGroup
-import shard.server as shard_server
-
-
+from shardline.protos import shard_pb2
+from shardline.router.shard_client import ShardError, ShardGroup
+import shardline.shard.server as shard_server
 class Aborted(Exception):
     def __init__(self, code, details):
         super().__init__(details)
@@ -96,7 +94,7 @@ def test_a_router_does_not_reconnect_to_the_group_it_abandoned():
     """Both ranks of the failed group may still answer before either exits: the router waits for
     the group's next start."""
     from types import SimpleNamespace
-    from router.replica import Replica
+    from shardline.router.replica import Replica
 
     group = ShardGroup([])
     group.shards = [Answering(0, "failed"), Answering(1, "failed")]

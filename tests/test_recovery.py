@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from shardline.processes import spawn_service
-from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 from tests.support import (ROOT, Server, alive, assert_greedy_match, free_ports, health_status, hf_greedy, hf_model,
                            wait_for)
 
@@ -197,7 +197,7 @@ def test_separately_run_shards_restarted_by_their_supervisor_are_taken_back(tiny
 
 WEDGE = r"""
 import sys, threading, time
-import shard.server as server
+import shardline.shard.server as server
 server.WEDGED_S = 1.0
 work = server.MainThreadWork()
 started = time.monotonic()

@@ -7,13 +7,13 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from common.prefix_hash import prompt_hashes
-from gateway.choice import LEAST_LOAD, PREFIX, ROUND_ROBIN, Candidate, Weights, rank
-from gateway.replicas import Replica, Resync
-from gateway.service import GatewayService
-from protos import fleet_pb2 as fpb, generation_pb2 as pb
-from router.fleet import CacheWatchers
-from router.page_manager import PageManager
+from shardline.common.prefix_hash import prompt_hashes
+from shardline.gateway.choice import LEAST_LOAD, PREFIX, ROUND_ROBIN, Candidate, Weights, rank
+from shardline.gateway.replicas import Replica, Resync
+from shardline.gateway.service import GatewayService
+from shardline.protos import fleet_pb2 as fpb, generation_pb2 as pb
+from shardline.router.fleet import CacheWatchers
+from shardline.router.page_manager import PageManager
 
 
 def test_prefix_routing_prefers_the_cache_until_the_guard_spreads_a_hot_prefix():
@@ -205,7 +205,7 @@ def test_a_failure_after_the_first_token_reaches_the_client():
 
 
 def test_the_gateway_refuses_bytes_that_do_not_parse_and_an_id_already_running():
-    from common.generation_service import parser
+    from shardline.common.generation_service import parser
 
     service = _service({"a": _Call([pb.GenerateResponse(token_ids=[1], finish_reason="length")])})
 
@@ -225,7 +225,7 @@ def test_the_gateway_refuses_bytes_that_do_not_parse_and_an_id_already_running()
 
 
 def test_a_watcher_that_falls_behind_gets_a_snapshot_instead_of_its_backlog(monkeypatch):
-    from router import fleet
+    from shardline.router import fleet
 
     pages = PageManager(4, 2, model_key="m")
     replica = SimpleNamespace(engine=SimpleNamespace(scheduler=SimpleNamespace(pages=pages, prefilling=[], decoding=[],
@@ -245,7 +245,7 @@ def test_a_watcher_that_falls_behind_gets_a_snapshot_instead_of_its_backlog(monk
 
 
 def test_the_replica_set_follows_what_its_entries_resolve_to():
-    from gateway.replicas import Replicas, _resolve
+    from shardline.gateway.replicas import Replicas, _resolve
 
     assert _resolve("localhost:50051") == ["127.0.0.1:50051"]
     assert _resolve("no-such-host.invalid:1") == []

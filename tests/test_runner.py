@@ -3,12 +3,12 @@ sequence state it holds between steps (the plan names only what changed)."""
 import pytest
 import torch
 
-import shard.runner as runner_module
-from common.model_source import resolve_model
-from protos import shard_pb2
-from common.token_masks import mask_bytes
-from shard.runner import ModelRunner, Span, pieces
-from shard.weights import build_model
+import shardline.shard.runner as runner_module
+from shardline.common.model_source import resolve_model
+from shardline.protos import shard_pb2
+from shardline.common.token_masks import mask_bytes
+from shardline.shard.runner import ModelRunner, Span, pieces
+from shardline.shard.weights import build_model
 
 PAGE = 8
 
@@ -85,7 +85,7 @@ def test_a_small_prefill_runs_as_decode_rows_and_computes_what_the_prefill_path_
     """Up to ROWS_ATTENTION_PAIRS a prefill step runs as decode rows, one per token, each attending its
     sequence's cache up to itself; prompts, a chunk after cached context and a mix of sequences
     give the prefill path's tokens, log-probabilities and K/V."""
-    import kernels.attention as attention
+    import shardline.kernels.attention as attention
     prompt = list(range(300, 341))
 
     def run(limit):

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from kernels.token_mask import mask_logits, packed_masks, unpack
-from shard.sampler import SamplingParams, sample
+from shardline.kernels.token_mask import mask_logits, packed_masks, unpack
+from shardline.shard.sampler import SamplingParams, sample
 
 
 def tokens(logits, params, positions) -> list[int]:
@@ -96,7 +96,7 @@ def test_a_packed_mask_unpacks_bit_by_bit_and_masks_the_same_in_torch_and_the_ke
     assert masks[1].nonzero().flatten().tolist() == [5] and bool(masks[2].all())
     logits = torch.randn(3, 100)
     ours = mask_logits(logits, packed)
-    monkeypatch.setattr("kernels.token_mask.native.usable", lambda t: False)
+    monkeypatch.setattr("shardline.kernels.token_mask.native.usable", lambda t: False)
     assert torch.equal(mask_logits(logits, packed), ours)
     assert torch.equal(torch.isinf(ours), ~masks) and torch.equal(ours[masks], logits[masks])
 

@@ -4,9 +4,9 @@ from collections import Counter
 
 from hypothesis import given, settings, strategies as st
 
-from router.page_manager import PageManager
-from router.scheduler import Scheduler
-from router.sequence import Sampling, Sequence, Status
+from shardline.router.page_manager import PageManager
+from shardline.router.scheduler import Scheduler
+from shardline.router.sequence import Sampling, Sequence, Status
 
 
 def _seq(i, prompt_len, max_new):

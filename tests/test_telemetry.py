@@ -7,7 +7,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.otlp_receiver import OtlpReceiver
-from protos import generation_pb2 as pb
+from shardline.protos import generation_pb2 as pb
 from harness.serve import free_port
 from tests.support import Server, wait_for
 

@@ -7,8 +7,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos import generation_pb2 as pb
-from common.auth import ApiKeys, cache_namespace
+from shardline.protos import generation_pb2 as pb
+from shardline.common.auth import ApiKeys, cache_namespace
 from tests.support import Server
 
 KEYS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-0123456789abcdef0"}
@@ -104,7 +104,7 @@ def test_sharing_across_tenants_is_an_operator_choice(tiny_models, tmp_path):
 def test_a_key_is_compared_with_every_known_key_whatever_matches():
     keys = ApiKeys([(f"key-{i}-0123456789abcdef", f"t{i}") for i in range(5)])
     for presented, want in [("key-0-0123456789abcdef", "t0"), ("key-4-0123456789abcdef", "t4"), ("nope", None)]:
-        with mock.patch("common.auth.hmac.compare_digest", wraps=hmac.compare_digest) as compare:
+        with mock.patch("shardline.common.auth.hmac.compare_digest", wraps=hmac.compare_digest) as compare:
             assert keys.tenant([("authorization", f"Bearer {presented}")]) == want
         assert compare.call_count == 5
 

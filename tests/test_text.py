@@ -5,8 +5,8 @@ import shutil
 import pytest
 from hypothesis import given, strategies as st
 
-from router.stop_strings import StopMatcher
-from common.tokenizer import TemplateError, TextCodec
+from shardline.router.stop_strings import StopMatcher
+from shardline.common.tokenizer import TemplateError, TextCodec
 from tests.support import smollm2_codec, smollm2_tokenizer
 
 TEXT = "Grüße aus Köln 🚀🚀 — naïve café, 東京タワー!\n  indented <|im_end|> \x00\x07 tab\tend"
@@ -49,8 +49,8 @@ def test_template_errors_are_template_errors(tmp_path):
 
 
 def CODEC_FOLDER():
-    from common.model_source import resolve_model
-    from common.tokenizer_files import tokenizer_folder
+    from shardline.common.model_source import resolve_model
+    from shardline.common.tokenizer_files import tokenizer_folder
     return tokenizer_folder(resolve_model(None))
 
 

@@ -13,9 +13,9 @@ import httpx
 import pytest
 import trustme
 
-from common.tls import channel_credentials
+from shardline.common.tls import channel_credentials
 from harness.serve import free_port
-from protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc, shard_pb2, shard_pb2_grpc
+from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc, shard_pb2, shard_pb2_grpc
 from shardline.processes import free_ports, spawn_service
 from tests.support import ROOT, assert_greedy_match, hf_greedy, hf_model, wait_for
 

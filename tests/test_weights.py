@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from common.model_source import resolve_model
-from shard.weights import load_state_dict, unpermute_rope
+from shardline.common.model_source import resolve_model
+from shardline.shard.weights import load_state_dict, unpermute_rope
 
 
 def test_unpermute_inverts_llama_cpp_permutation():

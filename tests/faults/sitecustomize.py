@@ -17,7 +17,7 @@ if _POISON or _HANG:
 
     class _PoisonSampler(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name != "shard.sampler":
+            if name != "shardline.shard.sampler":
                 return None
             sys.meta_path.remove(self)
             spec = importlib.util.find_spec(name)

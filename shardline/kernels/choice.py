@@ -1,0 +1,133 @@
+"""Choices measured once per machine and kept beside the built kernels: which kernel multiplies
+8-bit layers, which dense kernel a layer's dense copy uses, and from how many rows on the copy
+takes over from the quantized kernel.
+
+Each changes which arithmetic computes a step's logits, so a greedy token at a near-tie: measured
+per process, the noise of timing could make two starts of one server (or two shards of one
+replica) compute different numbers. So the first process on a machine that needs an answer
+measures it, publishes it (common/files.py: the first to publish wins), and every later process
+reads it. `./setup.sh` measures the kernel choices on a quiet machine (`python -m kernels`).
+
+Measured, SmolLM2's LM head (49152x576), ms at 1/8/16/32 rows:
+  2-core EPYC, AVX-512-bf16: int4 kernel 0.76/2.8/-/15, bf16 dense 4.1/5.5/-/11.6;
+  2-core EPYC, AVX2:         int4 kernel 2.3/8.8/17/36, bf16 dense 3.7/26/50/109, oneDNN fp32 4.9/12/18/23
+  (the kernels before they interleaved 8 outputs across the lanes). With the interleaved 8-bit
+  kernel, forced AVX2 on the AVX-512 development host (`bench.kernels`): 0.69/2.3/4.6/9.3 against
+  the oneDNN fp32 copy's 2.2/8.8/12/18: that build's crossover now never hands a decode step
+  (up to 64 rows, the most it probes) to the copy.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import os
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from shardline.common.files import publish
+from shardline.kernels import native
+from shardline.kernels.grid import GROUP
+from shardline.kernels.linear import onednn_linear
+from shardline.kernels.operands import Kernel, multiply, native_operands, torch_operands
+
+MAX_PROBE_ROWS = 64  # `crossover` measures up to this many rows; quantized still faster there: always
+ALWAYS = 1 << 30     # a crossover that is never reached
+
+
+class DenseKind(enum.Enum):
+    BF16 = "bf16"       # bf16 weights, torch's GEMM
+    ONEDNN = "onednn"   # fp32 weights in oneDNN's blocked layout (kernels/linear.py)
+
+
+def median_ms(fn: Callable[[torch.Tensor], object], x: torch.Tensor, runs: int = 3) -> float:
+    fn(x)  # warm-up
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def torch_level() -> str:
+    """The instruction sets torch's own kernels run at: its ATen capability and the caps on MKL
+    and oneDNN (README: forcing an AVX-512 host to compute as an AVX2 one). Choices between our
+    kernels and torch's are kept per level, since either side may be capped without the other."""
+    caps = [os.environ.get(v, "") for v in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")]
+    return "-".join([torch.backends.cpu.get_cpu_capability(), *(c.lower() for c in caps if c)])
+
+
+def machine_choice(name: str, measure: Callable[[], str]) -> str:
+    """`measure()`'s answer, measured once per machine (and torch level) by the first process
+    that asks, and read back by every process after it. Where the cache folder is read-only,
+    each process keeps its own measurement."""
+    path = native.build_folder() / f"{name}-torch-{torch_level()}.txt"
+    if path.is_file():
+        return path.read_text().strip()
+    answer = measure()
+    try:
+        publish(path, lambda tmp: tmp.write_text(answer))
+        return path.read_text().strip()  # another process's answer, if it published first
+    except OSError:
+        return answer
+
+
+@functools.cache
+def dense_kind() -> DenseKind:
+    """The kind of dense copies, per machine: bf16 (half the memory) unless oneDNN multiplies a
+    16-row step at least 10% faster, at SmolLM2's LM-head shape. bf16 GEMMs are fast only where
+    the CPU computes in bf16 natively (2-core AVX2 EPYC, LM head at 16 rows: bf16 50 ms, oneDNN
+    fp32 18 ms)."""
+    def measure() -> str:
+        with torch.inference_mode():
+            w, x = torch.randn(49152, 576), torch.randn(16, 576)
+            w_bf16, w_onednn = w.bfloat16(), w.to_mkldnn()  # converted once: only the multiplies are timed
+            bf16 = median_ms(lambda r: F.linear(r.bfloat16(), w_bf16), x, runs=11)
+            fp32 = median_ms(lambda r: onednn_linear(r, w_onednn), x, runs=11)
+        return (DenseKind.ONEDNN if fp32 < 0.9 * bf16 else DenseKind.BF16).value
+    return DenseKind(machine_choice("dense-kind", measure))
+
+
+@functools.cache
+def kernel_for(bits: int) -> Kernel:
+    """The kernel of `bits`-bit layers: Shardline's unless torch's multiplies one row (decode's
+    usual case) at least 10% faster on this machine. Ours is preferred at a tie: its 4-bit kernel
+    rounds the activations to int16 (torch's to bf16, 128 times coarser), and its 8-bit one serves a tied
+    embedding from the same codes (torch's needs a second copy: 28 MB for SmolLM2). Measured on a
+    layer of SmolLM2's LM-head shape, larger than a 2-core EPYC's L3 as decode's weights are."""
+    if not native.available():
+        return Kernel.TORCH
+
+    def measure() -> str:
+        n, k = 49152, 576
+        codes = torch.randint(0, 16 if bits == 4 else 255, (n, k), dtype=torch.int32)
+        scale, lo = torch.rand(n, k // GROUP) / 100, torch.randn(n, k // GROUP) / 10
+        ops = {Kernel.TORCH: torch_operands(codes, scale, lo, bits), Kernel.NATIVE: native_operands(codes, scale, lo, bits)}
+        with torch.inference_mode():
+            x = torch.randn(1, k)
+            times = {kernel: median_ms(functools.partial(multiply, kernel, held), x, runs=21)
+                     for kernel, held in ops.items()}
+        return (Kernel.TORCH if times[Kernel.TORCH] < 0.9 * times[Kernel.NATIVE] else Kernel.NATIVE).value
+    return Kernel(machine_choice(f"kernel-int{bits}", measure))
+
+
+def crossover(name: str, quantized: Callable, dense: Callable, in_features: int, margin: float = 1.0) -> int:
+    """The most rows a step may have for `quantized` to be used rather than `dense`: the row
+    count (of 1, 2, 4, ..., MAX_PROBE_ROWS) below the first at which `dense` measured faster
+    (by `margin`: 1.1 asks it to be 10% faster, where `quantized` computes more exactly and a
+    near-tie should not flip with the noise of timing). Per machine and `name` (a layer's bits,
+    shape, kernels and thread count)."""
+    def measure() -> str:
+        best, rows = 0, 1
+        with torch.inference_mode():
+            while rows <= MAX_PROBE_ROWS:
+                x = torch.randn(rows, in_features)
+                if median_ms(quantized, x) > margin * median_ms(dense, x):
+                    break
+                best, rows = rows, rows * 2
+        return str(best if best < MAX_PROBE_ROWS else ALWAYS)
+    return int(machine_choice(f"crossover-{name}", measure))

@@ -1,0 +1,127 @@
+"""The two kernels that multiply grid-quantized weights (kernels/grid.py), and the operands each
+takes:
+
+- `Kernel.TORCH`: torch's int4 CPU kernel (`_weight_int4pack_mm_for_cpu`, bf16 activations and
+  scales); an 8-bit layer multiplies as two int4 halves of its codes.
+- `Kernel.NATIVE`: Shardline's own, fp16 scales beside the codes, 8 outputs across the vector
+  lanes, activations rounded to int16 per group of 32 and integer dot products:
+  kernels/int8_linear.cpp for 8 bits, kernels/int4_linear.cpp for 4 (codes unpacked in
+  registers; many rows through an fp32 GEMM on slices dequantized on the fly).
+"""
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.nn.functional as F
+
+from shardline.kernels import native
+from shardline.kernels.grid import GROUP
+
+
+class Kernel(enum.Enum):
+    TORCH = "torch"
+    NATIVE = "native"
+
+
+def _int4_operands(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+    """The packed weight and [K/32, N, 2] scales-and-zeros of `_weight_int4pack_mm_for_cpu`,
+    which computes with w = (code - 8) * scale + zero."""
+    return (torch._convert_weight_to_int4pack_for_cpu(codes, 2),
+            torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous())
+
+
+def torch_operands(codes, scale, lo, bits: int) -> list:
+    """torch's int4 kernel computes with w = (code - 8) * scale + zero; an 8-bit layer multiplies
+    as two int4 halves: code = 16 * high + low, so w = [(high - 8) * 16 scale + (lo + 128 scale)] +
+    [(low - 8) * scale + 8 scale]."""
+    if bits == 4:
+        return [_int4_operands(codes, scale, lo + 8 * scale)]
+    return [_int4_operands(codes >> 4, 16 * scale, lo + 128 * scale), _int4_operands(codes & 15, scale, 8 * scale)]
+
+
+# A native layer's records (kernels/interleaved.h): per block of LANES outputs and group, the
+# codes (4 or 8 bits each), then LANES fp16 scales and LANES fp16 los.
+LANES = 8
+CODE_BYTES = {bits: GROUP * LANES * bits // 8 for bits in (4, 8)}
+SCALE_BYTES = 2 * LANES * 2
+INT4_RECORD = CODE_BYTES[4] + SCALE_BYTES
+
+
+def native_operands(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int):
+    """The operands of Shardline's kernels: one record per block of 8 outputs and group of 32
+    weights, the block's codes interleaved beside its scales and los, both rounded to fp16 (4 bits:
+    `int4_pack`; 8 bits, 0..254: shifted to int8, the shift folded into lo, `int8_pack`). N is
+    padded with zero weights to whole blocks; the kernels return those outputs too (zeros), and
+    `QuantizedLinear` drops them."""
+    pad = -codes.shape[0] % LANES
+    if pad:
+        codes, scale, lo = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale, lo))
+    scale, lo = scale.float(), lo.float()
+    if bits == 4:
+        return (native.ops().int4_pack(*_counted_down_where_fp16_holds_it(codes, scale, lo, 16)),)
+    codes, lo = _int8_grid(codes, scale, lo)
+    return (native.ops().int8_pack(codes, scale, lo),)
+
+
+def _counted_down_where_fp16_holds_it(codes, scale, lo, levels: int):
+    """Groups whose lowest value fp16 does not hold count down from a grid value that it does, where
+    one lies above every code: codes c -> j - c, scale negated, lo the value at j. Q4_0's blocks are
+    d * (q - 8) with a d of either sign, and where d is negative the grid's lowest value is some
+    -k|d|, k < 8, rarely an fp16 number; its value at q = 0, -8d, is one."""
+    unheld = lo.half().float() != lo
+    if not unheld.any():  # Q4_1's layers, say: every lo is an fp16 number already
+        return codes, scale, lo
+    groups = codes.view(codes.shape[0], -1, GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    origin, top, todo = lo.clone(), torch.zeros_like(low), unheld
+    for j in range(levels):
+        value = lo + j * scale
+        held = value.half().float()
+        fits = todo & (high <= j) & (j - low <= levels - 1) & ((held - value).abs() <= 1e-6 * scale.abs())
+        origin, top, todo = torch.where(fits, held, origin), torch.where(fits, j, top), todo & ~fits
+    down = unheld & ~todo
+    codes = torch.where(down.repeat_interleave(GROUP, 1), top.repeat_interleave(GROUP, 1) - codes, codes)
+    return codes, torch.where(down, -scale, scale), origin
+
+
+def _int8_grid(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes 0..254 as int8, and lo with the shift folded in. A group counts from its code of
+    zero where zero lies on its grid (Q8_0's blocks), so that its lo is exactly 0, which fp16
+    holds (lo + 128 * scale would round); any other group from 128."""
+    groups = codes.view(codes.shape[0], -1, GROUP)
+    zero = (-lo / scale.clamp_min(torch.finfo(torch.float32).tiny)).round()
+    on_grid = ((lo + zero * scale).abs() <= 1e-6 * scale.abs()) & (groups.amin(-1) - zero >= -128) & (
+        groups.amax(-1) - zero <= 127)
+    shift = torch.where(on_grid, zero, torch.full_like(zero, 128.0)).to(codes.dtype)
+    folded = torch.where(on_grid, torch.zeros_like(lo), lo + shift * scale)
+    return (codes - shift.repeat_interleave(GROUP, 1)).to(torch.int8), folded
+
+
+def native_rows(held, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weights' rows `tokens` of an 8-bit layer's native operands, as (codes [T, K], scale
+    and lo [T, K/32]) for `grid_weights` (a tied embedding's lookup): each token's block's records,
+    and in them its lane."""
+    records = held[0].index_select(0, tokens // LANES)  # [T, groups, record]
+    lane, t, groups, code_bytes = tokens % LANES, torch.arange(len(tokens)), records.shape[1], CODE_BYTES[8]
+    # per pair of weights, each lane's two codes side by side
+    codes = records[:, :, :code_bytes].view(torch.int8).view(len(tokens), groups, GROUP // 2, LANES, 2)[t, :, :, lane]
+    scales = records[:, :, code_bytes:].contiguous().view(torch.float16).float()  # [T, groups, 2 * LANES]
+    return codes.reshape(len(tokens), -1), scales[t, :, lane], scales[t, :, LANES + lane]
+
+
+def operands(kernel: Kernel, codes, scale, lo, bits: int):
+    return native_operands(codes, scale, lo, bits) if kernel is Kernel.NATIVE else torch_operands(codes, scale, lo, bits)
+
+
+def multiply(kernel: Kernel, operands, rows: torch.Tensor, direct_rows: int = 1 << 30) -> torch.Tensor:
+    """rows [n, K] times the weights that `operands` hold for `kernel` -> fp32 [n, N]. A native 4-bit
+    layer multiplies up to `direct_rows` rows straight from its codes, more through the GEMM."""
+    if kernel is Kernel.NATIVE:
+        records = operands[0]
+        if records.shape[-1] == INT4_RECORD:
+            return native.ops().int4_linear(rows.float(), records, direct_rows)
+        return native.ops().int8_linear(rows.float(), records)
+    rows = rows.bfloat16()
+    out = [torch._weight_int4pack_mm_for_cpu(rows, packed, GROUP, scales_zeros) for packed, scales_zeros in operands]
+    return out[0].float() if len(out) == 1 else out[0].float() + out[1].float()

@@ -1,0 +1,106 @@
+"""The router process: tokenizer, the replica's shard group, and the public servers: gRPC and
+the OpenAI-compatible HTTP API, two front ends of one admission.
+
+The gRPC server starts listening once the shard group is first connected (so a client's
+wait_for_ready waits for a usable server), the HTTP one at once (its /health answers 503 and
+its requests UNAVAILABLE until then); both turn NOT_SERVING whenever the group fails, and
+SERVING again when it is back. SIGTERM drains: NOT_SERVING at once, new
+requests UNAVAILABLE (HTTP 503), accepted ones of either API run to completion for up to
+`--drain-timeout-s`, then the process exits 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+
+from shardline.common.generation_service import SERVICE, add_generation_service
+from shardline.common.model_source import resolve_model
+from shardline.common.process import exit_soon
+from shardline.common.telemetry import setup_tracing
+from shardline.common.tls import ShardTls, http_ssl_context, listen
+from shardline.router.admission import Admission
+from shardline.router.fleet import FLEET_SERVICE, CacheWatchers, add_fleet_service
+from shardline.common.auth import ApiKeys
+from shardline.common.http_server import HttpServer
+from shardline.router.metrics import Metrics
+from shardline.router.openai_api import OpenAiApi
+from shardline.router.replica import Replica
+from shardline.router.server import GenerationService
+from shardline.router.shard_client import ShardGroup
+from shardline.router.stats import StatsCounters
+from shardline.common.tokenizer import TextCodec
+from shardline.common.tokenizer_files import tokenizer_folder
+from shardline.router.tracing import Tracing
+
+log = logging.getLogger("shardline.router")
+
+
+async def serve_router(args) -> int:
+    source = resolve_model(args.model)
+    loop = asyncio.get_running_loop()
+    codec = await loop.run_in_executor(None, lambda: TextCodec(tokenizer_folder(source)))
+    health_servicer = health.aio.HealthServicer()
+    server = grpc.aio.server()
+    address = f"{args.host}:{args.port}"
+    http: HttpServer | None = None
+    listening = False
+
+    async def on_serving(serving: bool) -> None:
+        nonlocal listening
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE):
+            await health_servicer.set(name, status)
+        if serving and not listening:
+            await server.start()
+            listening = True
+            print(f"router listening {address}", flush=True)
+
+    shard_tls = ShardTls.from_args(args)
+    shards = ShardGroup(args.shards, step_timeout_s=args.step_timeout_s,
+                        credentials=shard_tls.channel() if shard_tls else None)
+    tracer = setup_tracing(args.otlp_endpoint, "router", f"router:{args.port}")
+    tracing = Tracing(tracer, source.name) if tracer is not None else None
+    stats = StatsCounters()
+    metrics = Metrics() if args.metrics_port else None
+    replica = Replica(args, source.name, shards, codec, on_serving, [o for o in (stats, metrics, tracing) if o])
+    if metrics is not None:
+        metrics.watch(replica)
+        metrics.serve(args.metrics_port, args.host)
+        print(f"router metrics http://{args.host}:{args.metrics_port}/metrics", flush=True)
+    try:
+        keys = ApiKeys.load(args.api_keys_file) if args.api_keys_file else None
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--api-keys-file: {e}") from None
+    admission = Admission(replica, args.max_waiting, args.tenant_max_requests, args.tenant_max_waiting,
+                          share_cache=args.prefix_cache_sharing == "all")
+    add_generation_service(server, GenerationService(replica, admission, stats, tracing, keys), health_servicer,
+                           other_services=(FLEET_SERVICE,))
+    watchers = CacheWatchers(replica, tenants_share_cache=args.prefix_cache_sharing == "all",
+                             http_port=args.http_port)
+    add_fleet_service(server, watchers)
+    publisher = asyncio.ensure_future(watchers.run())
+    listen(server, address, args)
+    if args.http_port:
+        tls = (http_ssl_context(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
+               if args.tls_cert_file else None)
+        http = HttpServer(OpenAiApi(replica, admission, tracing, keys).app, args.host, args.http_port, tls)
+        await http.start()  # at once: /health answers 503 until the shard group serves
+        print(f"router HTTP API {http.address}/v1", flush=True)
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await replica.run(stop)  # returns once a stop was asked for and the drain is over
+    watchers.tick()          # the watchers hear that the replica stopped serving
+    publisher.cancel()
+    exit_soon(15)            # whatever hangs from here on, the process ends
+    if http is not None:
+        await http.stop()
+    if listening:
+        await server.stop(grace=2.0)
+    await shards.close()
+    return 0

@@ -1,0 +1,291 @@
+"""The step loop: asks the scheduler for a step, sends its plan to the shards, applies the
+sampled tokens, and streams outputs to the waiting request handlers.
+
+Everything that changes pages happens here between steps (cancellations wait for the step
+boundary). A page is released only when no step sent before the one that may give it to another
+sequence still writes it: a step may be sent ahead of the one running (`run`), but a shard runs
+its plans in order.
+
+The shards hold each running sequence's block table and sampling parameters from its first step
+until a plan releases it, so a plan carries only what changed: new sequences whole, appended
+pages, released sequences, and the step's tokens. `_announced` is what the shards were told:
+page count per sequence.
+
+Blast radius: a failure that belongs to one request (the shard could not serve its plan entry or
+sample its token; its detokenizer or stop strings raised) ends that request alone with a status,
+and releases its pages. A failure of the shard group (`ShardError`) or of the loop itself leaves
+`run` with the exception; the replica (router/replica.py) then fails every request and reconnects.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from shardline.protos import shard_pb2
+from shardline.router.constraints import next_masks
+from shardline.router.events import RequestEvents
+from shardline.router.scheduler import Phase, Scheduler, Step
+from shardline.router.sequence import Ending, Failure, FinishReason, Output, Sequence, Status
+from shardline.router.shard_client import ShardError, ShardGroup
+from shardline.router.stop_strings import StopMatcher
+from shardline.common.tokenizer import Detokenizer, TextCodec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlight:
+    """A step whose plan the shards were sent, and when."""
+    step: Step
+    plan: shard_pb2.StepPlan
+    sent_at: float
+
+
+class Engine:
+    def __init__(self, scheduler: Scheduler, shards: ShardGroup, codec: TextCodec, max_position: int,
+                 observers: list[RequestEvents] = ()):
+        self.scheduler, self.shards, self.codec = scheduler, shards, codec
+        self.max_position = max_position
+        self.observers = list(observers)  # Stats, metrics and traces: told every request's and step's events
+        self._wake = asyncio.Event()
+        self._text: dict[int, tuple[Detokenizer, StopMatcher]] = {}
+        self._cancelled: set[Sequence] = set()
+        self._announced: dict[int, int] = {}   # seq_id -> pages the shards hold for it
+        self._released: list[int] = []         # seq_ids the next plan releases
+        self._received_at = 0.0                # perf_counter() of the last step's result
+        self._in_flight = 0                    # steps sent and not answered
+        self.step_id = 0
+
+    def submit(self, seq: Sequence, stops: list[str]) -> None:
+        self._text[seq.seq_id] = (self.codec.stream(), StopMatcher(stops))
+        self.scheduler.add(seq)
+        for o in self.observers:
+            o.queued(seq)
+        self._wake.set()
+
+    def has_work(self) -> bool:
+        """Requests to serve, or a step still in flight (one sent ahead for a sequence that has
+        since finished, say)."""
+        return self.scheduler.has_work() or self._in_flight > 0
+
+    def cancel(self, seq: Sequence) -> None:
+        """Marks the request; the loop drops it at the next step boundary."""
+        if seq.status is not Status.FINISHED:
+            seq.cancelled = True
+            self._cancelled.add(seq)
+            self._wake.set()
+
+    async def run(self) -> None:
+        """Runs steps until the shard group or the loop fails (the exception propagates).
+
+        While a decode step runs on a lone shard, the decode step after it is sent too when it
+        is sure to follow (`_ahead`); the shard then finds its next plan waiting when a step
+        ends, and neither the round trip to the router nor the router's work on the tokens
+        holds it up. At most one step is sent ahead, so a new request or a cancellation waits
+        for one step more."""
+        ahead: InFlight | None = None
+        while True:
+            if ahead is None:
+                self._drop_cancelled()
+                step = self.scheduler.schedule()
+                if step is None:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                current = await self._send(step)
+            else:
+                current, ahead = ahead, None
+            step = current.step
+            try:
+                if (next_step := self._ahead(step)) is not None:
+                    ahead = await self._send(next_step)
+                result = await self._receive(current)
+            except BaseException as e:  # every step in flight fails with it
+                for sent in (current, ahead):
+                    for o in self.observers if sent is not None else ():
+                        o.step_failed(sent.plan.step_id, sent.step, e)
+                raise
+            failed = {f.seq_id: f.message for f in result.failures}
+            self.scheduler.complete(step, failed)
+            self._apply(step, result, failed)
+            if ahead is not None:  # the inputs the shard takes: the tokens just applied
+                ahead.step.inputs = [seq.output_ids[-1:] for seq in ahead.step.seqs]
+
+    def _ahead(self, step: Step) -> Step | None:
+        """The decode step to send while `step` runs, or None. Only a lone shard holds the tokens
+        it samples; a constrained sequence needs the mask of the token `step` samples. (A mixed
+        step's phase is that of its chunks; a cancelled sequence is in `_cancelled` until it
+        is dropped, and FINISHED after.)"""
+        if not self.shards.samples_alone or step.phase is not Phase.DECODE or self._cancelled \
+                or any(seq.constrained is not None for seq in step.seqs):
+            return None
+        going = [seq for seq in step.seqs if seq.status is Status.RUNNING
+                 and len(seq.output_ids) + 1 < seq.max_new_tokens and seq.num_tokens + 1 < self.max_position]
+        return self.scheduler.decode_ahead(going)
+
+    async def _send(self, step: Step) -> InFlight:
+        self.step_id += 1
+        if step.phase is Phase.ADMIT:
+            now = time.monotonic()
+            for seq, _ in step.chunks:
+                seq.admitted_at = now
+                for o in self.observers:
+                    o.admitted(seq)
+        plan = shard_pb2.StepPlan(step_id=self.step_id, released=self._released, layer_start=step.layer_start,
+                                  layer_end=step.layer_end)
+        self._released = []
+        for seq, inputs, emit in zip(step.seqs, step.inputs, step.emits):
+            held = self._announced.get(seq.seq_id)
+            entry = plan.seqs.add(seq_id=seq.seq_id, token_ids=inputs, emit=emit, first=held is None,
+                                  new_pages=seq.block_table[held or 0:])
+            # A step sent ahead computes the position after the one the step before it computes.
+            entry.start_pos, entry.sampled_input = seq.num_computed + step.sampled_inputs, step.sampled_inputs
+            if held is None:
+                s = seq.sampling
+                entry.sampling.CopyFrom(shard_pb2.Sampling(temperature=s.temperature, top_p=s.top_p,
+                                                           top_k=s.top_k, seed=s.seed, logprobs=seq.logprobs))
+            if seq.prompt_logprobs is not None and seq.num_computed < len(seq.prompt_ids):
+                entry.prompt_logprobs = seq.prompt_logprobs
+                end = seq.num_computed + len(inputs)
+                if end < len(seq.prompt_ids):
+                    entry.next_token = seq.prompt_ids[end]
+            if emit and seq.constrained is not None:
+                entry.allowed_tokens = seq.constrained.mask
+            self._announced[seq.seq_id] = len(seq.block_table)
+        for o in self.observers:
+            o.step_started(self.step_id, step, plan)
+        try:
+            await self.shards.send(plan)
+        except BaseException as e:
+            for o in self.observers:
+                o.step_failed(self.step_id, step, e)
+            raise
+        self._in_flight += 1
+        return InFlight(step, plan, time.perf_counter())
+
+    async def _receive(self, sent: InFlight) -> shard_pb2.StepResult:
+        step, step_id = sent.step, sent.plan.step_id
+        result = await self.shards.receive(sent.plan)
+        self._in_flight -= 1
+        # A step sent ahead starts when the one before it ends.
+        received_at = time.perf_counter()
+        wall_s, self._received_at = received_at - max(sent.sent_at, self._received_at), received_at
+        for o in self.observers:
+            o.step_done(step_id, step, result, wall_s)
+        failed = {f.seq_id for f in result.failures}
+        want = sum(1 for seq, emit in zip(step.seqs, step.emits) if emit and seq.seq_id not in failed)
+        if len(result.tokens) != want:
+            raise ShardError(f"step {step_id}: {len(result.tokens)} tokens for {want} emitting sequences")
+        return result
+
+    def _apply(self, step: Step, result: shard_pb2.StepResult, failed: dict[int, str]) -> None:
+        sampled = iter(result.tokens)
+        logprobs = {entry.seq_id: entry for entry in result.logprobs}
+        for seq, emit in zip(step.seqs, step.emits):
+            if seq.seq_id in failed:
+                self.fail(seq, Failure("INTERNAL", f"the shard could not serve this request: {failed[seq.seq_id]}"))
+                continue
+            scores = logprobs.get(seq.seq_id)
+            if scores is not None:
+                seq.prompt_scores.extend(scores.prompt)
+            if not emit:
+                continue  # an intermediate chunk: KV written, nothing sampled
+            token = next(sampled)
+            if seq.cancelled or seq.status is Status.FINISHED:
+                continue  # dropped at the top of the next loop, or it ended while a step sent ahead ran
+            if why := self._missing_logprobs(seq, scores):
+                self.fail(seq, Failure("INTERNAL", why))
+                continue
+            try:
+                self._emit(seq, token, list(scores.sampled) if scores is not None else [])
+            except Exception as e:  # a detokenizer or stop-string edge case: this request only
+                log.exception("request %s failed on token %d", seq.request_id, token)
+                self.fail(seq, Failure("INTERNAL", f"turning token {token} into text failed: {e!r}"))
+        self._next_masks(step)
+
+    def _next_masks(self, step: Step) -> None:
+        """The next token masks of the step's constrained sequences that go on; one that reached
+        a dead end (its constraint asks for what the model's tokens cannot spell) fails alone."""
+        going = [seq for seq in step.seqs if seq.constrained is not None and seq.status is not Status.FINISHED
+                 and seq.output_ids]
+        try:
+            next_masks([seq.constrained for seq in going if not seq.constrained.error])
+        except Exception as e:  # noqa: BLE001 - llguidance misused or broken: these requests only
+            log.exception("computing token masks failed")
+            for seq in going:
+                self.fail(seq, Failure("INTERNAL", f"computing the token mask failed: {e!r}"))
+            return
+        for seq in going:
+            if seq.constrained.error:
+                self.fail(seq, Failure("INVALID_ARGUMENT", seq.constrained.error))
+
+    @staticmethod
+    def _missing_logprobs(seq: Sequence, scores: shard_pb2.SequenceLogprobs | None) -> str | None:
+        if seq.logprobs is not None and (scores is None or len(scores.sampled) != 1):
+            return "the shard returned no log-probability for the sampled token"
+        if seq.prompt_logprobs is not None and not seq.output_ids and len(seq.prompt_scores) != len(seq.prompt_ids) - 1:
+            return (f"the shards scored {len(seq.prompt_scores)} prompt positions, "
+                    f"expected {len(seq.prompt_ids) - 1}")
+        return None
+
+    def _emit(self, seq: Sequence, token: int, logprobs: list) -> None:
+        first = not seq.output_ids
+        seq.output_ids.append(token)
+        seq.previous_token_at, seq.last_token_at = seq.last_token_at, time.monotonic()
+        if first:
+            seq.first_token_at = seq.last_token_at
+        for o in self.observers:
+            o.token(seq, first)
+        detok, stops = self._text[seq.seq_id]
+        is_eos = token in seq.stop_token_ids
+        constrained = seq.constrained
+        if constrained is not None:
+            constrained.consume(token)
+        text, stopped = stops.feed("" if is_eos else detok.push(token))
+        reason = (FinishReason.STOP if stopped else FinishReason.EOS if is_eos else
+                  FinishReason.STOP if constrained is not None and constrained.complete else
+                  FinishReason.LENGTH if len(seq.output_ids) >= seq.max_new_tokens
+                  or seq.num_tokens >= self.max_position else None)
+        if reason and not stopped:
+            rest, stopped = stops.flush()
+            text, reason = text + rest, FinishReason.STOP if stopped else reason
+        seq.outputs.put_nowait(Output([token], text, reason, logprobs=logprobs,
+                                      prompt_logprobs=seq.prompt_scores if first else []))
+        if reason:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, end: Ending) -> None:
+        if seq.status is not Status.FINISHED:
+            for o in self.observers:
+                o.finished(seq, end)
+        self.scheduler.finish(seq)
+        self._text.pop(seq.seq_id, None)
+        if self._announced.pop(seq.seq_id, None) is not None:
+            self._released.append(seq.seq_id)
+
+    def fail(self, seq: Sequence, failure: Failure) -> None:
+        """Ends one request with a status; its pages go back at once (call between steps only)."""
+        if seq.status is Status.FINISHED:
+            return
+        try:
+            self._finish(seq, failure)
+        finally:  # whatever state the failure left, the client hears of it
+            seq.outputs.put_nowait(Output([], "", failure=failure))
+
+    def fail_all(self, failure: Failure) -> None:
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            self.fail(seq, failure)
+        self._cancelled.clear()
+        self._text.clear()
+        self._in_flight = 0
+        self._announced.clear()  # the shards start from nothing after a reconnect
+        self._released.clear()
+
+    def _drop_cancelled(self) -> None:
+        for seq in self._cancelled:
+            if seq.status is not Status.FINISHED:
+                self._finish(seq, FinishReason.CANCELLED)
+                seq.outputs.put_nowait(Output([], "", FinishReason.CANCELLED))
+        self._cancelled.clear()

@@ -1,0 +1,167 @@
+"""An OpenAI request as the engine runs it: `n` GenerateRequests, one per choice, through the
+same admission as the gRPC API's, and their outputs merged into one stream of (choice, output).
+
+The `n` choices are admitted together (each counts toward the limits, and a refusal refuses
+the request before anything is sent), and share their prompt's KV pages through the prefix
+cache: the others wait in the scheduler until the first one's prompt is computed
+(`Sequence.after`), then compute only the rest of the prompt's last page. They are given the
+first one's token ids, so the prompt is tokenized once. Choice i of a seeded request samples
+with seed + i: the same request gets the same choices, and they differ.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import AsyncIterator
+
+from opentelemetry import trace
+
+from shardline.protos import generation_pb2 as pb
+from shardline.router.admission import Admission
+from shardline.router.openai_schema import ChatCompletionRequest, CompletionRequest
+from shardline.router.sequence import Output, Sequence
+from shardline.router.validation import InvalidRequest
+
+COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for text completions; chat: up to the context
+
+
+def _constrain(req: pb.GenerateRequest, body: ChatCompletionRequest | CompletionRequest, tool_grammar: str | None):
+    """Sets the request's constraint: response_format's, structured_outputs', or the tool calls'."""
+    rf, so = body.response_format, body.structured_outputs
+    if rf is not None and rf.type == "json_object":
+        req.json_object = True
+    elif rf is not None and rf.type == "json_schema":
+        req.json_schema = json.dumps(rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {})
+    elif so is not None:
+        if so.json_ is not None:
+            req.json_schema = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)
+        elif so.json_object:
+            req.json_object = True
+        elif so.regex is not None:
+            req.regex = so.regex
+        elif so.grammar is not None:
+            req.grammar = so.grammar
+        else:
+            req.choice.options.extend(so.choice)
+    elif tool_grammar is not None:
+        req.grammar = tool_grammar
+
+
+def generate_requests(body: ChatCompletionRequest | CompletionRequest,
+                      tool_grammar: str | None = None) -> list[pb.GenerateRequest]:
+    """The choices' requests. max_new_tokens 0: open-ended (chat without a limit).
+    `tool_grammar`: what constrains the output to tool calls (router/openai_tools.py)."""
+    req = pb.GenerateRequest(stop=body.stops(), ignore_eos=body.ignore_eos, priority=body.priority,
+                             cache_salt=body.cache_salt or "")
+    _constrain(req, body, tool_grammar)
+    s = req.sampling
+    s.temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI's default
+    if body.top_p is not None:
+        s.top_p = body.top_p
+    s.top_k = max(0, body.top_k or 0)
+    if isinstance(body, ChatCompletionRequest):
+        req.max_new_tokens = body.max_completion_tokens or body.max_tokens or 0
+        if body.logprobs:
+            req.logprobs = body.top_logprobs or 0
+        for m in body.messages:
+            role = "system" if m.role == "developer" else m.role
+            calls = json.dumps([c.model_dump() for c in m.tool_calls]) if m.tool_calls else ""
+            req.messages.messages.append(pb.ChatMessage(role=role, content=m.text(), tool_calls_json=calls,
+                                                        tool_call_id=m.tool_call_id or "", name=m.name or ""))
+        if body.tools:
+            req.messages.tools_json = json.dumps([t.model_dump(exclude_none=True) for t in body.tools])
+    else:
+        req.max_new_tokens = body.max_tokens or COMPLETION_DEFAULT_TOKENS
+        if body.logprobs is not None:
+            req.logprobs = body.logprobs
+        if isinstance(body.prompt, str):
+            req.prompt = body.prompt
+        else:
+            req.prompt_token_ids.ids.extend(body.prompt)
+    out = []
+    for i in range(body.n):
+        choice = pb.GenerateRequest()
+        choice.CopyFrom(req)
+        if body.seed is not None:
+            choice.sampling.seed = (body.seed + i) % 2**64
+        if body.request_id:
+            choice.request_id = body.request_id if body.n == 1 else f"{body.request_id}-{i}"
+        out.append(choice)
+    return out
+
+
+class Choices:
+    """The choices of one request. `start` admits them all (raising InvalidRequest before
+    anything was sent); `outputs` yields (choice index, Output) until every choice ended;
+    `release` frees whatever still runs, however the request ended (idempotent)."""
+
+    def __init__(self, admission: Admission, reqs: list[pb.GenerateRequest], tenant: str, span=None, tracer=None):
+        self.admission, self.reqs, self.tenant, self.span, self.tracer = admission, reqs, tenant, span, tracer
+        self.seqs: list[Sequence] = []
+
+    async def start(self) -> None:
+        try:
+            for i, req in enumerate(self.reqs):
+                if i:  # the first one's tokens, computed first
+                    req.prompt_token_ids.CopyFrom(pb.PromptTokens(ids=self.seqs[0].prompt_ids))
+                span = self._span(i)
+                try:
+                    self.seqs.append(await self.admission.admit(req, self.tenant, span, open_ended=True,
+                                                                after=self.seqs[0] if i else None))
+                except InvalidRequest:
+                    if span is not self.span:
+                        span.end()
+                    raise
+        except InvalidRequest:
+            self.release()
+            raise
+
+    def _span(self, index: int):
+        """One choice: the request's own span (as a gRPC request's); of many, one child each."""
+        if self.span is None or len(self.reqs) == 1:
+            return self.span
+        return self.tracer.start_span(f"choice {index}", context=trace.set_span_in_context(self.span))
+
+    async def outputs(self) -> AsyncIterator[tuple[int, Output]]:
+        if len(self.seqs) == 1:  # the common case, without a hop through a merging queue
+            while True:
+                out = await self.seqs[0].outputs.get()
+                yield 0, out
+                if out.finish_reason or out.failure:
+                    return
+        queue: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.ensure_future(self._pump(i, seq, queue)) for i, seq in enumerate(self.seqs)]
+        try:
+            for _ in range(len(self.seqs)):  # each choice's last output ends it
+                while True:
+                    index, out = await queue.get()
+                    yield index, out
+                    if out.finish_reason or out.failure:
+                        break
+        finally:
+            for pump in pumps:
+                pump.cancel()
+
+    @staticmethod
+    async def _pump(index: int, seq: Sequence, queue: asyncio.Queue) -> None:
+        while True:
+            out = await seq.outputs.get()
+            queue.put_nowait((index, out))
+            if out.finish_reason or out.failure:
+                return
+
+    def release(self) -> None:
+        for seq in self.seqs:
+            self.admission.release(seq)
+
+
+@contextlib.asynccontextmanager
+async def running(choices: Choices):
+    """The choices' outputs, released when the block ends, however it ends."""
+    outputs = choices.outputs()
+    try:
+        yield outputs
+    finally:
+        await outputs.aclose()
+        choices.release()

@@ -1,0 +1,136 @@
+"""Tool calls in the OpenAI API: the grammar that makes a call valid by construction, and the
+calls read back out of a choice's text, whole or as the text streams.
+
+How a model writes a call is what its chat template declares. A template that mentions
+`<tool_call>` (Qwen2.5, Qwen3, Hermes) has the model write each call as
+`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one per line when it makes
+several; for any other model a call is that JSON object alone, one per answer.
+
+- `tool_choice` "required" or a named function: the output is constrained to calls of the
+  tools (of that one tool), with arguments valid for its `parameters` schema.
+- "auto" (the default when tools are given): with a declared format, the output is either text
+  that does not begin with `<tool_call>` or calls, so a call the model starts is valid; without
+  one the output is text, unconstrained.
+- "none": the tools are rendered into the prompt, the output is text.
+
+A choice whose text holds calls answers `message.tool_calls` (content null) and finish reason
+`tool_calls`. Streamed, a call is sent as one tool-call delta (id, name and the whole arguments)
+once its text is complete.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+from shardline.router.constraints import JSON_WHITESPACE
+from shardline.router.openai_schema import (ChatCompletionRequest, FunctionCall, FunctionDelta, NamedToolChoice, ToolCall,
+                                  ToolCallDelta)
+
+OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
+_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def declares_calls(template_source: str | None) -> bool:
+    """Whether a chat template has the model write calls in <tool_call> blocks."""
+    return bool(template_source) and "<tool_call>" in template_source
+
+
+def _call_schema(body: ChatCompletionRequest) -> dict:
+    tools = body.tools or []
+    if isinstance(body.tool_choice, NamedToolChoice):
+        tools = [t for t in tools if t.function.name == body.tool_choice.function.name]
+    calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                               "arguments": t.function.parameters or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    return {"anyOf": calls, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+
+
+def mode(body: ChatCompletionRequest, blocks: bool) -> str | None:
+    """"calls" (the output is calls), "auto" (text or calls) or None (text) for this request."""
+    if not body.tools or body.tool_choice == "none":
+        return None
+    if body.calls_forced():
+        return "calls"
+    constrained = body.structured_outputs is not None or (body.response_format is not None
+                                                          and body.response_format.type != "text")
+    return "auto" if blocks and not constrained else None
+
+
+def grammar(body: ChatCompletionRequest, blocks: bool) -> str | None:
+    """The Lark grammar (llguidance's) that constrains this request's output, or None."""
+    kind = mode(body, blocks)
+    if kind is None:
+        return None
+    call = "%json " + json.dumps(_call_schema(body))
+    if not blocks:
+        return f"start: {call}\n"
+    many = ' ("\\n" call)*' if body.parallel_tool_calls and not isinstance(body.tool_choice, NamedToolChoice) else ""
+    rules = f'calls: call{many}\ncall: {json.dumps(OPEN)} {call} {json.dumps(CLOSE)}\n'
+    if kind == "auto":
+        return "start: TEXT | calls\nTEXT: /(?s:.*)/ & ~/<tool_call>(?s:.*)/\n" + rules
+    return "start: calls\n" + rules
+
+
+def _call(text: str) -> ToolCall | None:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    if not (isinstance(data, dict) and isinstance(data.get("name"), str) and "arguments" in data):
+        return None
+    arguments = data["arguments"]
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(
+        name=data["name"], arguments=arguments if isinstance(arguments, str) else json.dumps(arguments,
+                                                                                         ensure_ascii=False)))
+
+
+class ToolCallReader:
+    """One choice's text, split into content and calls as it arrives. `feed` returns the content
+    that may be sent now and the calls completed by this delta; `end` what is left."""
+
+    def __init__(self, kind: str | None, blocks: bool):
+        self.kind, self.blocks = kind, blocks
+        self.calls: list[ToolCall] = []
+        self._text = ""       # what is not yet sent as content or read as calls
+        self._calling = kind == "calls"
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        if self.kind is None:
+            return delta, []
+        self._text += delta
+        if not self._calling:
+            if self._text.startswith(OPEN):
+                self._calling = True
+            elif OPEN.startswith(self._text):
+                return "", []            # may still become a call: withheld
+            else:                        # text: from here on passed through
+                self.kind, text, self._text = None, self._text, ""
+                return text, []
+        if not self.blocks:
+            return "", []
+        found = []
+        while (m := _BLOCK.search(self._text)) is not None:
+            call = _call(m[1])
+            if call is not None:
+                found.append(call)
+            self._text = self._text[m.end():]
+        self.calls += found
+        return "", found
+
+    def end(self) -> tuple[str, list[ToolCall]]:
+        """At the choice's end: text that did not make a call becomes content."""
+        text, self._text = self._text, ""
+        if self.kind is None:
+            return text, []
+        call = None if self.blocks else _call(text)
+        if call is not None:
+            self.calls.append(call)
+            return "", [call]
+        return "" if not text.strip() and self.calls else text, []
+
+    def deltas(self, calls: list[ToolCall]) -> list[ToolCallDelta]:
+        first = len(self.calls) - len(calls)
+        return [ToolCallDelta(index=first + i, id=c.id, type="function",
+                              function=FunctionDelta(name=c.function.name, arguments=c.function.arguments))
+                for i, c in enumerate(calls)]

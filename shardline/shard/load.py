@@ -1,0 +1,121 @@
+"""What a shard process serves: its device, its prepared model (shard/transforms.py), the dtype of
+its KV pages, and the `ShardInfo` it answers the router with."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardline.common.model_source import resolve_model
+from shardline.protos import shard_pb2
+from shardline.shard.kv_cache import bytes_per_page
+from shardline.shard.model import Transformer
+from shardline.shard.parallel import Layout, group_id, init_distributed
+from shardline.kernels import native
+from shardline.kernels.grid import GROUP
+from shardline.kernels.linear import OneDnnLinear
+from shardline.kernels.operands import Kernel
+from shardline.kernels.quantized import Int8Embedding, QuantizedLinear
+from shardline.shard.transforms import is_quantized, prepare
+from shardline.shard.weights import build_model
+
+log = logging.getLogger("shardline.shard")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedShard:
+    model: Transformer
+    layout: Layout
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    decode_graphs: bool
+    info: shard_pb2.ShardInfo
+
+
+def pick_device(flag: str, layout: Layout) -> torch.device:
+    """--device, else this rank's GPU when there are any, else the CPU."""
+    if flag:
+        return torch.device(flag)
+    if torch.cuda.is_available():
+        return torch.device("cuda", layout.rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def kv_dtype_for(flag: str, model: Transformer, dtype: torch.dtype) -> torch.dtype:
+    """--kv-dtype; `auto` keeps the serving dtype for dense weights (HF parity) and float16 where
+    quantized weights are served, as llama.cpp keeps its cache."""
+    if flag != "auto":
+        return DTYPES[flag]
+    return torch.float16 if is_quantized(model) else dtype
+
+
+def weight_bytes(model: Transformer) -> int:
+    """Bytes of the weights this shard holds (each tensor once; not the rotary tables)."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())
+               if t is not model.rotary.cos and t is not model.rotary.sin}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def weight_format(module: nn.Module) -> str:
+    """How a layer's weights are held, in words."""
+    if isinstance(module, QuantizedLinear):
+        kernel = "Shardline's kernel" if module.kernel is Kernel.NATIVE else "torch's int4 kernel"
+        if module.bits == 8 and module.kernel is Kernel.TORCH:
+            kernel += " as two int4 halves"
+        copy = f", {module.dense.kind.value} copy above {module.max_rows} rows" if module.dense is not None else ""
+        return f"int{module.bits} g{GROUP} ({module.exact:.0%} of groups exact), {kernel}{copy}"
+    if isinstance(module, Int8Embedding):
+        return "the LM head's int8 codes"
+    if isinstance(module, OneDnnLinear):
+        return "float32 oneDNN"
+    return str(module.weight.dtype).removeprefix("torch.")
+
+
+def weight_formats(model: nn.Module) -> dict[str, str]:
+    """Per kind of layer (embed, wqkv, wo, w13, w2, lm_head), how its weights are held."""
+    return {name.rpartition(".")[2]: weight_format(m) for name, m in model.named_modules(remove_duplicate=False)
+            if name.rpartition(".")[2] in ("embed", "wqkv", "wo", "w13", "w2", "lm_head")}
+
+
+def load_shard(args) -> LoadedShard:
+    layout = Layout(tp=args.tp, pp=args.pp, tp_rank=args.tp_rank, pp_stage=args.pp_stage)
+    device, dtype = pick_device(args.device, layout), DTYPES[args.dtype]
+    source = resolve_model(args.model)
+    # Compiled decode graphs are kept beside the converted weights (or where TORCHINDUCTOR_CACHE_DIR
+    # says), so a restart reuses them, and per build of Shardline's kernels, which they call and
+    # inductor's cache knows nothing of: with one cache for every build (ISA levels, changed
+    # sources), a test's quantized decode graphs corrupted the heap on a development machine until
+    # the cache was emptied. (A test that compiled something itself has set the variable to
+    # torch's default, and the shards it starts inherit it.)
+    build = native.build_folder().name
+    cache = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or source.cache_dir / "inductor")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache if cache.name == build else cache / build)
+    decode_graphs = args.decode_graphs == "on" or (args.decode_graphs == "auto" and device.type == "cuda")
+    t0 = time.perf_counter()
+    model = build_model(source, dtype, device)
+    full = model.cfg
+    tp_group = init_distributed(layout, args.dist_init, device) if layout.world > 1 else None
+    prepare(model, source, layout, tp_group, device, weights=args.weights,
+            quantize_to="" if args.quantize == "none" else args.quantize, dense_copy=args.dense_prefill == "on",
+            onednn=device.type == "cpu" and dtype == torch.float32 and not decode_graphs)
+    log.info("loaded %s (stage %d/%d, TP rank %d/%d, %d layers) in %.1f s", source.name, layout.pp_stage,
+             layout.pp, layout.tp_rank, layout.tp, model.cfg.num_layers, time.perf_counter() - t0)
+    kv_dtype = kv_dtype_for(args.kv_dtype, model, dtype)
+    per_page = bytes_per_page(model.cfg, args.page_size, kv_dtype)
+    info = shard_pb2.ShardInfo(
+        model=source.name, vocab_size=full.vocab_size, context_length=full.max_position,
+        page_size=args.page_size, max_pages=max(0, int(args.kv_memory_gb * 2**30 // per_page) - 1),  # - padding
+        tp_rank=layout.tp_rank, tp_size=layout.tp, pp_stage=layout.pp_stage, pp_size=layout.pp,
+        dtype=args.dtype, device=str(device), eos_token_ids=full.eos_token_ids,
+        weight_bytes=weight_bytes(model), kv_bytes_per_page=per_page,
+        kv_dtype=str(kv_dtype).removeprefix("torch."), weight_formats=weight_formats(model), group_id=group_id(layout),
+        attention_pair_cost=full.attention_pair_cost, num_layers=full.num_layers)
+    log.info("weights: %s", ", ".join(f"{k} {v}" for k, v in info.weight_formats.items()))
+    return LoadedShard(model, layout, device, dtype, kv_dtype, decode_graphs, info)

@@ -1,0 +1,142 @@
+"""A Llama-family decoder as a plain torch module (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3).
+
+The forward pass takes a flat batch of tokens from any number of sequences; where their K/V lives
+is described by an `AttentionBatch`. It returns hidden states: the caller picks the positions it
+samples and only those go through the final norm and LM head (`logits`).
+"""
+from __future__ import annotations
+
+from itertools import islice
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from shardline.kernels import native
+from shardline.kernels.attention import AttentionBatch, paged_attention
+from shardline.shard.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 like the reference implementation, then scale in the model dtype.
+        if x.dtype == torch.float32:  # one fused operator instead of seven
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary embedding in the rotate-half layout, with a cos/sin table over every position.
+
+    rotate_half(x) * sin is computed as roll(x, half) * sin', where sin' is sin with its first
+    half negated: the same products, exactly (negation is exact), in two operators instead of
+    four."""
+
+    def __init__(self, head_dim: int, theta: float, max_position: int):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
+
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's (cos, sin') [T, 1, head_dim], looked up once and shared by every layer."""
+        return (self.cos.index_select(0, positions).to(dtype)[:, None, :],
+                self.sin.index_select(0, positions).to(dtype)[:, None, :])
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [T, heads, head_dim]."""
+        cos, sin = cos_sin
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.wqkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):
+        if batch.is_decode and not batch.opaque and native.usable(k_pages):
+            # one operator for norms, rotation, the K/V write and attention over the pages
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else (None, None, 0.0)
+            out = native.ops().paged_decode(self.wqkv(x), cos_sin[0], cos_sin[1], *norms, k_pages, v_pages,
+                                            batch.slots, batch.block_tables, batch.context_lens, self.num_heads,
+                                            self.scale)
+            return self.wo(out)
+        qkv = self.wqkv(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = qkv[:, :self.num_heads + self.num_kv_heads], qkv[:, self.num_heads + self.num_kv_heads:]
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], 1)
+        # q and k rotate as one tensor: one set of operators per layer instead of two
+        qk = Rotary.apply(qk, cos_sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        out = paged_attention(q, k, v, k_pages, v_pages, batch, self.scale)
+        return self.wo(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        if native.usable(x):
+            return self.w2(native.ops().silu_mul(self.w13(x)))
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos_sin, k_pages, v_pages, batch):
+        x = x + self.attn(self.attn_norm(x), cos_sin, k_pages, v_pages, batch)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_pages: list[tuple],
+                batch: AttentionBatch, hidden: torch.Tensor | None = None,
+                layers: slice = slice(None)) -> torch.Tensor:
+        """tokens, positions [T] -> hidden states [T, hidden] (before the final norm).
+        A later pipeline stage, or a step that starts past the first layer (`layers`, of this
+        module's), passes the hidden states going into its first layer instead of embedding tokens."""
+        x = self.embed(tokens) if hidden is None else hidden
+        cos_sin = self.rotary.at(positions, x.dtype)
+        # islice, not self.layers[layers]: slicing a ModuleList builds a new one (70 us a step)
+        for layer, (k_pages, v_pages) in islice(zip(self.layers, kv_pages), layers.start, layers.stop):
+            x = layer(x, cos_sin, k_pages, v_pages, batch)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden)).float()

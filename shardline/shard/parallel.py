@@ -1,0 +1,156 @@
+"""Tensor and pipeline parallelism as transformations of a plain `Transformer` (gpt-fast style):
+the model code knows nothing of ranks; these functions slice its weights and add the collectives.
+
+Layout: shard (stage s, TP rank r) is global rank s * tp + r of one torch.distributed group
+(gloo on CPU, NCCL on CUDA). Each stage has its own TP subgroup. Activations flow stage to stage
+between equal TP ranks with point-to-point send/recv.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardline.shard.model import Transformer
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    tp_rank: int = 0
+    pp_stage: int = 0
+
+    @property
+    def rank(self) -> int:
+        return self.pp_stage * self.tp + self.tp_rank
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_stage == self.pp - 1
+
+    @property
+    def samples(self) -> bool:
+        """Only the last stage's rank 0 computes logits and samples."""
+        return self.is_last_stage and self.tp_rank == 0
+
+    def peer(self, stage: int) -> int:
+        return stage * self.tp + self.tp_rank
+
+
+def layer_range(num_layers: int, stage: int, pp: int) -> range:
+    """Stage `stage`'s layers, split as evenly as possible (earlier stages take the remainder)."""
+    base, extra = divmod(num_layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+def init_distributed(layout: Layout, init_method: str, device: torch.device):
+    """Joins the replica's process group; returns this stage's TP group (None without TP)."""
+    if layout.world == 1:
+        return None
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    # A bounded timeout: if a peer dies, a collective fails instead of hanging forever.
+    dist.init_process_group(backend, init_method=init_method, rank=layout.rank, world_size=layout.world,
+                            timeout=timedelta(seconds=60))
+    groups = [dist.new_group(list(range(s * layout.tp, (s + 1) * layout.tp))) for s in range(layout.pp)]
+    return groups[layout.pp_stage] if layout.tp > 1 else None
+
+
+def group_id(layout: Layout) -> str:
+    """An id of this start of the process group, the same on every rank (rank 0's, broadcast)."""
+    ids = [uuid.uuid4().hex]
+    if layout.world > 1:
+        dist.broadcast_object_list(ids, src=0)
+    return ids[0]
+
+
+def keep_stage(model: Transformer, layout: Layout) -> None:
+    """Drops what this pipeline stage does not run: other stages' layers, the embedding outside
+    the first stage, the final norm and LM head outside the sampling shard."""
+    keep = layer_range(model.cfg.num_layers, layout.pp_stage, layout.pp)
+    model.layers = nn.ModuleList(model.layers[i] for i in keep)
+    model.cfg = replace(model.cfg, num_layers=len(keep))
+    if not layout.is_first_stage:
+        model.embed = None
+    if not layout.samples:
+        model.norm = model.lm_head = None
+
+
+def _rows(w: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    return w.narrow(0, start, size).clone()
+
+
+def _cols(w: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    return w.narrow(1, start, size).clone()
+
+
+def head_split(heads: int, kv_heads: int, tp: int, rank: int) -> tuple[range, range]:
+    """(q heads, KV heads) of one TP rank. KV heads are split as evenly as possible, each with
+    the q heads that read it, so every rank keeps a uniform GQA grouping (SmolLM2's 9 heads and 3
+    KV heads split 6+3 over two ranks). With fewer KV heads than ranks, each KV head is replicated
+    on tp / kv_heads ranks, which split its q heads."""
+    group = heads // kv_heads
+    if kv_heads >= tp:
+        kv = layer_range(kv_heads, rank, tp)
+        return range(kv.start * group, kv.stop * group), kv
+    if tp % kv_heads or tp // kv_heads > group:
+        raise ValueError(f"cannot split {heads} heads / {kv_heads} KV heads over {tp} ranks")
+    per_kv = tp // kv_heads
+    kv = rank // per_kv
+    q = layer_range(group, rank % per_kv, per_kv)
+    return range(kv * group + q.start, kv * group + q.stop), range(kv, kv + 1)
+
+
+def shard_tensor_parallel(model: Transformer, layout: Layout, group) -> None:
+    """Splits attention heads and the MLP across the stage's TP ranks, in place.
+
+    wqkv and w13 are split by output rows (column parallel), wo and w2 by input columns (row
+    parallel) followed by an all-reduce of their outputs. The LM head stays whole on the one
+    shard that samples: it then needs no collective per step, which on gloo costs more than the
+    replicated weights save.
+    """
+    tp, r, cfg = layout.tp, layout.tp_rank, model.cfg
+    if tp == 1:
+        return
+    hd, inter = cfg.head_dim, cfg.intermediate_size
+    q_heads, kv = head_split(cfg.num_heads, cfg.num_kv_heads, tp, r)
+    units = layer_range(inter, r, tp)
+    q_size, kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
+
+    def split_qkv(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([_rows(t, q_heads.start * hd, len(q_heads) * hd),
+                          _rows(t, q_size + kv.start * hd, len(kv) * hd),
+                          _rows(t, q_size + kv_size + kv.start * hd, len(kv) * hd)])
+
+    def all_reduce(_module, _inputs, output):
+        dist.all_reduce(output, group=group)
+        return output
+
+    for block in model.layers:
+        attn, mlp = block.attn, block.mlp
+        attn.wqkv.weight = nn.Parameter(split_qkv(attn.wqkv.weight), requires_grad=False)
+        if attn.wqkv.bias is not None:
+            attn.wqkv.bias = nn.Parameter(split_qkv(attn.wqkv.bias), requires_grad=False)
+        attn.num_heads, attn.num_kv_heads = len(q_heads), len(kv)
+        attn.wo.weight = nn.Parameter(_cols(attn.wo.weight, q_heads.start * hd, len(q_heads) * hd),
+                                      requires_grad=False)
+        attn.wo.register_forward_hook(all_reduce)
+        gate = _rows(mlp.w13.weight, units.start, len(units))
+        up = _rows(mlp.w13.weight, inter + units.start, len(units))
+        mlp.w13.weight = nn.Parameter(torch.cat([gate, up]), requires_grad=False)
+        mlp.w2.weight = nn.Parameter(_cols(mlp.w2.weight, units.start, len(units)), requires_grad=False)
+        mlp.w2.register_forward_hook(all_reduce)
+    model.cfg = replace(cfg, num_heads=len(q_heads), num_kv_heads=len(kv), intermediate_size=len(units))

@@ -1,0 +1,356 @@
+"""Runs step plans on the model: checks each sequence's entry against what the shard holds for
+it, builds the step's tensors, runs the layers, samples.
+
+The shard holds each running sequence's block table and sampling parameters (shard/sequences.py),
+so a plan names only what changed. Slots are derived here from the block tables and positions; a
+decode step indexes the static block-table rows of its sequences, with no per-token Python work
+beyond the step's small index tensors.
+
+A long prefill step runs in pieces, one after the other (a long prompt is cut as chunked prefill
+cuts it), so that its activations stay within PREFILL_PIECE_BYTES whatever the prompt's length.
+The router still sees one step.
+
+A small prefill step runs as decode rows, a row per token (ROWS_ATTENTION_PAIRS).
+
+A layer group (StepPlan.layer_start, layer_end) runs a part of the layers on its chunks; the
+shard keeps each chunk's hidden states in its SequenceState until the group that runs the last
+layer, which alone advances the sequence's positions, scores and samples. The layers before it
+have written the chunk's K/V at their own depth, and no other step reads a position the sequence
+does not hold yet, so decode steps of other sequences can run in between.
+
+A plan entry that cannot be served (a page id outside the pool, positions its block table does
+not cover, a token outside the vocabulary, a position or announcement that disagrees with what
+the shard holds) fails its sequence alone: it is left out of the step, forgotten and reported.
+Every shard of a replica receives the same plan and judges it the same way, so every rank leaves
+out the same sequences and the collectives stay matched.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardline.common.token_masks import mask_bytes
+from shardline.protos import shard_pb2
+from shardline.kernels.attention import AttentionBatch, decode_capturable
+from shardline.shard.kv_cache import KVPages
+from shardline.shard.logprobs import MAX_TOP, from_logits, score
+from shardline.shard.decode_graphs import DecodeGraphs
+from shardline.shard.model import Transformer
+from shardline.shard.parallel import Layout
+from shardline.kernels.token_mask import packed_masks
+from shardline.shard.sampler import SamplingParams, sample
+from shardline.shard.sequences import SequenceState, SequenceTable
+
+
+log = logging.getLogger(__name__)
+# A piece holds at most PREFILL_PIECE_TOKENS tokens, and fewer where its largest activations (the
+# MLP's gate and up rows and their product: 3 x intermediate values a token) would pass
+# PREFILL_PIECE_BYTES: SmolLM2 1,024 tokens (19 MB), a Llama 3 8B's 780. SmolLM2, forced AVX2, a
+# 2048-token prompt in one step, 8 rounds in turns, medians: pieces of 512 5.19 s, of 1024 4.73 s
+# (faster in 7 of 8 rounds); in another sitting 512 5.08 s, 2048 4.70 s. Each piece after the
+# first attends to the cached context apart from its own tokens and merges the two.
+PREFILL_PIECE_TOKENS = 1024
+PREFILL_PIECE_BYTES = 128 << 20
+# A prefill piece whose attention is at most this many (token, context token) pairs runs as
+# decode rows, a row per token, each attending its sequence's cache up to itself: through the
+# fused decode layers and the decode attention (which writes every row's K/V before it attends),
+# not the prefill path's dozens of torch operators per layer. SmolLM2, forced AVX2, one step:
+# a prompt's last 4 tokens after 48 cached 29 -> 11 ms, 16 tokens after 496 67 -> 42 ms, 256 fresh
+# tokens (65k pairs) 478 -> 452 ms; but 64 after 1900 (126k pairs) 265 -> 303 ms, as the decode
+# attention reads the context once per row. Not on CUDA, where flash-attn's decode writes and
+# reads the rows' K/V at once.
+ROWS_ATTENTION_PAIRS = 32768
+
+
+@dataclass(frozen=True)
+class Span:
+    """Some consecutive tokens of one sequence's step: what one forward pass computes for it."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: torch.Tensor   # the sequence's pages
+
+
+def pieces(seqs: list[Span], limit: int) -> list[list[tuple[int, Span]]]:
+    """Cuts a prefill step into pieces of at most `limit` tokens: [(index in seqs, span)] each."""
+    out, piece, room = [], [], limit
+    for i, s in enumerate(seqs):
+        done = 0
+        while done < len(s.token_ids):
+            n = min(room, len(s.token_ids) - done)
+            piece.append((i, Span(s.token_ids[done:done + n], s.start_pos + done, s.block_table)))
+            done, room = done + n, room - n
+            if room == 0:
+                out.append(piece)
+                piece, room = [], limit
+    if piece:
+        out.append(piece)
+    return out
+
+
+@dataclass
+class StepOutput:
+    tokens: list[int] = field(default_factory=list)       # per emitting sequence that did not fail
+    failures: dict[int, str] = field(default_factory=dict)  # seq_id -> why
+    graph_launches: int = 0       # decode graphs replayed for the step (0 or 1)
+    eager_decode_steps: int = 0   # or the decode step run eagerly (0 or 1)
+    logprobs: list[shard_pb2.SequenceLogprobs] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, page_size: int, dtype: torch.dtype, device: torch.device,
+                 layout: Layout = Layout(), vocab_size: int | None = None, max_position: int | None = None,
+                 kv_dtype: torch.dtype | None = None):
+        self.model, self.page_size, self.dtype, self.device = model, page_size, dtype, device
+        self.kv_dtype = kv_dtype or dtype
+        self.layout = layout
+        self.vocab_size = vocab_size or model.cfg.vocab_size
+        self.max_position = max_position or model.cfg.max_position
+        per_token = 3 * model.cfg.intermediate_size * torch.finfo(dtype).bits // 8
+        self.piece_tokens = max(16, min(PREFILL_PIECE_TOKENS, PREFILL_PIECE_BYTES // per_token))
+        self.kv: KVPages | None = None
+        self.table: SequenceTable | None = None
+        self.graphs: DecodeGraphs | None = None
+
+    def allocate(self, num_pages: int, max_seqs: int, decode_graphs: bool = False) -> None:
+        """A fresh KV pool and sequence table (whatever the shard held before is gone), and the
+        decode graphs that read them when asked for (`capture_decode_graphs`)."""
+        self.kv = self.table = self.graphs = None  # let the old pool go before the new one is allocated
+        self.kv = KVPages(self.model.cfg, num_pages, self.page_size, self.kv_dtype, self.device)
+        max_pages = -(-self.max_position // self.page_size)
+        self.table = SequenceTable(max_seqs, max_pages, self.kv.padding_page, self.device)
+        if decode_graphs:
+            self.capture_decode_graphs(max_seqs)
+
+    def capture_decode_graphs(self, max_seqs: int) -> None:
+        """Captures the decode step per batch bucket (single-stage replicas only: a stage
+        boundary's send/recv stays eager). It runs the forward pass, collectives included."""
+        if self.layout.pp > 1:
+            log.warning("decode graphs are off: pipeline stages run decode eagerly")
+        elif not decode_capturable(self.device, self.dtype, self.page_size, self.kv_dtype):
+            log.warning("decode graphs are off: on CUDA they need flash-attn, fp16/bf16 and pages "
+                        "of a multiple of 256 tokens")
+        else:
+            self.graphs = DecodeGraphs(self.model, self.kv.layers, self.table.tables, self.table.padding_row,
+                                       self.page_size, max_seqs, self.device, whole=self.layout.tp == 1)
+            self.graphs.capture()
+
+    def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def check(self, s, layer_start: int = 0, finishing: bool = True) -> str | None:
+        """Why this plan entry cannot be served in a step that runs layers from `layer_start`
+        (and through the last one when `finishing`), or None."""
+        state = self.table.get(s.seq_id)
+        held_layers = state.partial_layers if state is not None else 0
+        if held_layers != layer_start:
+            return (f"the plan runs the sequence's chunk from layer {layer_start}, but this shard holds it "
+                    f"after {held_layers} layers")
+        if layer_start and (s.first or s.sampled_input or len(s.token_ids) != len(state.partial)):
+            return (f"the plan continues a chunk of {len(state.partial)} tokens past layer {layer_start} "
+                    f"with other inputs")
+        if s.emit and not finishing:
+            return "the plan samples from a step that stops before the last layer"
+        if s.first and state is not None:
+            return f"the plan announces sequence {s.seq_id} as new, but this shard already holds it"
+        if not s.first and state is None:
+            return f"the plan continues sequence {s.seq_id}, which this shard does not hold"
+        if state is not None and s.start_pos != state.next_pos:
+            return (f"the plan computes from position {s.start_pos}, but this shard holds "
+                    f"{state.next_pos} positions of the sequence")
+        if s.sampled_input and s.token_ids:
+            return "the plan gives input tokens and asks for the sampled one"
+        if s.sampled_input and (state is None or state.sampled is None):
+            return "the plan asks for the token sampled in the sequence's previous step, which sampled none here"
+        n = 1 if s.sampled_input else len(s.token_ids)
+        end = s.start_pos + n
+        if n == 0:
+            return "no input tokens"
+        if end > self.max_position:
+            return f"positions up to {end} exceed the model's context of {self.max_position}"
+        pages = (len(state.pages) if state else 0) + len(s.new_pages)
+        if pages * self.page_size < end:
+            return f"block table of {pages} pages does not cover {end} positions"
+        if pages > self.table.max_pages:
+            return f"block table of {pages} pages is longer than the context needs"
+        if s.new_pages and max(s.new_pages) >= self.kv.padding_page:
+            return f"page id {max(s.new_pages)} outside the pool of {self.kv.padding_page} pages"
+        if max(s.token_ids, default=0) >= self.vocab_size or (s.HasField("next_token") and s.next_token >= self.vocab_size):
+            return f"token id {max([*s.token_ids, s.next_token])} outside the vocabulary of {self.vocab_size}"
+        if s.allowed_tokens and len(s.allowed_tokens) != mask_bytes(self.vocab_size):
+            return (f"a token mask of {len(s.allowed_tokens)} bytes; the vocabulary of {self.vocab_size} "
+                    f"takes {mask_bytes(self.vocab_size)}")
+        if max(s.prompt_logprobs, s.sampling.logprobs) > MAX_TOP:
+            return f"at most {MAX_TOP} alternatives per position can be scored"
+        if s.first:
+            sp = s.sampling
+            if not (math.isfinite(sp.temperature) and sp.temperature >= 0 and 0 <= sp.top_p <= 1):
+                return f"invalid sampling parameters {sp}"
+            if not self.table.has_room():
+                return f"this shard already holds {len(self.table.held)} sequences, its maximum"
+        return None
+
+    def _accept(self, s) -> SequenceState:
+        state = self.table.get(s.seq_id)
+        if s.sampled_input:  # from here on the entry reads as any decode step's
+            s.token_ids.append(state.sampled)
+        if state is None:
+            sp = s.sampling
+            state = self.table.admit(s.seq_id, s.start_pos, SamplingParams(
+                sp.temperature, sp.top_p or 1.0, sp.top_k, sp.seed, sp.logprobs if sp.HasField("logprobs") else None))
+        self.table.append_pages(state, list(s.new_pages))
+        return state
+
+    def _decode_batch(self, tokens: list[int], states: list[SequenceState]):
+        positions = self._tensor([st.next_pos for st in states])
+        width = max(len(st.pages) for st in states)
+        tables = self.table.tables[self._tensor([st.row for st in states]), :width]
+        return self._tensor(tokens), positions, AttentionBatch.decode(tables, positions, self.page_size)
+
+    def _prefill_batch(self, spans: list[Span]):
+        ps = self.page_size
+        tokens = self._tensor([t for s in spans for t in s.token_ids])
+        positions = torch.cat([torch.arange(s.start_pos, s.start_pos + len(s.token_ids),
+                                            device=self.device) for s in spans])
+        pairs = sum(len(s.token_ids) * (s.start_pos + len(s.token_ids)) for s in spans)
+        if self.device.type == "cpu" and pairs <= ROWS_ATTENTION_PAIRS:  # as decode rows
+            width = max(len(s.block_table) for s in spans)
+            tables = torch.cat([F.pad(s.block_table, (0, width - len(s.block_table)), value=self.kv.padding_page)
+                                .expand(len(s.token_ids), width) for s in spans])
+            return tokens, positions, AttentionBatch.decode(tables, positions, ps)
+        slots = torch.cat([s.block_table[pos // ps] * ps + pos % ps for s, pos in
+                           zip(spans, positions.split([len(s.token_ids) for s in spans]))])
+        batch = AttentionBatch(slots=slots, is_decode=False, query_lens=[len(s.token_ids) for s in spans],
+                               start_positions=[s.start_pos for s in spans],
+                               block_tables_list=[s.block_table for s in spans])
+        return tokens, positions, batch
+
+    def _forward(self, tokens, positions, batch, hidden_in=None, layers: slice = slice(None)) -> torch.Tensor | None:
+        """Runs this shard's layers (`layers` of them, from `hidden_in` when they start past the
+        first); the hidden states [T, hidden] on the last stage, else None (they went to the
+        next stage)."""
+        layout = self.layout
+        if not layout.is_first_stage:
+            hidden_in = torch.empty(len(tokens), self.model.cfg.hidden_size, dtype=self.dtype, device=self.device)
+            dist.recv(hidden_in, src=layout.peer(layout.pp_stage - 1))
+        hidden = self.model(tokens, positions, self.kv.layers, batch, hidden_in, layers)
+        if not layout.is_last_stage:
+            dist.send(hidden, dst=layout.peer(layout.pp_stage + 1))
+            return None
+        return hidden
+
+    @torch.inference_mode()
+    def step(self, plan) -> StepOutput:
+        """plan: a StepPlan. Samples one token per valid sequence with emit set (on the sampling
+        shard). An exception here leaves the shard's state unknown."""
+        out = StepOutput()
+        for seq_id in plan.released:
+            self.table.release(seq_id)
+        num_layers = len(self.model.layers)
+        layers = slice(plan.layer_start, plan.layer_end or num_layers)
+        grouped, finishing = layers != slice(0, num_layers), layers.stop == num_layers
+        layers_why = None
+        if grouped and self.layout.pp > 1:
+            layers_why = "the plan runs a layer group on a pipeline stage: layer groups need a single stage"
+        elif grouped and not layers.start < layers.stop <= num_layers:
+            layers_why = f"the plan runs layers {layers.start} to {layers.stop} of {num_layers}"
+        entries, states = [], []
+        for s in plan.seqs:
+            why = layers_why or self.check(s, layers.start, finishing)
+            if why is None:
+                entries.append(s)
+                states.append(self._accept(s))
+            else:
+                out.failures[s.seq_id] = why
+                self.table.release(s.seq_id)
+        if not entries:
+            return out
+        scored = {i for i, s in enumerate(entries) if s.HasField("prompt_logprobs")} if finishing else set()
+        if grouped:  # a layer group of prompt chunks: every chunk's hidden states are kept
+            last, chunks = self._prefill(entries, states, set(range(len(entries))), layers)
+            every = {i: chunks[i] for i in scored}
+        elif all(len(s.token_ids) == 1 for s in entries):  # a decode step (or one-token chunks)
+            tokens = [s.token_ids[0] for s in entries]
+            if self.graphs is not None and self.graphs.bucket_for(len(entries)):
+                last = self.graphs.run(tokens, [st.next_pos for st in states], [st.row for st in states])
+                out.graph_launches = 1
+            else:
+                last = self._forward(*self._decode_batch(tokens, states))
+                out.eager_decode_steps = 1
+            every = {i: last[i:i + 1] for i in scored} if last is not None else {}
+        else:
+            last, every = self._prefill(entries, states, scored)
+        for i, (s, st) in enumerate(zip(entries, states)):
+            st.sampled = None  # until this step samples it a token
+            if finishing:
+                st.next_pos += len(s.token_ids)
+                st.partial, st.partial_layers = None, 0
+            else:
+                st.partial, st.partial_layers = chunks[i], layers.stop
+        if not finishing:
+            return out
+        if self.layout.samples:
+            self._sample(entries, states, last, every, out)
+        return out
+
+    def _prefill(self, entries, states, kept_for: set[int], layers: slice = slice(None)):
+        """Runs a prefill step (or the layer group `layers` of one) in pieces. Returns the hidden
+        state of each sequence's last token [n, H], and all hidden states of the sequences in
+        `kept_for` (for prompt log-probabilities, or a layer group's partial chunks); (None, {})
+        off the last stage."""
+        spans = [Span(list(s.token_ids), s.start_pos, self.table.tables[st.row, :len(st.pages)])
+                 for s, st in zip(entries, states)]
+        rows = [None] * len(spans)
+        kept: dict[int, list[torch.Tensor]] = {i: [] for i in kept_for}
+        for piece in pieces(spans, self.piece_tokens):
+            hidden_in = None
+            if layers.start:  # the chunks' hidden states after the layers before this group
+                hidden_in = torch.cat([states[i].partial[span.start_pos - spans[i].start_pos:][:len(span.token_ids)]
+                                       for i, span in piece])
+            hidden = self._forward(*self._prefill_batch([span for _, span in piece]), hidden_in, layers)
+            if hidden is None:
+                continue
+            end = 0
+            for i, span in piece:
+                start, end = end, end + len(span.token_ids)
+                rows[i] = hidden[end - 1].clone()  # copies, not views: the piece is freed
+                if i in kept:
+                    kept[i].append(hidden[start:end].clone())
+        if rows[0] is None:
+            return None, {}
+        return torch.stack(rows), {i: torch.cat(parts) for i, parts in kept.items()}
+
+    def _sample(self, entries, states, last, every: dict[int, torch.Tensor], out: StepOutput) -> None:
+        """On the sampling shard: scores prompt positions, samples emitting sequences, and adds
+        the log-probabilities asked for."""
+        logprobs = {i: shard_pb2.SequenceLogprobs(seq_id=entries[i].seq_id) for i in every}
+        for i, hidden in every.items():
+            s = entries[i]
+            targets = list(s.token_ids[1:]) + ([s.next_token] if s.HasField("next_token") else [])
+            logprobs[i].prompt.extend(score(self.model.logits, hidden[:len(targets)], targets, s.prompt_logprobs))
+        emitting = [i for i, s in enumerate(entries) if s.emit]
+        if emitting:
+            logits = self.model.logits(last[torch.tensor(emitting, device=self.device)])
+            sampled_at = [states[i].next_pos for i in emitting]
+            masked = [row for row, i in enumerate(emitting) if entries[i].allowed_tokens]
+            packed = packed_masks([entries[emitting[row]].allowed_tokens for row in masked],
+                                  self.device) if masked else None
+            draws = sample(logits, [states[i].sampling for i in emitting], sampled_at, masked, packed)
+            for row, (i, draw) in enumerate(zip(emitting, draws)):
+                if draw.failure is not None:
+                    out.failures[entries[i].seq_id] = draw.failure
+                    self.table.release(entries[i].seq_id)
+                    logprobs.pop(i, None)
+                    continue
+                token = states[i].sampled = draw.token
+                out.tokens.append(token)
+                top = states[i].sampling.logprobs
+                if top is not None:
+                    entry = logprobs.setdefault(i, shard_pb2.SequenceLogprobs(seq_id=entries[i].seq_id))
+                    entry.sampled.extend(from_logits(logits[row:row + 1], [token], top))
+        out.logprobs = [logprobs[i] for i in sorted(logprobs)]

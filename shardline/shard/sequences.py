@@ -1,0 +1,78 @@
+"""The shard's copy of what the router told it about each sequence it is running: the block
+table, the sampling parameters and how many positions of K/V this shard holds, plus one row of a
+static block-table tensor that decode steps index instead of rebuilding tables per step.
+
+The router owns every page id and every decision; this is a cache of its messages, so that a
+decode step's plan names only the new token (and a new page when one was appended). A plan
+entry that disagrees with the cache fails that sequence, with a message saying how (see
+`ModelRunner.check`); it is never silently re-synchronized.
+
+Invariants kept here:
+- every held sequence has exactly one row, and no two share one;
+- `tables[row]` holds the sequence's pages in order, then the padding page up to the width;
+- a released (or never admitted) row holds only the padding page, so a stale row can never
+  address a page the router has given to someone else; the last row (`padding_row`) is never
+  given out: padding entries of a captured decode batch read it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardline.shard.sampler import SamplingParams
+
+
+@dataclass
+class SequenceState:
+    row: int                  # its row of SequenceTable.tables
+    pages: list[int]          # its block table, as the router sent it
+    sampling: SamplingParams
+    next_pos: int             # positions whose K/V this shard holds
+    sampled: int | None = None  # the token it sampled in its last step, if that step emitted
+    # A prompt chunk part way through the layers (StepPlan.layer_start): the hidden states of
+    # its tokens after `partial_layers` layers. Its positions are not in `next_pos` until the
+    # step that runs the last layer.
+    partial: torch.Tensor | None = None
+    partial_layers: int = 0
+
+
+class SequenceTable:
+    def __init__(self, rows: int, max_pages: int, padding_page: int, device: torch.device):
+        self.padding_page, self.padding_row = padding_page, rows
+        self.tables = torch.full((rows + 1, max_pages), padding_page, dtype=torch.int64, device=device)
+        self._free_rows = list(range(rows - 1, -1, -1))
+        self.held: dict[int, SequenceState] = {}
+
+    @property
+    def max_pages(self) -> int:
+        return self.tables.shape[1]
+
+    def has_room(self) -> bool:
+        return bool(self._free_rows)
+
+    def get(self, seq_id: int) -> SequenceState | None:
+        return self.held.get(seq_id)
+
+    def admit(self, seq_id: int, start_pos: int, sampling: SamplingParams) -> SequenceState:
+        state = SequenceState(self._free_rows.pop(), [], sampling, start_pos)
+        self.held[seq_id] = state
+        return state
+
+    def append_pages(self, state: SequenceState, pages: list[int]) -> None:
+        if pages:
+            n = len(state.pages)
+            self.tables[state.row, n:n + len(pages)] = torch.tensor(pages, dtype=torch.int64)
+            state.pages.extend(pages)
+
+    def release(self, seq_id: int) -> None:
+        """Forgets a sequence. Idempotent: the router releases every sequence it announced, also
+        one this shard already forgot because it failed here."""
+        state = self.held.pop(seq_id, None)
+        if state is not None:
+            self.tables[state.row].fill_(self.padding_page)
+            self._free_rows.append(state.row)
+
+    def release_all(self) -> None:
+        for seq_id in list(self.held):
+            self.release(seq_id)

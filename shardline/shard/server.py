@@ -1,0 +1,253 @@
+"""The shard process: serves what it loaded (shard/load.py): answers Info/Warmup, and runs the
+step stream.
+
+Failures: an invalid plan entry or a failed sampling fails that sequence alone (reported in the
+step result). An exception inside the forward pass leaves the shard's state unknown: the stream
+ends with INTERNAL. A shard of a multi-rank group then exits, as it does when the router abandons
+its stream, because a torch.distributed group cannot take back one restarted rank: the group is
+restarted as a whole by its supervisor (`shardline serve`, or compose's restart policy).
+
+SIGTERM drains: health turns NOT_SERVING and the shard keeps serving its step stream until the
+router closes it, for up to `--drain-timeout-s`.
+"""
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+import torch
+from opentelemetry import propagate, trace
+
+from shardline.common.process import exit_soon, parent_gone
+from shardline.common.telemetry import setup_tracing
+from shardline.common.tls import ShardTls
+from shardline.protos import shard_pb2, shard_pb2_grpc
+from shardline.shard.load import load_shard
+from shardline.shard.runner import ModelRunner
+
+log = logging.getLogger("shardline.shard")
+MAX_SEQUENCES = 4096  # sequences a shard holds at once: the top of the router's --max-batch range
+WEDGED_S = 15.0       # the main loop not turning this long, outside a call: exit (MainThreadWork)
+
+
+class MainThreadWork:
+    """Runs the model's work on the process's main thread, for the gRPC handlers that ask. Torch
+    ops called from another thread ran much slower here: a SmolLM2 decode step (fp32, 2 cores)
+    took 51 ms on the main thread and 70-95 ms on any other, also on a single dedicated one."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def call(self, fn, *args):
+        future = futures.Future()
+        self._queue.put((fn, args, future))
+        return future.result()
+
+    def serve_until(self, done) -> None:
+        """Runs queued calls on this (the main) thread until `done()`.
+
+        While it waits, the loop turns every 50 ms. If it stops turning for WEDGED_S seconds
+        outside a call, the process is wedged: faulthandler's own thread, which needs no GIL,
+        writes every thread's stack to stderr and exits (code 1). CI saw a shard stuck in this
+        wait, its SIGTERM handler and parent check never run, 30 s after its launcher was
+        killed: its main thread never got the GIL back (cause not found).
+
+        The timer is armed by a turn that found nothing to run, re-armed a tenth of WEDGED_S
+        apart, and disarmed when a call comes: arming starts a thread (arming and disarming
+        took 55 us), which steps that follow each other within a turn never pay."""
+        armed_at = None  # when an idle turn last armed the timer; None while it is off
+        try:
+            while not done():
+                try:
+                    fn, args, future = self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    if armed_at is None or time.monotonic() - armed_at > WEDGED_S / 10:
+                        faulthandler.dump_traceback_later(WEDGED_S, exit=True)
+                        armed_at = time.monotonic()
+                    continue
+                if armed_at is not None:  # a call (a step) may run long
+                    faulthandler.cancel_dump_traceback_later()
+                    armed_at = None
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # the handler that asked re-raises it
+                    future.set_exception(e)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+
+class ShardService(shard_pb2_grpc.ShardServicer):
+    def __init__(self, runner: ModelRunner, info: shard_pb2.ShardInfo, grouped: bool, decode_graphs: bool,
+                 work: MainThreadWork, tracer=None):
+        self.runner, self.info, self.grouped, self.decode_graphs = runner, info, grouped, decode_graphs
+        self.work, self.tracer = work, tracer
+        self._stream_lock = threading.Lock()  # one router drives a shard at a time
+        self.streaming = threading.Event()    # a step stream is open
+        self.leaving: str | None = None       # why this shard is leaving its broken group
+
+    def _refuse_if_leaving(self, context) -> None:
+        """A shard that is about to exit (its group is broken) takes no new work: a router that
+        reconnects must wait for the restarted group, not warm up a dying process."""
+        if self.leaving is not None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"this shard is leaving its group: {self.leaving}")
+
+    def Info(self, request, context):
+        self._refuse_if_leaving(context)
+        return self.info
+
+    def Warmup(self, request, context):
+        self._refuse_if_leaving(context)
+        if request.num_pages < 1 or request.num_pages > self.info.max_pages:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"num_pages {request.num_pages} outside [1, {self.info.max_pages}]")
+        if self.streaming.is_set():
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a step stream is still open")
+        if not 1 <= request.max_batch <= MAX_SEQUENCES:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"max_batch {request.max_batch} outside [1, {MAX_SEQUENCES}]")
+        try:  # allocating can fail (memory) and be retried; the group stays as it is
+            self.work.call(self.runner.allocate, request.num_pages, request.max_batch)
+        except Exception as e:
+            log.exception("allocating the KV pool failed")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"allocating {request.num_pages} pages failed: {e!r}")
+        try:
+            self.work.call(self._warm_up, request.max_batch)
+        except Exception as e:  # inside the forward pass, as a failed step: the state is unknown
+            log.exception("warmup failed")
+            self._leave_group_soon("the warmup failed")
+            context.abort(grpc.StatusCode.INTERNAL, f"warmup failed: {e!r}")
+        graphs = self.runner.graphs
+        return shard_pb2.WarmupResponse(decode_graph_buckets=sorted(graphs.buckets) if graphs else [],
+                                        capture_s=graphs.capture_s if graphs else 0.0,
+                                        kv_pool_bytes=self.runner.kv.bytes)
+
+    def _warm_up(self, max_batch: int) -> None:
+        """The decode graphs when asked for, then one prefill and one decode, so first-request
+        latency does not pay for lazy init."""
+        if self.decode_graphs:
+            self.runner.capture_decode_graphs(max_batch)
+        seq = dict(seq_id=0, emit=True)
+        self.runner.step(shard_pb2.StepPlan(seqs=[shard_pb2.SequenceStep(
+            **seq, first=True, token_ids=[0, 1], start_pos=0, new_pages=[0], sampling=shard_pb2.Sampling(top_p=1.0))]))
+        self.runner.step(shard_pb2.StepPlan(seqs=[shard_pb2.SequenceStep(**seq, token_ids=[1], start_pos=2)]))
+        self.runner.table.release_all()
+        _trim_heap()
+
+    def Steps(self, request_iterator, context):
+        self._refuse_if_leaving(context)
+        if not self._stream_lock.acquire(blocking=False):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another router already drives this shard")
+        self.streaming.set()
+        try:
+            if self.runner.kv is None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Warmup must come before Steps")
+            closed = False
+            for plan in request_iterator:
+                if plan.close:  # the stream ends cleanly next
+                    closed = True
+                    continue
+                with self._step_span(plan) as span:
+                    t0 = time.perf_counter()
+                    try:
+                        out = self.work.call(self.runner.step, plan)
+                    except Exception as e:  # the step's effects are unknown
+                        log.exception("step %d failed", plan.step_id)
+                        self._leave_group_soon(f"step {plan.step_id} failed")
+                        context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {e!r}")
+                    result = shard_pb2.StepResult(
+                        step_id=plan.step_id, tokens=out.tokens, compute_ms=(time.perf_counter() - t0) * 1e3,
+                        graph_launches=out.graph_launches, eager_decode_steps=out.eager_decode_steps,
+                        failures=[shard_pb2.SequenceFailure(seq_id=k, message=v) for k, v in out.failures.items()],
+                        logprobs=out.logprobs)
+                    span.set_attributes({"shardline.step.compute_ms": result.compute_ms,
+                                         "shardline.step.decode_graph_launches": result.graph_launches,
+                                         "shardline.step.eager_decode_steps": result.eager_decode_steps,
+                                         "shardline.step.failed_sequences": len(result.failures)})
+                yield result
+            if not closed:  # cancelled, or the router went away
+                self._leave_group_soon("the router abandoned the step stream")
+        except grpc.RpcError:  # cancelled by the router, or the router went away
+            self._leave_group_soon("the router abandoned the step stream")
+        finally:
+            self.streaming.clear()
+            self._stream_lock.release()
+
+    def _step_span(self, plan):
+        """The shard's span of a step, a child of the router's (a non-recording one when either
+        side does not trace); current while the step runs, so log lines carry its ids."""
+        if self.tracer is None or not plan.trace_context:
+            return trace.use_span(trace.INVALID_SPAN)
+        info = self.info
+        return self.tracer.start_as_current_span(
+            "shard step", context=propagate.extract(dict(plan.trace_context)), kind=trace.SpanKind.SERVER,
+            attributes={"shardline.step.id": plan.step_id, "shardline.tp_rank": info.tp_rank,
+                        "shardline.pp_stage": info.pp_stage, "shardline.step.sequences": len(plan.seqs)})
+
+    def _leave_group_soon(self, why: str) -> None:
+        if self.grouped:
+            self.leaving = why
+            log.error("%s; exiting so that the shard group restarts as a whole", why)
+            exit_soon(0.5)  # time for the abort to reach the router
+
+
+def _trim_heap() -> None:
+    """Hands the heap's free memory back to the system: what loading the weights (and a previous
+    pool) left behind would otherwise stay resident beside the new pool."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def serve_shard(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shard = load_shard(args)
+    _trim_heap()
+    layout, info = shard.layout, shard.info
+    runner = ModelRunner(shard.model, args.page_size, shard.dtype, shard.device, layout, info.vocab_size,
+                         info.context_length, kv_dtype=shard.kv_dtype)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
+        ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
+    work = MainThreadWork()
+    tracer = setup_tracing(args.otlp_endpoint, "shard", f"pp{layout.pp_stage}-tp{layout.tp_rank}",
+                           {"shardline.tp_rank": layout.tp_rank, "shardline.pp_stage": layout.pp_stage})
+    service = ShardService(runner, info, grouped=layout.world > 1, decode_graphs=shard.decode_graphs, work=work,
+                           tracer=tracer)
+    shard_pb2_grpc.add_ShardServicer_to_server(service, server)
+    health_servicer = health.HealthServicer()  # for orchestrators: SERVING once the weights are in
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    tls = ShardTls.from_args(args)
+    secure = tls is not None and not args.listen.startswith("unix:")
+    if (server.add_secure_port(args.listen, tls.server()) if secure else server.add_insecure_port(args.listen)) == 0:
+        raise SystemExit(f"cannot listen on {args.listen}")
+    if args.listen.startswith("unix:"):  # the step stream writes KV: only this user may drive it
+        os.chmod(args.listen[len("unix:"):], 0o600)
+    server.start()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    print(f"shard listening {args.listen}", flush=True)
+    stop = threading.Event()
+
+    def on_stop(*_):
+        exit_soon(args.drain_timeout_s + 10)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_stop)
+    work.serve_until(lambda: stop.is_set() or parent_gone())
+    if not stop.is_set():  # the launcher died and its SIGTERM never came: leave as if it had
+        on_stop()
+    health_servicer.enter_graceful_shutdown()  # NOT_SERVING from now on
+    deadline = time.monotonic() + args.drain_timeout_s
+    work.serve_until(lambda: not service.streaming.is_set() or time.monotonic() > deadline)
+    server.stop(grace=1.0).wait()
+    return 0

@@ -1,0 +1,181 @@
+"""The transformations a shard applies to its plain `Transformer`, in the one order `prepare`
+applies them (gpt-fast style: the model code knows nothing of ranks, quantization or kernels).
+
+1. `mark_quantized`: tag the linear layers to serve quantized;
+2. `keep_stage` (shard/parallel.py): drop what this pipeline stage does not run;
+3. `shard_tensor_parallel` (shard/parallel.py): slice this TP rank's weights, add all-reduces;
+4. `quantize`: swap the tagged layers for `QuantizedLinear` (after slicing, which works on dense
+   weights), carrying over their forward hooks (the all-reduces);
+5. `fuse_decode`: wrap each block whose four linear layers are quantized (and untouched by TP)
+   so that a decode step runs it as one C++ operator;
+6. `use_onednn`: dense fp32 linear layers in oneDNN's blocked layout (without decode graphs).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from shardline.common.model_source import ModelSource
+from shardline.kernels import native
+from shardline.kernels.attention import AttentionBatch
+from shardline.kernels.linear import OneDnnLinear
+from shardline.kernels.operands import Kernel
+from shardline.kernels.quantized import Int8Embedding, QuantizedLinear
+from shardline.shard.model import Transformer
+from shardline.shard.parallel import Layout, keep_stage, shard_tensor_parallel
+from shardline.shard.weights import gguf_types, parameter_sources
+
+log = logging.getLogger(__name__)
+
+
+def prepare(model: Transformer, source: ModelSource, layout: Layout, tp_group, device: torch.device, *,
+            weights: str, quantize_to: str, dense_copy: bool, onednn: bool) -> None:
+    """Applies the shard's transformations to `model` in place, in the module docstring's order.
+    `weights` and `quantize_to` ("", "int4" or "int8"): as `mark_quantized` takes them;
+    `dense_copy`: int4 layers keep a dense copy for prefill; `onednn`: step 6 applies."""
+    cpu = device.type == "cpu"
+    if cpu:
+        log.info("decode attention and quantized layers %s Shardline's CPU kernels",
+                 "may use" if native.available() else "use torch's kernels: could not build")
+        mark_quantized(model, source, weights, quantize_to)
+    elif quantize_to or (weights == "native" and source.kind == "gguf"):
+        log.warning("quantized weights have CPU kernels only: serving every weight in the serving dtype")
+    if layout.world > 1:
+        keep_stage(model, layout)
+        shard_tensor_parallel(model, layout, tp_group)
+    quantize(model, dense_copy=dense_copy)
+    if cpu:
+        log.info("%d layers decode as one operator each", fuse_decode(model))
+    if onednn:
+        log.info("%d linear layers use oneDNN's weight layout", use_onednn(model))
+
+
+# -- 1. which layers are served quantized ------------------------------------------------------
+# GGUF types whose blocks are groups of 32 weights on a 4-bit grid: int4 reproduces them exactly.
+_FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}
+_FLOAT = {"F32", "F16", "BF16", "F64"}
+
+
+def mark_quantized(model: Transformer, source: ModelSource, weights: str, quantize: str) -> None:
+    """Tags each linear layer that is to be served quantized with `quant_bits` (4 or 8), for
+    `quantize` to swap after any slicing.
+
+    `weights="native"` keeps a GGUF's quantized layers quantized: 4-bit block types as int4, the
+    others as int8. `quantize` ("int4" | "int8" | "") quantizes dense layers at load: with int4 the
+    block layers take int4 and the LM head int8, whose logits suffer most from 4 bits."""
+    types = gguf_types(source) if source.kind == "gguf" and weights == "native" else {}
+    sources = parameter_sources(model.cfg, types)
+    linears = [f"layers.{i}.{part}" for i in range(model.cfg.num_layers)
+               for part in ("attn.wqkv", "attn.wo", "mlp.w13", "mlp.w2")]
+    for name in [*linears, "lm_head"]:
+        kinds = {types.get(t, "F32") for t in sources[name + ".weight"]}
+        if quantize == "int8" or (quantize == "int4" and name == "lm_head"):
+            bits = 8
+        elif quantize == "int4" or kinds <= _FOUR_BIT:
+            bits = 4
+        elif not kinds <= _FLOAT:
+            bits = 8
+        else:
+            continue
+        model.get_submodule(name).quant_bits = bits
+
+
+# -- 4. quantized layers ---------------------------------------------------------------------------
+def quantize(model: nn.Module, dense_copy: bool = False) -> None:
+    """Swaps every linear layer tagged with a `quant_bits` attribute (4 or 8) for its quantized
+    form, in place. A tied LM head quantized to int8 also serves the embedding's lookups.
+    `dense_copy`: int4 layers also keep a dense copy, for steps of many rows (prefill)."""
+    embed, head = getattr(model, "embed", None), getattr(model, "lm_head", None)
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    for name, linear in list(model.named_modules()):
+        bits = getattr(linear, "quant_bits", None)
+        if bits is None:
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        new = QuantizedLinear(linear, bits, dense_copy=dense_copy, keep_rows=tied and linear is head and bits == 8)
+        setattr(model.get_submodule(parent_name), attr, new)
+    if tied and isinstance(model.lm_head, QuantizedLinear) and model.lm_head.bits == 8:
+        model.embed = Int8Embedding(model.lm_head, embed.weight.dtype)
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, QuantizedLinear) for m in model.modules())
+
+
+# -- 5. one operator per decode layer -------------------------------------------------------------
+# The operand layouts kernels/decode_layer.cpp takes, by (kernel, bits).
+_LAYOUTS = {(Kernel.TORCH, 4): 0, (Kernel.TORCH, 8): 1, (Kernel.NATIVE, 8): 2, (Kernel.NATIVE, 4): 3}
+
+
+def _operands(layer: QuantizedLinear) -> list[torch.Tensor]:
+    if layer.kernel is Kernel.NATIVE:  # and torch's int4 operands, where it serves the batch rows
+        return [*layer.operands, *(layer.torch_operands[0] if layer.torch_operands else ())]
+    return [t for pair in layer.operands for t in pair]
+
+
+def _linears(block: nn.Module) -> list[nn.Module]:
+    return [block.attn.wqkv, block.attn.wo, block.mlp.w13, block.mlp.w2]
+
+
+class FusedDecodeBlock(nn.Module):
+    """A `Block` whose decode steps run as one call of a `DecodeLayer` (kernels/decode_layer.cpp),
+    which holds the layer's weights, norms and kernel choices: one Python dispatch per layer
+    instead of some twenty operators, which at one stream cost more than the layer's arithmetic.
+    The block stays inside, holding the weights, and runs every other step itself (prefill,
+    chunks, decode graphs, batches above a layer's dense-copy crossover)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+        attn, linears = block.attn, _linears(block)
+        self.max_rows = min(layer.max_rows for layer in linears)
+        qk_norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm else (None, None, 0.0)
+        self.decode = torch.classes.shardline_native.DecodeLayer(
+            block.attn_norm.weight, block.mlp_norm.weight, block.attn_norm.eps,
+            *(_operands(layer) for layer in linears), [_LAYOUTS[(layer.kernel, layer.bits)] for layer in linears],
+            [layer.direct_rows for layer in linears], [layer.torch_rows for layer in linears], attn.wqkv.bias,
+            *qk_norms, attn.num_heads, attn.scale)
+
+    def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):
+        if not batch.is_decode or batch.opaque or x.shape[0] > self.max_rows or not native.usable(x):
+            return self.block(x, cos_sin, k_pages, v_pages, batch)
+        return self.decode.forward(x, cos_sin[0], cos_sin[1], k_pages, v_pages, batch.slots, batch.block_tables,
+                                   batch.context_lens)
+
+
+def fusable(block: nn.Module) -> bool:
+    linears = _linears(block)
+    return (all(isinstance(layer, QuantizedLinear) and not layer._forward_hooks for layer in linears)
+            and all(layer.bias is None for layer in linears[1:])
+            and all(layer.out_features % 8 == 0 for layer in linears))  # the kernels' outputs whole (no padded block)
+
+
+def fuse_decode(model: nn.Module) -> int:
+    """Wraps every fusable block of `model` in place; returns how many. Nothing without the kernels."""
+    if not native.available():
+        return 0
+    fused = 0
+    for i, block in enumerate(model.layers):
+        if fusable(block):
+            model.layers[i] = FusedDecodeBlock(block)
+            fused += 1
+    return fused
+
+
+# -- 6. oneDNN layouts ----------------------------------------------------------------------------
+def use_onednn(model: nn.Module) -> int:
+    """Swaps every `nn.Linear` whose weight no other module shares (a tied LM head keeps the
+    embedding's dense weight) for a `OneDnnLinear`; returns how many were swapped."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and owners[id(child.weight)] == 1:
+                setattr(parent, name, OneDnnLinear(child))
+                swapped += 1
+    return swapped

@@ -1,0 +1,163 @@
+"""Loads weights into a `Transformer`: GGUF (dequantized with the `gguf` package) or safetensors.
+
+A GGUF file is converted once to safetensors in the cache folder, so later starts only mmap it.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from typing import Collection
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm import tqdm
+
+from shardline.common.files import publish
+from shardline.common.model_source import ModelSource
+from shardline.shard.config import ModelConfig
+from shardline.shard.model import Rotary, Transformer
+
+log = logging.getLogger(__name__)
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name in _GGUF_NAMES:
+        return _GGUF_NAMES[gguf_name]
+    _, layer, part, kind = gguf_name.split(".")
+    return f"model.layers.{layer}.{_GGUF_BLOCK_NAMES[part]}.{kind}"
+
+
+def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter interleaves the rows of Q and K for its RoPE layout; undo it."""
+    return (w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+             .swapaxes(1, 2).reshape(w.shape))
+
+
+def read_gguf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(source.path))
+    cfg = ModelConfig.from_gguf(reader, source.name)
+    sd = {}
+    for t in tqdm(reader.tensors, desc=f"dequantizing {source.path.name}", unit="tensor"):
+        w = dequantize(t.data, t.tensor_type).astype(np.float32)
+        name = hf_name(t.name)
+        if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = unpermute_rope(w, cfg.num_heads)
+        elif cfg.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = unpermute_rope(w, cfg.num_kv_heads)
+        sd[name] = torch.from_numpy(np.ascontiguousarray(w))
+    return cfg, sd
+
+
+def load_state_dict(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Hugging Face-named fp32/bf16 tensors for the source, converting a GGUF only once."""
+    if source.kind == "hf":
+        sd = {}
+        files = sorted(source.path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {source.path}")
+        for f in tqdm(files, desc="loading safetensors", unit="file"):
+            sd.update(load_file(f))
+        return ModelConfig.from_hf(source.path), sd
+    cache = source.cache_dir
+    weights, config = cache / "model.safetensors", cache / "shardline_config.json"
+    if weights.is_file() and config.is_file():
+        return ModelConfig.from_json(config.read_text()), load_file(weights)
+    cfg, sd = read_gguf(source)
+    # Shards of one replica may convert at the same time; config first, so that a reader that
+    # finds the weights finds both whole.
+    publish(config, lambda tmp: tmp.write_text(cfg.to_json()))
+    publish(weights, lambda tmp: save_file(sd, tmp))
+    return cfg, sd
+
+
+def parameter_sources(cfg: ModelConfig, available: Collection[str]) -> dict[str, list[str]]:
+    """Each parameter of a `Transformer` -> the Hugging Face tensors it is made of, concatenated
+    along the output dimension in this order: q/k/v into `wqkv`, gate/up into `w13`. A model
+    without an `lm_head.weight` among `available` ties its LM head to the embedding."""
+    embed = "model.embed_tokens.weight"
+    own = {"embed.weight": [embed], "norm.weight": ["model.norm.weight"],
+           "lm_head.weight": ["lm_head.weight" if "lm_head.weight" in available else embed]}
+    for i in range(cfg.num_layers):
+        p, a, o = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"layers.{i}."
+        own[o + "attn_norm.weight"] = [p + "input_layernorm.weight"]
+        own[o + "mlp_norm.weight"] = [p + "post_attention_layernorm.weight"]
+        own[o + "attn.wqkv.weight"] = [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
+        if cfg.qkv_bias:
+            own[o + "attn.wqkv.bias"] = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
+        if cfg.qk_norm:
+            own[o + "attn.q_norm.weight"] = [a + "q_norm.weight"]
+            own[o + "attn.k_norm.weight"] = [a + "k_norm.weight"]
+        own[o + "attn.wo.weight"] = [a + "o_proj.weight"]
+        own[o + "mlp.w13.weight"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        own[o + "mlp.w2.weight"] = [p + "mlp.down_proj.weight"]
+    return own
+
+
+def load_hf_state_dict(model: Transformer, sd: dict[str, torch.Tensor]) -> None:
+    """Fills `model` from Hugging Face-named tensors (what safetensors checkpoints and our GGUF
+    loader produce), fusing them as `parameter_sources` says."""
+    own = {}
+    for name, parts in parameter_sources(model.cfg, sd).items():
+        # Own every tensor: weights read from an mmap'd checkpoint would otherwise keep the whole
+        # file mapped, and the pages already copied into fused matrices resident twice.
+        own[name] = torch.cat([sd[t] for t in parts]) if len(parts) > 1 else sd[parts[0]].clone()
+    model.load_state_dict(own, strict=True, assign=True)
+    if model.cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+
+
+@contextlib.contextmanager
+def _uninitialized():
+    """Modules built inside leave their weights uninitialized (every one is loaded right after):
+    torch.nn.init's random fills cost seconds on a large model, and on the meta device they load
+    torch's compiler (2 s of a tiny model's start)."""
+    inits = {name: getattr(nn.init, name) for name in ("normal_", "uniform_", "kaiming_uniform_")}
+    for name in inits:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, init in inits.items():
+            setattr(nn.init, name, init)
+
+
+def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device) -> Transformer:
+    cfg, sd = load_state_dict(source)
+    with _uninitialized():
+        model = Transformer(cfg)
+    load_hf_state_dict(model, {k: v.to(device=device, dtype=dtype) for k, v in sd.items()})
+    with torch.device(device):  # computed where it is used, as the reference computes it
+        model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position)
+    return model.eval().requires_grad_(False)
+
+
+def gguf_types(source: ModelSource) -> dict[str, str]:
+    """Hugging Face tensor name -> GGUF type name (Q4_1, Q8_0, F32, ...). Parsing the file's header
+    takes seconds, so the answer is kept beside the converted weights."""
+    from gguf import GGUFReader
+
+    cached = source.cache_dir / "gguf_types.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    types = {hf_name(t.name): t.tensor_type.name for t in GGUFReader(str(source.path)).tensors}
+    publish(cached, lambda tmp: tmp.write_text(json.dumps(types)))
+    return types
