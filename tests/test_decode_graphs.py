@@ -10,6 +10,7 @@ from shardline.common.model_source import resolve_model
 from shardline.protos import shard_pb2
 from shardline.shard.decode_graphs import buckets_for
 from shardline.shard.runner import ModelRunner
+from shardline.shard.transforms import use_native_ops
 from shardline.shard.weights import build_model
 from tests.support import assert_constrained_match, assert_greedy_match, hf_constrained_greedy, hf_greedy, hf_model
 
@@ -30,6 +31,7 @@ def llama(tiny_models):
 @pytest.fixture(scope="module")
 def graph_runner(llama):
     model = build_model(resolve_model(str(llama)), torch.float32, torch.device("cpu"))
+    use_native_ops(model)  # as a CPU shard serves it
     runner = ModelRunner(model, PAGE, torch.float32, torch.device("cpu"))
     runner.allocate(64, 4, decode_graphs=True)
     assert sorted(runner.graphs.buckets) == [1, 2, 4]

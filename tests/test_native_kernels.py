@@ -125,7 +125,7 @@ def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_
     from shardline.shard.config import ModelConfig
     from shardline.shard.kv_cache import KVPages
     from shardline.shard.model import Transformer
-    from shardline.shard.transforms import FusedDecodeBlock, fuse_decode, quantize
+    from shardline.shard.transforms import FusedDecodeBlock, fuse_decode, quantize, use_native_ops
 
     monkeypatch.setattr("shardline.kernels.quantized.kernel_for", lambda b: Kernel(kernel.removesuffix("+torch")))
     if kernel.startswith("native"):  # not whatever this machine's timing says: torch's int4 kernel measured
@@ -147,6 +147,7 @@ def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_
         for layer in (block.attn.wqkv, block.attn.wo, block.mlp.w13, block.mlp.w2):
             layer.quant_bits = bits
     quantize(model)
+    use_native_ops(model)  # as prepare does before fusing
     blocks = list(model.layers)
     assert fuse_decode(model) == 2 and all(isinstance(b, FusedDecodeBlock) for b in model.layers)
 

@@ -70,9 +70,11 @@ def test_kv_writes_land_only_in_scheduled_slots_on_each_stage(tiny_models, stage
     from shardline.shard.kv_cache import KVPages
     from shardline.shard.parallel import Layout, keep_stage
     from shardline.common.model_source import resolve_model
+    from shardline.shard.transforms import use_native_ops
     from shardline.shard.weights import build_model
 
     model = build_model(resolve_model(str(tiny_models["qwen2"])), torch.float32, torch.device("cpu"))
+    use_native_ops(model)  # as a CPU shard serves it
     keep_stage(model, Layout(pp=2, pp_stage=stage))
     kv = KVPages(model.cfg, num_pages=8, page_size=4, dtype=torch.float32, device=torch.device("cpu"))
     for k, v in kv.layers:

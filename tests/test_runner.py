@@ -8,6 +8,7 @@ from shardline.common.model_source import resolve_model
 from shardline.protos import shard_pb2
 from shardline.common.token_masks import mask_bytes
 from shardline.shard.runner import ModelRunner, Span, pieces
+from shardline.shard.transforms import use_native_ops
 from shardline.shard.weights import build_model
 
 PAGE = 8
@@ -15,7 +16,9 @@ PAGE = 8
 
 @pytest.fixture(scope="module")
 def model(tiny_models):
-    return build_model(resolve_model(str(tiny_models["qwen3"])), torch.float32, torch.device("cpu"))
+    model = build_model(resolve_model(str(tiny_models["qwen3"])), torch.float32, torch.device("cpu"))
+    use_native_ops(model)  # as a CPU shard serves it
+    return model
 
 
 def _runner(model, num_pages=16, max_seqs=8):

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from shardline.kernels import native
 from shardline.kernels.attention import AttentionBatch, paged_attention
 from shardline.shard.config import ModelConfig
 
@@ -71,13 +70,6 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):
-        if batch.is_decode and not batch.opaque and native.usable(k_pages):
-            # one operator for norms, rotation, the K/V write and attention over the pages
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else (None, None, 0.0)
-            out = native.ops().paged_decode(self.wqkv(x), cos_sin[0], cos_sin[1], *norms, k_pages, v_pages,
-                                            batch.slots, batch.block_tables, batch.context_lens, self.num_heads,
-                                            self.scale)
-            return self.wo(out)
         qkv = self.wqkv(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv[:, :self.num_heads + self.num_kv_heads], qkv[:, self.num_heads + self.num_kv_heads:]
         if self.q_norm is not None:
@@ -96,8 +88,6 @@ class MLP(nn.Module):
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        if native.usable(x):
-            return self.w2(native.ops().silu_mul(self.w13(x)))
         gate, up = self.w13(x).chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 

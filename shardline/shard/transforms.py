@@ -6,9 +6,10 @@ applies them (gpt-fast style: the model code knows nothing of ranks, quantizatio
 3. `shard_tensor_parallel` (shard/parallel.py): slice this TP rank's weights, add all-reduces;
 4. `quantize`: swap the tagged layers for `QuantizedLinear` (after slicing, which works on dense
    weights), carrying over their forward hooks (the all-reduces);
-5. `fuse_decode`: wrap each block whose four linear layers are quantized (and untouched by TP)
+5. `use_native_ops`: attention's decode step and the MLP's activation on Shardline's CPU kernels;
+6. `fuse_decode`: wrap each block whose four linear layers are quantized (and untouched by TP)
    so that a decode step runs it as one C++ operator;
-6. `use_onednn`: dense fp32 linear layers in oneDNN's blocked layout (without decode graphs).
+7. `use_onednn`: dense fp32 linear layers in oneDNN's blocked layout (without decode graphs).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from shardline.kernels.attention import AttentionBatch
 from shardline.kernels.linear import OneDnnLinear
 from shardline.kernels.operands import Kernel
 from shardline.kernels.quantized import Int8Embedding, QuantizedLinear
-from shardline.shard.model import Transformer
+from shardline.shard.model import MLP, Attention, Transformer
 from shardline.shard.parallel import Layout, keep_stage, shard_tensor_parallel
 from shardline.shard.weights import gguf_types, parameter_sources
 
@@ -47,6 +48,7 @@ def prepare(model: Transformer, source: ModelSource, layout: Layout, tp_group, d
         shard_tensor_parallel(model, layout, tp_group)
     quantize(model, dense_copy=dense_copy)
     if cpu:
+        use_native_ops(model)
         log.info("%d layers decode as one operator each", fuse_decode(model))
     if onednn:
         log.info("%d linear layers use oneDNN's weight layout", use_onednn(model))
@@ -104,7 +106,42 @@ def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, QuantizedLinear) for m in model.modules())
 
 
-# -- 5. one operator per decode layer -------------------------------------------------------------
+# -- 5. Shardline's CPU kernels in attention and the MLP ------------------------------------------
+class NativeAttention(Attention):
+    """Attention whose decode step is one operator for the q/k norms, the rotation, the K/V write
+    and attention over the pages; other steps (and tensors the kernels do not take) as `Attention`."""
+
+    def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):
+        if not batch.is_decode or batch.opaque or not native.usable(k_pages):
+            return super().forward(x, cos_sin, k_pages, v_pages, batch)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else (None, None, 0.0)
+        out = native.ops().paged_decode(self.wqkv(x), cos_sin[0], cos_sin[1], *norms, k_pages, v_pages, batch.slots,
+                                        batch.block_tables, batch.context_lens, self.num_heads, self.scale)
+        return self.wo(out)
+
+
+class NativeMLP(MLP):
+    """The MLP with SiLU(gate) * up as one operator."""
+
+    def forward(self, x):
+        if not native.usable(x):
+            return super().forward(x)
+        return self.w2(native.ops().silu_mul(self.w13(x)))
+
+
+def use_native_ops(model: nn.Module) -> None:
+    """Turns every `Attention` and `MLP` of `model` into its native form, in place (their weights,
+    hooks and names stay). Nothing without the kernels."""
+    if not native.available():
+        return
+    for module in model.modules():
+        if type(module) is Attention:
+            module.__class__ = NativeAttention
+        elif type(module) is MLP:
+            module.__class__ = NativeMLP
+
+
+# -- 6. one operator per decode layer -------------------------------------------------------------
 # The operand layouts kernels/decode_layer.cpp takes, by (kernel, bits).
 _LAYOUTS = {(Kernel.TORCH, 4): 0, (Kernel.TORCH, 8): 1, (Kernel.NATIVE, 8): 2, (Kernel.NATIVE, 4): 3}
 
@@ -164,7 +201,7 @@ def fuse_decode(model: nn.Module) -> int:
     return fused
 
 
-# -- 6. oneDNN layouts ----------------------------------------------------------------------------
+# -- 7. oneDNN layouts ----------------------------------------------------------------------------
 def use_onednn(model: nn.Module) -> int:
     """Swaps every `nn.Linear` whose weight no other module shares (a tied LM head keeps the
     embedding's dense weight) for a `OneDnnLinear`; returns how many were swapped."""
