@@ -16,7 +16,7 @@ import tracemalloc
 from pathlib import Path
 
 from bench.common import machine, save
-from shardline.router.page_manager import PageManager
+from shardline.router.core.page_manager import PageManager
 
 
 def filled_manager(pages: int, pinned_share: float, policy: str) -> tuple[PageManager, int]:

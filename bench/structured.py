@@ -31,7 +31,7 @@ from harness.client import concurrently, percentiles
 from harness.schemas import SCHEMAS, prompt
 from harness.serve import Server
 from shardline.protos import generation_pb2 as pb
-from shardline.router.constraints import Grammars, grammar_of
+from shardline.router.requests.constraints import Grammars, grammar_of
 from shardline.common.tokenizer import TextCodec
 from shardline.common.tokenizer_files import tokenizer_folder
 

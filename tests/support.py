@@ -97,7 +97,7 @@ def hf_constrained_greedy(model, prompt_ids: list[int], req: pb.GenerateRequest,
     models and SmolLM2 have), and at each step the gap between the two best allowed logits."""
     import llguidance as llg
     from transformers import LogitsProcessorList
-    from shardline.router.constraints import grammar_of
+    from shardline.router.requests.constraints import grammar_of
     tokenizer = _llg_tokenizer(model.config.vocab_size, model.config.eos_token_id)
     masked = _Masked(llg.LLMatcher(tokenizer, grammar_of(req)), len(prompt_ids))
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,

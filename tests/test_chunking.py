@@ -1,9 +1,11 @@
 """Chunked prefill and phase rotation in the scheduler; priority with aging on a fake clock."""
 from hypothesis import given, settings, strategies as st
 
-from shardline.router.page_manager import PageManager
-from shardline.router.scheduler import Phase, Scheduler
-from shardline.router.sequence import Sampling, Sequence
+from shardline.protos.shard_pb2 import Sampling
+from shardline.router.core.kv_manager import KVManager
+from shardline.router.core.page_manager import PageManager
+from shardline.router.core.scheduler import Phase, Scheduler
+from shardline.router.core.sequence import Sequence
 
 
 class FakeClock:
@@ -27,7 +29,7 @@ def _seq(i, prompt_len, max_new, priority=0, base=0):
 def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, mixed, pair_cost, groups):
     pages = PageManager(40, 4)
     groups = 1 if mixed else groups  # they exclude each other
-    sched = Scheduler(pages, max_batch=4, max_batch_tokens=budget, chunk_size=chunk, mixed_steps=mixed,
+    sched = Scheduler(KVManager(pages), max_batch=4, max_batch_tokens=budget, chunk_size=chunk, mixed_steps=mixed,
                       pair_cost=pair_cost, layer_groups=groups, num_layers=5)
     group = None  # the chunk in layer groups: (sequence, its tokens, where its last group ended)
     seqs = [_seq(i, p, n, base=100 * (i % 3)) for i, (p, n, _) in enumerate(reqs)]
@@ -47,7 +49,7 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, m
     last_asked = 0
     for t in range(1500):  # chunks of 1 in 3 layer groups take hundreds of steps
         for s in seqs:
-            if arrivals[s] == t and sched.can_ever_fit(s.max_tokens):
+            if arrivals[s] == t and sched.kv.can_ever_fit(s.max_tokens):
                 sched.add(s)
         if t in cancel_at and sched.running:
             if group and group[0] is sched.running[0]:
@@ -70,25 +72,28 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, m
             assert offered is None or offered.chunks == step.chunks, "admit offered a step that did not run"
         last_asked = steps + 1 if asked else last_asked
         asked.clear()
-        assert all(len(i) == 1 for i in step.inputs[:step.num_decode])
+        decodes = [s for s in step.scheduled if s.decode]
+        assert step.scheduled[:len(decodes)] == decodes, "decode rows come first"
+        assert all(len(s.tokens) == 1 for s in decodes)
+        chunks = [(s.seq, s.tokens) for s in step.chunks]
         if step.phase is not Phase.DECODE:
-            assert sum(len(i) for i in step.inputs) <= budget or len(step.chunks) == 1
-            assert all(len(i) <= chunk for _, i in step.chunks)
+            assert step.num_tokens <= budget or len(chunks) == 1
+            assert all(len(i) <= chunk for _, i in chunks)
         if mixed:  # every step decodes every decoding sequence
             assert step.num_decode == decoding
-        if step.layer_start or step.layer_end:  # a layer group: one chunk, of a prompt longer than one
-            (seq, inputs), = step.chunks
+        if step.layer_start or step.partial:  # a layer group: one chunk, of a prompt longer than one
+            (seq, inputs), = chunks
             assert step.num_decode == 0 and groups > 1
             assert len(inputs) < len(seq.prompt_ids) - seq.cached_prompt_tokens
             assert 0 <= step.layer_start < (step.layer_end or 5) <= 5
-        elif groups > 1 and any(len(i) < len(seq.prompt_ids) - seq.cached_prompt_tokens for seq, i in step.chunks):
+        elif groups > 1 and any(len(i) < len(seq.prompt_ids) - seq.cached_prompt_tokens for seq, i in chunks):
             assert alone, "a long prompt's chunk ran whole while other work waited or ran"
         if step.layer_start:  # the next group of the chunk in groups, before any other chunk of it
-            assert group is not None and (group[0], group[1], group[2]) == (*step.chunks[0], step.layer_start)
+            assert group is not None and (group[0], group[1], group[2]) == (*chunks[0], step.layer_start)
         elif group is not None:
             assert group[0] not in step.seqs, "a sequence's chunk interrupted by another step of it"
-            assert not step.layer_end, "a second chunk started in groups while one is mid-group"
-        group = (*step.chunks[0], step.layer_end) if step.layer_end else None if step.layer_start else group
+            assert not step.partial, "a second chunk started in groups while one is mid-group"
+        group = (*chunks[0], step.layer_end) if step.partial else None if step.layer_start else group
         steps += 1
         ran = {Phase.DECODE: step.num_decode > 0, Phase.CONTINUE: step.phase is Phase.CONTINUE}
         # Rotation bounds: Decode runs at least every 2 steps; Continue and Admit every 6 (a
@@ -104,8 +109,8 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, m
         else:
             last_asked = steps
         sched.complete(step)
-        for seq, inputs, emit in zip(step.seqs, step.inputs, step.emits):
-            computed = 0 if step.layer_end else len(inputs)  # a chunk's positions count after its last layer
+        for seq, inputs, emit in ((s.seq, s.tokens, s.emit) for s in step.scheduled):
+            computed = 0 if step.partial else len(inputs)  # a chunk's positions count after its last layer
             assert seq.num_computed == before.get(seq, seq.cached_prompt_tokens) + computed
             assert emit == (seq.num_computed >= len(seq.prompt_ids))  # only the final chunk samples
             if emit:
@@ -119,7 +124,7 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, m
 
 def test_a_long_prompt_cannot_monopolize_prefill_or_starve_decodes_and_a_shorter_one_goes_first():
     pages = PageManager(200, 4)
-    sched = Scheduler(pages, max_batch=8, max_batch_tokens=8, chunk_size=8)
+    sched = Scheduler(KVManager(pages), max_batch=8, max_batch_tokens=8, chunk_size=8)
     long, short, decoder = _seq(1, 200, 2), _seq(2, 20, 2, base=1000), _seq(3, 3, 50, base=2000)
     sched.add(decoder)
     step = sched.schedule()
@@ -131,9 +136,9 @@ def test_a_long_prompt_cannot_monopolize_prefill_or_starve_decodes_and_a_shorter
     for _ in range(16):
         step = sched.schedule()
         sched.complete(step)
-        for seq, emit in zip(step.seqs, step.emits):
-            if emit:
-                seq.output_ids.append(5)
+        for s in step.scheduled:
+            if s.emit:
+                s.seq.output_ids.append(5)
         phases.append(step.phase)
         served.append([s.seq_id for s in step.seqs if s is not decoder])
     # A decoding sequence waits for one prefill step at most: Decode follows each.
@@ -151,7 +156,7 @@ def test_a_long_prompt_cannot_monopolize_prefill_or_starve_decodes_and_a_shorter
 
 def test_a_long_prompts_chunks_run_in_layer_groups_that_a_short_prompt_and_decodes_cut_between():
     pages = PageManager(200, 4)
-    sched = Scheduler(pages, max_batch=8, max_batch_tokens=8, chunk_size=8, layer_groups=3, num_layers=6)
+    sched = Scheduler(KVManager(pages), max_batch=8, max_batch_tokens=8, chunk_size=8, layer_groups=3, num_layers=6)
     assert sched.layer_bounds == [0, 2, 4, 6]
     long, short, decoder = _seq(1, 20, 1), _seq(2, 8, 1, base=1000), _seq(3, 3, 7, base=2000)
     sched.add(decoder)
@@ -162,12 +167,13 @@ def test_a_long_prompts_chunks_run_in_layer_groups_that_a_short_prompt_and_decod
             sched.add(short)
         step = sched.schedule()
         sched.complete(step)
-        for seq, emit in zip(step.seqs, step.emits):
-            if emit:
-                seq.output_ids.append(5)
-                if len(seq.output_ids) >= seq.max_new_tokens:
-                    sched.finish(seq)
-        steps.append((step.phase.name[0], [s.seq_id for s in step.seqs], step.layer_start, step.layer_end))
+        for s in step.scheduled:
+            if s.emit:
+                s.seq.output_ids.append(5)
+                if len(s.seq.output_ids) >= s.seq.max_new_tokens:
+                    sched.finish(s.seq)
+        # (phase, sequences, layer range; 0 at the end: through the last layer)
+        steps.append((step.phase.name[0], [s.seq_id for s in step.seqs], step.layer_start, step.layer_end or 0))
     assert steps == [
         ("A", [3], 0, 0), ("D", [3], 0, 0),
         ("A", [1], 0, 2),                    # the long prompt's first chunk: layers 0-1 (its prompt needs 3)
@@ -186,7 +192,7 @@ def test_a_chunk_late_in_a_prompt_holds_the_most_tokens_that_cost_what_a_first_c
     """n tokens after `start` cost n + pair_cost * (attention pairs to the tokens before each);
     a chunk is the largest n (at least 1, at most the chunk size) that costs no more than a
     chunk of `size` tokens at the start of a prompt. (1152 / 3538944: SmolLM2-135M's.)"""
-    sched = Scheduler(PageManager(4, 4), max_batch=1, max_batch_tokens=1, chunk_size=size, pair_cost=pair_cost)
+    sched = Scheduler(KVManager(PageManager(4, 4)), max_batch=1, max_batch_tokens=1, chunk_size=size, pair_cost=pair_cost)
 
     def cost(n):
         return n + pair_cost * (n * start + n * (n - 1) / 2)
@@ -202,7 +208,7 @@ def test_a_chunk_late_in_a_prompt_holds_the_most_tokens_that_cost_what_a_first_c
 def test_priority_orders_admission_and_aging_bounds_the_wait():
     clock = FakeClock()
     pages = PageManager(64, 4)
-    sched = Scheduler(pages, max_batch=1, max_batch_tokens=100, aging_s=2.0, clock=clock)
+    sched = Scheduler(KVManager(pages), max_batch=1, max_batch_tokens=100, aging_s=2.0, clock=clock)
     low = _seq(1, 4, 1, priority=0)
     sched.add(low)
     admitted_at = None
@@ -222,7 +228,7 @@ def test_priority_orders_admission_and_aging_bounds_the_wait():
 
 def test_higher_priority_is_admitted_first():
     clock = FakeClock()
-    sched = Scheduler(PageManager(64, 4), max_batch=1, max_batch_tokens=100, clock=clock)
+    sched = Scheduler(KVManager(PageManager(64, 4)), max_batch=1, max_batch_tokens=100, clock=clock)
     a, b, c = _seq(1, 4, 1, priority=0), _seq(2, 4, 1, priority=5), _seq(3, 4, 1, priority=1)
     for s in (a, b, c):
         sched.add(s)

@@ -270,9 +270,9 @@ def test_the_observability_wiring_points_at_services_that_exist():
 
 def _served_metric_names() -> set[str]:
     """Every sample name the router's registry can produce (families with their suffixes)."""
-    from shardline.router.metrics import Metrics
+    from shardline.router.observers.metrics import Metrics
     metrics = Metrics()
-    metrics.watch(SimpleNamespace(failures=0, recoveries=0, engine=None))
+    metrics.watch(SimpleNamespace(failures=0, recoveries=0, load=lambda: None, pool=None))
     names = set()
     for family in metrics.registry.collect():
         names |= {family.name, family.name + "_total", family.name + "_bucket", family.name + "_count",

@@ -5,12 +5,14 @@ import asyncio
 import pytest
 
 from shardline.protos import shard_pb2
-from shardline.router.engine import Engine
-from shardline.router.page_manager import PageManager
-from shardline.router.scheduler import Scheduler
-from shardline.router.sequence import Failure, FinishReason, Sampling, Sequence
-from shardline.router.shard_client import ShardError
-from shardline.router.stats import StatsCounters
+from shardline.protos.shard_pb2 import Sampling
+from shardline.router.core.engine import Engine
+from shardline.router.core.kv_manager import KVManager
+from shardline.router.core.page_manager import PageManager
+from shardline.router.core.scheduler import Scheduler
+from shardline.router.core.sequence import Failure, FinishReason, Sequence
+from shardline.router.core.shard_client import ShardError
+from shardline.router.observers.stats import StatsCounters
 from tests.support import smollm2_codec
 
 
@@ -55,7 +57,7 @@ class GatedShards:
 def _setup(num_seqs=1, samples_alone=True):
     pool = PageManager(16, 4)
     shards = GatedShards(samples_alone)
-    engine = Engine(Scheduler(pool, 8, 1000), shards, smollm2_codec(), max_position=1000, observers=[StatsCounters()])
+    engine = Engine(Scheduler(KVManager(pool), 8, 1000), shards, smollm2_codec(), max_position=1000, observers=[StatsCounters()])
     seqs = [Sequence(i, f"r{i}", list(range(10 * i, 10 * i + 10)), 20, Sampling()) for i in range(1, num_seqs + 1)]
     return pool, shards, engine, seqs
 
@@ -103,7 +105,7 @@ def test_a_sequence_the_shard_could_not_serve_fails_alone_and_publishes_nothing(
         assert out_a[-1].failure == Failure("INTERNAL", "the shard could not serve this request: "
                                                         "page id 999 outside the pool")
         # Only b's two full prompt pages were published; a's KV was never written.
-        assert sorted(pool.index.values()) == sorted(b.block_table[:2]), "a failed sequence's pages were published"
+        assert sorted(pool.index.values()) == sorted(b.pages.block_table[:2]), "a failed sequence's pages were published"
         for _ in range(19):                  # b runs to its end, alone
             shards.gate.release()
         out_b = await _drain(b)

@@ -5,7 +5,6 @@ import asyncio
 import subprocess
 import sys
 import tempfile
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -96,7 +95,7 @@ class FakeShards:
         self.infos, self.sampler, self.warmed = infos, 0, False
 
     async def info(self, timeout):
-        from shardline.router.shard_client import ShardGroup
+        from shardline.router.core.shard_client import ShardGroup
         group = ShardGroup([])
         group.shards = [StaticInfo(i) for i in self.infos]
         infos = await group.info(timeout)
@@ -113,11 +112,10 @@ def _info(**overrides):
     return shard_pb2.ShardInfo(**{**base, **overrides})
 
 
-def _args(**overrides):
-    base = dict(page_size=16, dtype="float32", num_pages=0, max_batch=8, max_batch_tokens=512, chunk_size=0,
-                prefix_cache="on", eviction="lru", slru_protected_ratio=0.5, priority_aging_s=1.0,
-                shard_timeout=1, step_timeout_s=20.0, drain_timeout_s=30.0)
-    return Namespace(**{**base, **overrides})
+def _config(**overrides):
+    from shardline.router.core.config import ReplicaConfig
+    return ReplicaConfig(**{**dict(page_size=16, dtype="float32", max_batch=8, max_batch_tokens=512,
+                                   shard_timeout_s=1), **overrides})
 
 
 @pytest.mark.parametrize("infos,args,phrase", [
@@ -133,13 +131,13 @@ def _args(**overrides):
 ], ids=["page size", "dtype", "model", "vocabulary", "shards' page sizes", "shards' models", "shards' KV dtypes", "layout",
         "router's page size"])
 def test_the_router_refuses_shards_that_serve_something_else(infos, args, phrase):
-    from shardline.router.replica import Replica
-    from shardline.router.shard_client import ShardError
+    from shardline.router.core.replica import Replica
+    from shardline.router.core.shard_client import ShardError
     from tests.support import smollm2_codec
 
     async def scenario():
         shards = FakeShards(infos)
-        replica = Replica(_args(**args), "tiny", shards, smollm2_codec(), on_serving=None)
+        replica = Replica(_config(**args), "tiny", shards, smollm2_codec(), on_serving=None)
         with pytest.raises(ShardError) as err:
             await replica._connect()
         assert phrase in str(err.value)

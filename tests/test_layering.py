@@ -1,7 +1,12 @@
 """The layering DESIGN.md states, read off the code: every import (at module level or inside a
-function) of every part runs one way, no two modules import each other (directly or through
-others), and the router process imports no torch."""
+function) of every part runs one way, the router's rooms too, and its core imports no server
+code and no public API; no two modules import each other (directly or through others); the
+router process imports no torch; and the wheel installs one top-level package."""
 import ast
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -27,12 +32,37 @@ MAY_IMPORT = {
 }
 TORCH = ("torch", "transformers", "safetensors", "gguf", "numpy")  # what the router process never loads
 
+# The router's rooms (shardline/router/__init__.py) -> the rooms they may import; `router` is the
+# process that composes them (app.py).
+ROOMS = ("core", "requests", "api", "observers")
+ROOM_MAY_IMPORT = {
+    "router.core": set(),
+    "router.requests": {"router.core"},
+    "router.observers": {"router.core"},
+    "router.api": {"router.core", "router.requests", "router.observers"},
+    "router": {f"router.{room}" for room in ROOMS},
+}
+# What the engine core never imports: server code, HTTP frameworks, the public APIs' messages.
+NOT_IN_CORE = ("fastapi", "starlette", "uvicorn", "pydantic", "grpc_reflection", "grpc_health.v1.health",
+               "shardline.protos.generation_pb2", "shardline.protos.generation_pb2_grpc",
+               "shardline.protos.fleet_pb2", "shardline.protos.fleet_pb2_grpc",
+               "shardline.common.generation_service", "shardline.common.http_server")
+
 
 def part_of(module: str) -> str:
-    """`shardline.router.engine` -> router, `shardline.cli` -> shardline, `tests.support` -> tests."""
+    """`shardline.router.core.engine` -> router, `shardline.cli` -> shardline, `tests.support` -> tests."""
     top, _, rest = module.partition(".")
     sub = rest.partition(".")[0]
     return sub if top == "shardline" and sub in PARTS else top
+
+
+def room_of(module: str) -> str | None:
+    """`shardline.router.core.engine` -> router.core, `shardline.router.app` -> router; None
+    outside the router."""
+    parts = module.split(".")
+    if parts[:2] != ["shardline", "router"]:
+        return None
+    return f"router.{parts[2]}" if len(parts) > 2 and parts[2] in ROOMS else "router"
 
 
 def _modules() -> dict[str, Path]:
@@ -127,3 +157,52 @@ def test_the_router_and_gateway_processes_import_no_torch(app):
         todo += _project(imported)
     assert not heavy, "\n".join(heavy)
     assert len(seen) > 5  # the walk did reach the modules behind the entry point
+
+
+def test_the_routers_rooms_import_one_way():
+    wrong = []
+    for module, imported in GRAPH.items():
+        room = room_of(module)
+        for other in _project(imported) if room else ():
+            theirs = room_of(other)
+            if theirs and theirs != room and theirs not in ROOM_MAY_IMPORT[room]:
+                wrong.append(f"{module} imports {other}")
+    assert not wrong, "\n".join(wrong)
+
+
+def _names(path: Path) -> set[str]:
+    """Every dotted name `path` imports: modules, and what is imported from them (generated
+    modules such as `generation_pb2` are not in MODULES)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.update({node.module, *(f"{node.module}.{alias.name}" for alias in node.names)})
+    return out
+
+
+def test_the_router_core_imports_no_server_code_and_no_public_api():
+    core = [m for m in GRAPH if room_of(m) == "router.core"]
+    assert len(core) > 8  # the walk found the core
+    wrong = [f"{module} imports {name}" for module in core for name in _names(MODULES[module])
+             if any(name == banned or name.startswith(banned + ".") for banned in NOT_IN_CORE)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_wheel_installs_one_top_level_package(tmp_path):
+    """Built from what the repository tracks, as a user's `pip install` builds it."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    source = tmp_path / "source"
+    for name in tracked.splitlines():
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True)
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
+    assert tops == {"shardline"}
+    # what a served model needs beside the Python: the generated contracts and the kernels' source
+    assert {"shardline/protos/shard_pb2.py", "shardline/kernels/native.cpp"} <= set(names)

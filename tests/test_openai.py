@@ -218,7 +218,7 @@ def test_a_stream_whose_client_left_before_its_first_event_is_released():
     """A unit test of the streamed response with a stand-in answer: the client left while the
     request was admitted, so Starlette cancels the response before it iterates the answer at
     all, and the answer's finally never runs; the response releases it all the same."""
-    from shardline.router.openai_api import _Stream
+    from shardline.router.api.openai.answer import StreamedAnswer
 
     class Answer:
         closed = iterated = False
@@ -236,7 +236,7 @@ def test_a_stream_whose_client_left_before_its_first_event_is_released():
     async def send(message):
         await asyncio.sleep(3600)  # a client that reads nothing more
 
-    asyncio.run(_Stream(Answer()).__call__({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send))
+    asyncio.run(StreamedAnswer(Answer()).__call__({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send))
     assert Answer.closed and not Answer.iterated
 
 

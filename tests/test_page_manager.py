@@ -2,7 +2,7 @@
 
 from hypothesis import given, settings, strategies as st
 
-from shardline.router.page_manager import LRU, SLRU, PageManager
+from shardline.router.core.page_manager import LRU, SLRU, PageManager
 
 PS = 2  # tokens per page
 

@@ -12,8 +12,9 @@ from shardline.gateway.choice import LEAST_LOAD, PREFIX, ROUND_ROBIN, Candidate,
 from shardline.gateway.replicas import Replica, Resync
 from shardline.gateway.service import GatewayService
 from shardline.protos import fleet_pb2 as fpb, generation_pb2 as pb
-from shardline.router.fleet import CacheWatchers
-from shardline.router.page_manager import PageManager
+from shardline.router.api.fleet import CacheWatchers
+from shardline.router.core.engine import Load
+from shardline.router.core.page_manager import PageManager
 
 
 def test_prefix_routing_prefers_the_cache_until_the_guard_spreads_a_hot_prefix():
@@ -86,8 +87,7 @@ def test_a_replicas_view_follows_its_stream_and_a_gap_asks_for_a_resync():
 
 def test_the_router_streams_its_index_changes_and_a_new_pool_starts_a_new_epoch():
     pages = PageManager(4, 2, model_key="m")
-    replica = SimpleNamespace(engine=SimpleNamespace(scheduler=SimpleNamespace(pages=pages, prefilling=[], decoding=[],
-                                                                               waiting=[])),
+    replica = SimpleNamespace(pool=pages, load=lambda: Load(waiting=0, prefilling=0, decoding=0, prompt_tokens_queued=0),
                               serving=True, accepting=True)
     watchers = CacheWatchers(replica, tenants_share_cache=False)
     queue: asyncio.Queue = asyncio.Queue()
@@ -115,7 +115,7 @@ def test_the_router_streams_its_index_changes_and_a_new_pool_starts_a_new_epoch(
     assert event.load.pages_unused == 0 and event.load.pages_free == 3  # 3 evictable pages still hold the prefix
     snap = watchers.snapshot()
     assert set(snap.published) == set(h) - set(event.evicted)
-    replica.engine.scheduler.pages = PageManager(4, 2, model_key="m")  # the replica reconnected
+    replica.pool = PageManager(4, 2, model_key="m")  # the replica reconnected
     watchers.tick()
     fresh = queue.get_nowait()
     assert fresh.snapshot and fresh.epoch != first.epoch and not fresh.published
@@ -225,11 +225,10 @@ def test_the_gateway_refuses_bytes_that_do_not_parse_and_an_id_already_running()
 
 
 def test_a_watcher_that_falls_behind_gets_a_snapshot_instead_of_its_backlog(monkeypatch):
-    from shardline.router import fleet
+    from shardline.router.api import fleet
 
     pages = PageManager(4, 2, model_key="m")
-    replica = SimpleNamespace(engine=SimpleNamespace(scheduler=SimpleNamespace(pages=pages, prefilling=[], decoding=[],
-                                                                               waiting=[])),
+    replica = SimpleNamespace(pool=pages, load=lambda: Load(waiting=0, prefilling=0, decoding=0, prompt_tokens_queued=0),
                               serving=True, accepting=True)
     watchers = CacheWatchers(replica, tenants_share_cache=True)
     watchers.tick()

@@ -6,7 +6,7 @@ import torch
 import shardline.shard.runner as runner_module
 from shardline.common.model_source import resolve_model
 from shardline.protos import shard_pb2
-from shardline.common.token_masks import mask_bytes
+from shardline.kernels.token_mask import mask_bytes
 from shardline.shard.runner import ModelRunner, Span, pieces
 from shardline.shard.transforms import use_native_ops
 from shardline.shard.weights import build_model

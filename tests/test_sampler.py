@@ -90,9 +90,12 @@ CPU = torch.device("cpu")
 
 def test_a_packed_mask_unpacks_bit_by_bit_and_masks_the_same_in_torch_and_the_kernel(monkeypatch):
     allowed = {0, 7, 8, 31, 32, 99}
-    packed = packed_masks([_packed(allowed, 100), _packed({5}, 100), _packed(set(range(100)), 100)], CPU)
+    packed = packed_masks([_packed(allowed, 100), _packed({5}, 100), _packed(set(range(100)), 100)], 100, CPU)
     masks = unpack(packed, 100)
     assert masks.shape == (3, 100) and set(masks[0].nonzero().flatten().tolist()) == allowed
+    # llguidance's rows have a word more than the vocabulary needs: it is not read
+    longer = packed_masks([_packed(allowed, 100) + b"\xff" * 4, _packed({5}, 100), _packed(set(range(100)), 100)], 100, CPU)
+    assert torch.equal(longer, packed)
     assert masks[1].nonzero().flatten().tolist() == [5] and bool(masks[2].all())
     logits = torch.randn(3, 100)
     ours = mask_logits(logits, packed)
@@ -106,7 +109,7 @@ def test_a_masked_row_samples_only_allowed_tokens_and_its_neighbours_are_unchang
     logits = torch.randn(3, 64)
     raw = logits.clone()
     allowed = {3, 17, 40}
-    mask = packed_masks([_packed(allowed, 64)], CPU)
+    mask = packed_masks([_packed(allowed, 64)], 64, CPU)
     best_allowed = max(allowed, key=lambda t: logits[0, t])
     out = sample(logits, [SamplingParams(), SamplingParams(), SamplingParams(temperature=1.0)], [0, 0, 0], [0], mask)
     assert out[0].token == best_allowed != logits[0].argmax()
@@ -118,7 +121,7 @@ def test_a_masked_row_samples_only_allowed_tokens_and_its_neighbours_are_unchang
 
 def test_a_mask_that_allows_nothing_fails_its_row_alone():
     logits = torch.randn(2, 40)
-    nothing = packed_masks([bytes(8)], CPU)
+    nothing = packed_masks([bytes(8)], 40, CPU)
     out = sample(logits, [SamplingParams(), SamplingParams()], [0, 0], [0], nothing)
     assert out[0].token is None and "allows no token" in out[0].failure
     assert out[1].token == logits[1].argmax()

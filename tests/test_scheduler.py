@@ -4,9 +4,11 @@ from collections import Counter
 
 from hypothesis import given, settings, strategies as st
 
-from shardline.router.page_manager import PageManager
-from shardline.router.scheduler import Scheduler
-from shardline.router.sequence import Sampling, Sequence, Status
+from shardline.protos.shard_pb2 import Sampling
+from shardline.router.core.kv_manager import KVManager
+from shardline.router.core.page_manager import PageManager
+from shardline.router.core.scheduler import Scheduler
+from shardline.router.core.sequence import Sequence, Status
 
 
 def _seq(i, prompt_len, max_new):
@@ -15,10 +17,10 @@ def _seq(i, prompt_len, max_new):
 
 
 def _check(pool: PageManager, sched: Scheduler):
-    holders = Counter(p for s in sched.running for p in s.block_table)
+    holders = Counter(p for s in sched.running for p in s.pages.block_table)
     assert all(pool.ref[p] == n for p, n in holders.items()), "a page's ref count is not its holders"
     assert len(holders) == pool.referenced
-    assert pool.reserved == sum(s.reserved_pages for s in sched.running)
+    assert pool.reserved == sum(s.pages.reserved for s in sched.running)
     pool.check()
 
 
@@ -26,34 +28,34 @@ def _run_step(sched: Scheduler):
     """What the engine does with a step: every shard acks, emitting sequences get a token."""
     step = sched.schedule()
     sched.complete(step)
-    for seq, emit in zip(step.seqs, step.emits):
-        if emit:
-            seq.output_ids.append(7)
-        assert len(seq.block_table) * sched.pages.page_size >= seq.num_computed
+    for s in step.scheduled:
+        if s.emit:
+            s.seq.output_ids.append(7)
+        assert len(s.seq.pages.block_table) * sched.kv.page_size >= s.seq.num_computed
     return step
 
 
 def test_admission_waits_at_the_head_without_changing_anything():
     pool = PageManager(num_pages=4, page_size=4)
-    sched = Scheduler(pool, max_batch=8, max_batch_tokens=100)
+    sched = Scheduler(KVManager(pool), max_batch=8, max_batch_tokens=100)
     big, small = _seq(1, 8, 8), _seq(2, 2, 2)  # big needs all 4 pages, small 1
     sched.add(small)
     sched.add(big)
     step = _run_step(sched)
     assert step.is_prefill and step.seqs == [small]   # big does not fit beside small: it waits
-    assert list(sched.waiting) == [big] and big.block_table == [] and big.reserved_pages == 0
+    assert list(sched.waiting) == [big] and big.pages.block_table == [] and big.pages.reserved == 0
     _check(pool, sched)
     sched.finish(small)
     sched.finish(small)  # idempotent
     _check(pool, sched)
     step = _run_step(sched)
-    assert step.seqs == [big] and pool.reserved == 4 - len(big.block_table)
+    assert step.seqs == [big] and pool.reserved == 4 - len(big.pages.block_table)
     _check(pool, sched)
 
 
 def test_prefill_and_decode_alternate_while_both_have_work():
     pool = PageManager(num_pages=128, page_size=4)
-    sched = Scheduler(pool, max_batch=8, max_batch_tokens=100)
+    sched = Scheduler(KVManager(pool), max_batch=8, max_batch_tokens=100)
     sched.add(_seq(1, 5, 50))
     kinds = []
     for i in range(2, 6):
@@ -68,10 +70,10 @@ def test_prefill_and_decode_alternate_while_both_have_work():
                           st.integers(1, 30), st.integers(1, 30)), max_size=60))
 def test_random_workloads_never_leak_or_overcommit(ops):
     pool = PageManager(num_pages=12, page_size=4)
-    sched = Scheduler(pool, max_batch=4, max_batch_tokens=40)
+    sched = Scheduler(KVManager(pool), max_batch=4, max_batch_tokens=40)
     n = 0
     for op, a, b in ops:
-        if op == "add" and sched.can_ever_fit(a + b):
+        if op == "add" and sched.kv.can_ever_fit(a + b):
             n += 1
             sched.add(_seq(n, a, b))
         elif op == "step" and sched.has_work():
@@ -79,11 +81,11 @@ def test_random_workloads_never_leak_or_overcommit(ops):
             if step is None:
                 continue
             sched.complete(step)
-            for seq, emit in zip(step.seqs, step.emits):
-                if emit:
-                    seq.output_ids.append(1)
-                if len(seq.output_ids) >= seq.max_new_tokens:
-                    sched.finish(seq)
+            for s in step.scheduled:
+                if s.emit:
+                    s.seq.output_ids.append(1)
+                if len(s.seq.output_ids) >= s.seq.max_new_tokens:
+                    sched.finish(s.seq)
         elif op == "finish_one" and sched.running:
             sched.finish(sched.running[a % len(sched.running)])
         elif op == "cancel_waiting" and sched.waiting:
@@ -98,7 +100,7 @@ def test_random_workloads_never_leak_or_overcommit(ops):
 
 def test_a_cached_prefix_is_reused_and_only_the_rest_is_computed():
     pool = PageManager(num_pages=32, page_size=4)
-    sched = Scheduler(pool, max_batch=8, max_batch_tokens=100)
+    sched = Scheduler(KVManager(pool), max_batch=8, max_batch_tokens=100)
     first = _seq(1, 10, 3)
     sched.add(first)
     _run_step(sched)
@@ -106,9 +108,9 @@ def test_a_cached_prefix_is_reused_and_only_the_rest_is_computed():
     second = _seq(2, 11, 3)  # same first 10 tokens: two full pages cached
     sched.add(second)
     step = _run_step(sched)
-    assert second.cached_prompt_tokens == 8 and step.inputs == [[8, 9, 10]]
-    assert step.emits == [True]
-    assert second.block_table[:2] == first_pages(pool, 2)
+    assert second.cached_prompt_tokens == 8 and [s.tokens for s in step.scheduled] == [[8, 9, 10]]
+    assert [s.emit for s in step.scheduled] == [True]
+    assert second.pages.block_table[:2] == first_pages(pool, 2)
     _check(pool, sched)
 
 
@@ -121,7 +123,7 @@ def test_a_sequence_after_another_waits_for_its_prompt_and_then_shares_its_pages
     """The choices of one request: the others are admitted once the first's prompt is computed,
     and find its full pages cached; a leader that ends (cancelled, say) frees them too."""
     pool = PageManager(num_pages=32, page_size=4)
-    sched = Scheduler(pool, max_batch=8, max_batch_tokens=100, chunk_size=4)
+    sched = Scheduler(KVManager(pool), max_batch=8, max_batch_tokens=100, chunk_size=4)
     lead = _seq(1, 10, 4)  # 10 tokens: two full pages and 2 over, in chunks of 4
     follow = [_seq(i, 10, 4) for i in (2, 3)]
     for s in follow:

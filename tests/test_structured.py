@@ -200,8 +200,8 @@ def test_a_constraint_that_fails_to_compile_or_takes_too_long_is_refused_alone(c
 def test_the_compile_timeout_counts_from_the_compile_not_from_the_wait_for_a_worker(tiny_models):
     """Both workers busy with slow schemas (each abandoned at the timeout, compiling on to its
     end): an ordinary schema queued behind them still compiles, and the slow ones are refused."""
-    from shardline.router.constraints import Grammars
-    from shardline.router.validation import InvalidRequest
+    from shardline.router.requests.constraints import Grammars
+    from shardline.router.requests.validation import InvalidRequest
     tokenizer = (tiny_models["llama"] / "tokenizer.json").read_text()
     grammars = Grammars(tokenizer, 49152, [0], timeout_s=0.4)
     slow = [dict(SLOW_SCHEMA, title=f"slow {i}") for i in range(2)]

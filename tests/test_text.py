@@ -5,7 +5,7 @@ import shutil
 import pytest
 from hypothesis import given, strategies as st
 
-from shardline.router.stop_strings import StopMatcher
+from shardline.router.core.stop_strings import StopMatcher
 from shardline.common.tokenizer import TemplateError, TextCodec
 from tests.support import smollm2_codec, smollm2_tokenizer
 

@@ -1,6 +1,8 @@
-"""Constrained decoding's token masks on the logits (router/constraints.py makes them): packed
-bits, token t allowed where bit t % 8 of byte t / 8 is set, in whole 32-bit words per row.
-Shardline's kernel (token_mask.cpp) where it is built, torch's ops otherwise (same result)."""
+"""Constrained decoding's token masks (shard.proto, `SequenceStep.allowed_tokens`), as llguidance
+writes them for the router (router/core/constrained.py): packed bits, token t allowed where bit
+t % 8 of byte t / 8 is set, in whole 32-bit words, at least `mask_bytes` per row (bits past the
+vocabulary are ignored). Applied to the logits by Shardline's kernel (token_mask.cpp) where it is
+built, by torch's ops otherwise (same result)."""
 from __future__ import annotations
 
 import torch
@@ -8,9 +10,16 @@ import torch
 from shardline.kernels import native
 
 
-def packed_masks(masks: list[bytes], device: torch.device) -> torch.Tensor:
-    """Masks of equal size -> uint8 [len(masks), bytes]."""
-    return torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.uint8).view(len(masks), -1).to(device)
+def mask_bytes(vocab_size: int) -> int:
+    """The bytes of one row's mask that cover a vocabulary of `vocab_size` tokens."""
+    return -(-vocab_size // 32) * 4
+
+
+def packed_masks(masks: list[bytes], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Masks (each at least `mask_bytes`) -> uint8 [len(masks), mask_bytes(vocab_size)]."""
+    size = mask_bytes(vocab_size)
+    rows = b"".join(m[:size] for m in masks)
+    return torch.frombuffer(bytearray(rows), dtype=torch.uint8).view(len(masks), size).to(device)
 
 
 def unpack(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -17,24 +17,25 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from shardline.common.auth import ApiKeys
 from shardline.common.generation_service import SERVICE, add_generation_service
+from shardline.common.http_server import HttpServer
 from shardline.common.model_source import resolve_model
 from shardline.common.process import exit_soon
 from shardline.common.telemetry import setup_tracing
 from shardline.common.tls import ShardTls, http_ssl_context, listen
-from shardline.router.admission import Admission
-from shardline.router.fleet import FLEET_SERVICE, CacheWatchers, add_fleet_service
-from shardline.common.auth import ApiKeys
-from shardline.common.http_server import HttpServer
-from shardline.router.metrics import Metrics
-from shardline.router.openai_api import OpenAiApi
-from shardline.router.replica import Replica
-from shardline.router.server import GenerationService
-from shardline.router.shard_client import ShardGroup
-from shardline.router.stats import StatsCounters
 from shardline.common.tokenizer import TextCodec
 from shardline.common.tokenizer_files import tokenizer_folder
-from shardline.router.tracing import Tracing
+from shardline.router.api.fleet import FLEET_SERVICE, CacheWatchers, add_fleet_service
+from shardline.router.api.generation import GenerationService
+from shardline.router.api.openai.server import OpenAiApi
+from shardline.router.core.config import ReplicaConfig
+from shardline.router.core.replica import Replica
+from shardline.router.core.shard_client import ShardGroup
+from shardline.router.observers.metrics import Metrics
+from shardline.router.observers.stats import StatsCounters
+from shardline.router.observers.tracing import Tracing
+from shardline.router.requests.admission import Admission
 
 log = logging.getLogger("shardline.router")
 
@@ -66,7 +67,8 @@ async def serve_router(args) -> int:
     tracing = Tracing(tracer, source.name) if tracer is not None else None
     stats = StatsCounters()
     metrics = Metrics() if args.metrics_port else None
-    replica = Replica(args, source.name, shards, codec, on_serving, [o for o in (stats, metrics, tracing) if o])
+    replica = Replica(ReplicaConfig.from_flags(args), source.name, shards, codec, on_serving,
+                      [o for o in (stats, metrics, tracing) if o])
     if metrics is not None:
         metrics.watch(replica)
         metrics.serve(args.metrics_port, args.host)
@@ -76,7 +78,7 @@ async def serve_router(args) -> int:
     except (OSError, ValueError) as e:
         raise SystemExit(f"--api-keys-file: {e}") from None
     admission = Admission(replica, args.max_waiting, args.tenant_max_requests, args.tenant_max_waiting,
-                          share_cache=args.prefix_cache_sharing == "all")
+                          share_cache=args.prefix_cache_sharing == "all", constraint_timeout_s=args.constraint_timeout_s)
     add_generation_service(server, GenerationService(replica, admission, stats, tracing, keys), health_servicer,
                            other_services=(FLEET_SERVICE,))
     watchers = CacheWatchers(replica, tenants_share_cache=args.prefix_cache_sharing == "all",

@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardline.common.token_masks import mask_bytes
 from shardline.protos import shard_pb2
 from shardline.kernels.attention import AttentionBatch, decode_capturable
 from shardline.shard.kv_cache import KVPages
@@ -42,7 +41,7 @@ from shardline.shard.logprobs import MAX_TOP, from_logits, score
 from shardline.shard.decode_graphs import DecodeGraphs
 from shardline.shard.model import Transformer
 from shardline.shard.parallel import Layout
-from shardline.kernels.token_mask import packed_masks
+from shardline.kernels.token_mask import mask_bytes, packed_masks
 from shardline.shard.sampler import SamplingParams, sample
 from shardline.shard.sequences import SequenceState, SequenceTable
 
@@ -182,7 +181,7 @@ class ModelRunner:
             return f"page id {max(s.new_pages)} outside the pool of {self.kv.padding_page} pages"
         if max(s.token_ids, default=0) >= self.vocab_size or (s.HasField("next_token") and s.next_token >= self.vocab_size):
             return f"token id {max([*s.token_ids, s.next_token])} outside the vocabulary of {self.vocab_size}"
-        if s.allowed_tokens and len(s.allowed_tokens) != mask_bytes(self.vocab_size):
+        if s.allowed_tokens and len(s.allowed_tokens) < mask_bytes(self.vocab_size):
             return (f"a token mask of {len(s.allowed_tokens)} bytes; the vocabulary of {self.vocab_size} "
                     f"takes {mask_bytes(self.vocab_size)}")
         if max(s.prompt_logprobs, s.sampling.logprobs) > MAX_TOP:
@@ -338,7 +337,7 @@ class ModelRunner:
             logits = self.model.logits(last[torch.tensor(emitting, device=self.device)])
             sampled_at = [states[i].next_pos for i in emitting]
             masked = [row for row, i in enumerate(emitting) if entries[i].allowed_tokens]
-            packed = packed_masks([entries[emitting[row]].allowed_tokens for row in masked],
+            packed = packed_masks([entries[emitting[row]].allowed_tokens for row in masked], self.vocab_size,
                                   self.device) if masked else None
             draws = sample(logits, [states[i].sampling for i in emitting], sampled_at, masked, packed)
             for row, (i, draw) in enumerate(zip(emitting, draws)):

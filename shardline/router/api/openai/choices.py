@@ -18,15 +18,13 @@ from typing import AsyncIterator
 from opentelemetry import trace
 
 from shardline.protos import generation_pb2 as pb
-from shardline.router.admission import Admission
-from shardline.router.openai_schema import ChatCompletionRequest, CompletionRequest
-from shardline.router.sequence import Output, Sequence
-from shardline.router.validation import InvalidRequest
-
-COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for text completions; chat: up to the context
+from shardline.router.api.openai.schema import BaseRequest
+from shardline.router.core.sequence import Output, Sequence
+from shardline.router.requests.admission import Admission
+from shardline.router.requests.validation import InvalidRequest
 
 
-def _constrain(req: pb.GenerateRequest, body: ChatCompletionRequest | CompletionRequest, tool_grammar: str | None):
+def _constrain(req: pb.GenerateRequest, body: BaseRequest, tool_grammar: str | None):
     """Sets the request's constraint: response_format's, structured_outputs', or the tool calls'."""
     rf, so = body.response_format, body.structured_outputs
     if rf is not None and rf.type == "json_object":
@@ -48,10 +46,9 @@ def _constrain(req: pb.GenerateRequest, body: ChatCompletionRequest | Completion
         req.grammar = tool_grammar
 
 
-def generate_requests(body: ChatCompletionRequest | CompletionRequest,
-                      tool_grammar: str | None = None) -> list[pb.GenerateRequest]:
-    """The choices' requests. max_new_tokens 0: open-ended (chat without a limit).
-    `tool_grammar`: what constrains the output to tool calls (router/openai_tools.py)."""
+def base_request(body: BaseRequest, tool_grammar: str | None = None) -> pb.GenerateRequest:
+    """What chat and text completions ask alike: sampling, stops, constraint, vLLM's extensions.
+    `tool_grammar`: what constrains the output to tool calls (tools.py)."""
     req = pb.GenerateRequest(stop=body.stops(), ignore_eos=body.ignore_eos, priority=body.priority,
                              cache_salt=body.cache_salt or "")
     _constrain(req, body, tool_grammar)
@@ -60,25 +57,11 @@ def generate_requests(body: ChatCompletionRequest | CompletionRequest,
     if body.top_p is not None:
         s.top_p = body.top_p
     s.top_k = max(0, body.top_k or 0)
-    if isinstance(body, ChatCompletionRequest):
-        req.max_new_tokens = body.max_completion_tokens or body.max_tokens or 0
-        if body.logprobs:
-            req.logprobs = body.top_logprobs or 0
-        for m in body.messages:
-            role = "system" if m.role == "developer" else m.role
-            calls = json.dumps([c.model_dump() for c in m.tool_calls]) if m.tool_calls else ""
-            req.messages.messages.append(pb.ChatMessage(role=role, content=m.text(), tool_calls_json=calls,
-                                                        tool_call_id=m.tool_call_id or "", name=m.name or ""))
-        if body.tools:
-            req.messages.tools_json = json.dumps([t.model_dump(exclude_none=True) for t in body.tools])
-    else:
-        req.max_new_tokens = body.max_tokens or COMPLETION_DEFAULT_TOKENS
-        if body.logprobs is not None:
-            req.logprobs = body.logprobs
-        if isinstance(body.prompt, str):
-            req.prompt = body.prompt
-        else:
-            req.prompt_token_ids.ids.extend(body.prompt)
+    return req
+
+
+def per_choice(req: pb.GenerateRequest, body: BaseRequest) -> list[pb.GenerateRequest]:
+    """The request of each of the `n` choices: choice i of a seeded request samples with seed + i."""
     out = []
     for i in range(body.n):
         choice = pb.GenerateRequest()

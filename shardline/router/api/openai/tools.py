@@ -23,8 +23,8 @@ import json
 import re
 import uuid
 
-from shardline.router.constraints import JSON_WHITESPACE
-from shardline.router.openai_schema import (ChatCompletionRequest, FunctionCall, FunctionDelta, NamedToolChoice, ToolCall,
+from shardline.router.requests.constraints import JSON_WHITESPACE
+from shardline.router.api.openai.schema import (ChatCompletionRequest, FunctionCall, FunctionDelta, NamedToolChoice, ToolCall,
                                   ToolCallDelta)
 
 OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"

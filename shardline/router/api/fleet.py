@@ -1,7 +1,7 @@
 """The Fleet service (protos/fleet.proto): the router's prefix index and load, streamed to the
 gateways in front of many replicas.
 
-One publisher task looks every PERIOD_S: it takes the page pool's change log (router/page_manager.py
+One publisher task looks every PERIOD_S: it takes the page pool's change log (core/page_manager.py
 appends every page published or reclaimed to it) and the load, and when either changed, or
 HEARTBEAT_S passed without a message, sends one message to every watcher: a watcher that hears
 nothing for a few heartbeats knows the router is gone, even where no connection reset tells it. Everything runs on the router's event loop, between steps, so a
@@ -22,7 +22,8 @@ import uuid
 import grpc
 
 from shardline.protos import fleet_pb2 as fpb, fleet_pb2_grpc
-from shardline.router.page_manager import PageManager
+from shardline.router.core.page_manager import PageManager
+from shardline.router.core.replica import Replica
 
 FLEET_SERVICE = fpb.DESCRIPTOR.services_by_name["Fleet"].full_name
 PERIOD_S = 0.02
@@ -31,10 +32,10 @@ WATCHER_BACKLOG = 256
 
 
 class CacheWatchers:
-    """`replica`: router/replica.py's Replica; `tenants_share_cache`: as --prefix-cache-sharing;
-    `http_port`: the router's OpenAI API's (0: none)."""
+    """`tenants_share_cache`: as --prefix-cache-sharing; `http_port`: the router's OpenAI API's
+    (0: none)."""
 
-    def __init__(self, replica, tenants_share_cache: bool, http_port: int = 0):
+    def __init__(self, replica: Replica, tenants_share_cache: bool, http_port: int = 0):
         self.replica, self.tenants_share_cache, self.http_port = replica, tenants_share_cache, http_port
         self.epoch, self.seq = "", 0
         self._pool: PageManager | None = None
@@ -44,15 +45,12 @@ class CacheWatchers:
 
     # -- what is sent ---------------------------------------------------------------------------
     def load(self) -> fpb.Load:
-        replica, engine = self.replica, self.replica.engine
-        if engine is None:
+        replica = self.replica
+        load, pages = replica.load(), replica.pool
+        if load is None:
             return fpb.Load(serving=False)
-        sched, pages = engine.scheduler, engine.scheduler.pages
-        queued = sum(len(s.prompt_ids) - s.num_computed for s in sched.prefilling) + \
-            sum(len(s.prompt_ids) for s in sched.waiting)
-        return fpb.Load(serving=replica.serving and replica.accepting,
-                        requests_running=len(sched.prefilling) + len(sched.decoding),
-                        requests_waiting=len(sched.waiting), prompt_tokens_queued=queued,
+        return fpb.Load(serving=replica.serving and replica.accepting, requests_running=load.running,
+                        requests_waiting=load.waiting, prompt_tokens_queued=load.prompt_tokens_queued,
                         pages_free=max(0, pages.available), pages_total=pages.num_pages,
                         pages_unused=max(0, pages.free - pages.reserved))
 
@@ -73,8 +71,7 @@ class CacheWatchers:
             await asyncio.sleep(PERIOD_S)
 
     def tick(self) -> None:
-        engine = self.replica.engine
-        pool = engine.scheduler.pages if engine is not None else None
+        pool = self.replica.pool
         if pool is not self._pool or not self.epoch:
             if self._pool is not None:
                 self._pool.changes = None

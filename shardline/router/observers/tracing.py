@@ -16,8 +16,8 @@ from __future__ import annotations
 from opentelemetry import context as otel_context, propagate, trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
-from shardline.router.events import RequestEvents
-from shardline.router.sequence import Ending, Failure, Sequence, ending_label
+from shardline.router.core.events import RequestEvents
+from shardline.router.core.sequence import Ending, Failure, Sequence, ending_label
 
 
 class Tracing(RequestEvents):
@@ -61,18 +61,21 @@ class Tracing(RequestEvents):
 
     # -- steps ------------------------------------------------------------------------------------
     def step_started(self, step_id: int, step, plan) -> None:
-        for seq, inputs in step.chunks if not step.layer_start else ():  # a chunk's first step
+        for chunk in step.chunks if not step.layer_start else ():  # a chunk's first step
+            seq = chunk.seq
             if seq.span is not None:
                 seq.span.add_event("prefill_chunk", {"shardline.chunk.start": seq.num_computed,
-                                                     "shardline.chunk.tokens": len(inputs), "shardline.step.id": step_id})
-        links = [Link(seq.span.get_span_context()) for seq in step.seqs if seq.span is not None]
+                                                     "shardline.chunk.tokens": len(chunk.tokens),
+                                                     "shardline.step.id": step_id})
+        links = [Link(s.seq.span.get_span_context()) for s in step.scheduled if s.seq.span is not None]
         span = self.tracer.start_span("step", context=otel_context.Context(), kind=SpanKind.CLIENT, links=links,
                                       attributes={"shardline.step.id": step_id, "shardline.step.phase": step.phase.value,
-                                                  "shardline.step.batch_size": len(step.seqs),
+                                                  "shardline.step.batch_size": len(step.scheduled),
                                                   "shardline.step.tokens": step.num_tokens,
                                                   "shardline.step.sent_ahead": step.sampled_inputs,
                                                   "shardline.step.layer_start": step.layer_start,
-                                                  "shardline.step.layer_end": step.layer_end})
+                                                  # 0: through the last layer, as in the plan
+                                                  "shardline.step.layer_end": step.layer_end or 0})
         propagate.inject(plan.trace_context, context=trace.set_span_in_context(span))
         self._steps[step_id] = span
 

@@ -6,6 +6,11 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from opentelemetry.trace import Span
+
+from shardline.protos import shard_pb2
+from shardline.router.core.constrained import Constrained
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -20,14 +25,6 @@ class FinishReason(enum.Enum):
     EOS = "eos"              # the model's end-of-sequence token
     LENGTH = "length"        # max_new_tokens, or the model's context
     CANCELLED = "cancelled"  # by its client
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -59,12 +56,24 @@ class Output:
 
 
 @dataclass(eq=False)
+class SequencePages:
+    """A sequence's share of the KV cache. Only the KV manager (kv_manager.py) writes it."""
+
+    block_table: list[int] = field(default_factory=list)
+    reserved: int = 0                          # pages promised at admission and not yet taken
+    prompt_hashes: list[bytes] | None = None   # chain hashes of the prompt's full pages
+    published: list[bytes] = field(default_factory=list)  # hashes of block_table's published prefix
+
+
+@dataclass(eq=False)
 class Sequence:
     seq_id: int
     request_id: str
     prompt_ids: list[int]
     max_new_tokens: int
-    sampling: Sampling
+    # As the shards take it on the sequence's first step (its seed set, top_p 1 when off), with
+    # `logprobs` set where the sampled tokens' log-probabilities are asked for.
+    sampling: shard_pb2.Sampling
     stop_token_ids: frozenset[int] = frozenset()
     arrival: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None      # time.monotonic() of admission, first token, last two tokens
@@ -73,25 +82,26 @@ class Sequence:
     last_token_at: float | None = None
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
-    reserved_pages: int = 0       # pages promised at admission and not yet taken
+    pages: SequencePages = field(default_factory=SequencePages)
     num_computed: int = 0         # tokens whose K/V is written on every shard
     cancelled: bool = False
     cached_prompt_tokens: int = 0
     cache_namespace: str = ""     # cached pages are shared only within one (common/auth.py)
     tenant: str = ""
     priority: int = 0
-    logprobs: int | None = None          # alternatives to report per sampled token (None: no logprobs)
-    prompt_logprobs: int | None = None   # likewise per prompt token; the prompt is then computed whole
+    prompt_logprobs: int | None = None   # alternatives per prompt token; the prompt is then computed whole
     prompt_scores: list = field(default_factory=list)  # shard TokenLogprobs of prompt tokens 1..
-    prompt_hashes: list[bytes] | None = None   # chain hashes of the prompt's full pages
-    page_hashes: list[bytes] = field(default_factory=list)  # of block_table's published prefix
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
-    span: object | None = None   # its trace span (router/tracing.py), when tracing is on
+    span: Span | None = None   # its trace span (observers/tracing.py), when tracing is on
     # Admitted only once this sequence's prompt is computed (its full pages cached) or it ended:
     # the n choices of one request share the first one's prompt pages through the prefix cache.
-    after: "Sequence | None" = None
-    constrained: object | None = None   # its router.constraints.Constrained, when it has a constraint
+    after: Sequence | None = None
+    constrained: Constrained | None = None   # its matcher, when it has a constraint
+
+    @property
+    def logprobs(self) -> int | None:
+        """Alternatives to report per sampled token (None: no log-probabilities)."""
+        return self.sampling.logprobs if self.sampling.HasField("logprobs") else None
 
     @property
     def num_tokens(self) -> int:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from array import array
 
 from shardline.common import prefix_hash
-from shardline.router.page_queue import PageLinks, PageQueue
+from shardline.router.core.page_queue import PageLinks, PageQueue
 
 LRU, SLRU = "lru", "slru"
 

@@ -2,8 +2,8 @@
 
 - connect: every shard's Info, checked to form one replica of the model the router serves, with
   its page size, dtype and a vocabulary that holds every token id its tokenizer makes; Warmup with
-  the pool size (the smallest shard capacity, or `--num-pages`); a fresh page pool and prefix
-  index. Then SERVING.
+  the pool size (the smallest shard capacity, or `--num-pages`); a new engine over a fresh page
+  pool and prefix index (what an old one described is gone). Then SERVING.
 - serve: the engine runs steps until the group fails (a step stream breaks, a step errs, or a
   long step meets a shard that does not answer) or the loop itself raises.
 - fail: every request in flight or waiting ends UNAVAILABLE (INTERNAL if the router's own loop
@@ -18,93 +18,114 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from shardline.protos import generation_pb2 as pb
-from shardline.router.constraints import Grammars
-from shardline.router.engine import Engine
-from shardline.router.page_manager import PageManager
-from shardline.router.scheduler import Scheduler
-from shardline.router.sequence import Failure
-from shardline.router.shard_client import ShardError, ShardGroup
 from shardline.common.tokenizer import TextCodec
+from shardline.protos import shard_pb2
+from shardline.router.core.config import ReplicaConfig
+from shardline.router.core.engine import Engine, Load
+from shardline.router.core.events import RequestEvents
+from shardline.router.core.kv_manager import KVManager
+from shardline.router.core.page_manager import PageManager
+from shardline.router.core.scheduler import Scheduler
+from shardline.router.core.sequence import Failure, Sequence
+from shardline.router.core.shard_client import ShardError, ShardGroup
 
 log = logging.getLogger("shardline.router")
 BACKOFF_S = (0.5, 1, 2, 4, 5)
 
 
+@dataclass(frozen=True)
+class Served:
+    """What the replica serves once its shard group is connected: the shards' Info and Warmup
+    answers, and what the router made of them."""
+
+    infos: list[shard_pb2.ShardInfo]
+    warmups: list[shard_pb2.WarmupResponse]
+    head: shard_pb2.ShardInfo   # the sampling shard's: the model as served
+    num_pages: int
+    layer_groups: int           # 1 where they do not apply (Scheduler)
+    eos_ids: frozenset[int]     # the shards' and the tokenizer's
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.num_pages * self.head.page_size
+
+
 class Replica:
-    def __init__(self, args, model_name: str, shards: ShardGroup, codec: TextCodec,
-                 on_serving: Callable[[bool], Awaitable[None]], observers: list = ()):
-        self.args, self.model_name, self.shards, self.codec = args, model_name, shards, codec
+    def __init__(self, config: ReplicaConfig, model_name: str, shards: ShardGroup, codec: TextCodec,
+                 on_serving: Callable[[bool], Awaitable[None]], observers: list[RequestEvents] = ()):
+        self.config, self.model_name, self.shards, self.codec = config, model_name, shards, codec
         self.observers = list(observers)
         self.on_serving = on_serving
-        self.engine: Engine | None = None
-        self.info: pb.InfoResponse | None = None
-        self.eos_ids: frozenset[int] = frozenset()
-        self.grammars: Grammars | None = None   # constraint compiler, once the vocabulary is known
+        self.engine: Engine | None = None   # one per connection of the shard group
+        self.served: Served | None = None
         self.serving = False
         self.accepting = True          # false once a drain began
         self.down_reason = "connecting to the shards"
         self.failures = 0
         self.recoveries = 0
 
+    # -- what the request path and the observers ask --------------------------------------------
+    def submit(self, seq: Sequence, stops: list[str]) -> None:
+        self.engine.submit(seq, stops)
+
+    def cancel(self, seq: Sequence) -> None:
+        """Cancels at the next step boundary (nothing to do for a sequence a failure ended)."""
+        self.engine.cancel(seq)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return self.engine.can_ever_fit(num_tokens)
+
+    def waiting(self, tenant: str | None = None) -> int:
+        return self.engine.waiting(tenant)
+
+    def load(self) -> Load | None:
+        """The queues now; None before the shard group was first connected."""
+        return self.engine.load() if self.engine is not None else None
+
+    @property
+    def pool(self) -> PageManager | None:
+        """The page pool and prefix index of the current connection (None before the first)."""
+        return self.engine.pool if self.engine is not None else None
+
     # -- connect ------------------------------------------------------------------------------
     async def _connect(self) -> None:
-        args = self.args
-        infos = await self.shards.info(timeout=args.shard_timeout)
+        config = self.config
+        infos = await self.shards.info(timeout=config.shard_timeout_s)
         head = infos[self.shards.sampler]
         wrong = [f"{what} {theirs!r} (the router's is {ours!r})" for what, theirs, ours in (
-            ("model", head.model, self.model_name), ("page size", head.page_size, args.page_size),
-            ("dtype", head.dtype, args.dtype)) if theirs != ours]
+            ("model", head.model, self.model_name), ("page size", head.page_size, config.page_size),
+            ("dtype", head.dtype, config.dtype)) if theirs != ours]
         if self.codec.vocab_size > head.vocab_size:
             wrong.append(f"vocabulary of {head.vocab_size} tokens (the router's tokenizer has "
                          f"{self.codec.vocab_size})")
         if wrong:
             raise ShardError("the shards serve a different model: " + "; ".join(wrong))
         capacity = min(i.max_pages for i in infos)
-        num_pages = min(args.num_pages, capacity) if args.num_pages else capacity
+        num_pages = min(config.num_pages, capacity) if config.num_pages else capacity
         if num_pages < 1:
             raise ShardError(f"the shards have room for {capacity} pages; raise --kv-memory-gb")
-        warmups = await self.shards.warmup(num_pages, args.max_batch)
+        warmups = await self.shards.warmup(num_pages, config.max_batch)
         buckets = {tuple(w.decode_graph_buckets) for w in warmups}
         if len(buckets) > 1:  # every shard opened its step stream: the next attempt must find them closed
             await self.shards.close_streams(abandon=False)
             raise ShardError(f"the shards captured different decode graph buckets: {sorted(buckets)}")
         # Layer groups cut a long prompt's chunks (there are none without chunking); a mixed
         # step's decode rows run every layer, and pipeline stages run whole chunks.
-        layer_groups = (min(args.layer_groups, head.num_layers)
-                        if args.chunk_size and args.mixed_steps == "off" and head.pp_size == 1 else 1)
-        self.info = pb.InfoResponse(
-            model=head.model, page_size=head.page_size, num_pages=num_pages,
-            tensor_parallel=head.tp_size, pipeline_parallel=head.pp_size, max_batch=args.max_batch,
-            context_length=head.context_length, vocab_size=head.vocab_size, dtype=head.dtype,
-            device=head.device, prefix_cache=args.prefix_cache == "on", eviction_policy=args.eviction,
-            slru_protected_ratio=args.slru_protected_ratio, chunk_size=args.chunk_size,
-            max_batch_tokens=args.max_batch_tokens, mixed_steps=args.mixed_steps == "on",
-            layer_groups=layer_groups, step_timeout_s=args.step_timeout_s,
-            drain_timeout_s=args.drain_timeout_s, shard_weight_bytes=max(i.weight_bytes for i in infos),
-            shard_kv_pool_bytes=max(w.kv_pool_bytes for w in warmups),
-            decode_graphs=bool(warmups[0].decode_graph_buckets), decode_graph_buckets=warmups[0].decode_graph_buckets,
-            decode_graph_capture_s=max(w.capture_s for w in warmups),
-            weight_formats={k: v for i in infos for k, v in i.weight_formats.items()}, kv_dtype=head.kv_dtype)
+        layer_groups = (min(config.layer_groups, head.num_layers)
+                        if config.chunk_size and not config.mixed_steps and head.pp_size == 1 else 1)
         eos = set(head.eos_token_ids)
         if self.codec.eos_token_id is not None:
             eos.add(self.codec.eos_token_id)
-        self.eos_ids = frozenset(eos)
-        if self.grammars is None:  # the model is the router's: it stays across reconnects
-            self.grammars = Grammars(self.codec.tokenizer.to_str(), head.vocab_size, sorted(eos),
-                                     args.constraint_timeout_s)
-        pages = PageManager(num_pages, head.page_size, policy=args.eviction,
-                            prefix_cache=args.prefix_cache == "on", protected_ratio=args.slru_protected_ratio,
-                            model_key=f"{head.model}/{head.dtype}")
-        scheduler = Scheduler(pages, args.max_batch, args.max_batch_tokens, chunk_size=args.chunk_size,
-                              aging_s=args.priority_aging_s, mixed_steps=args.mixed_steps == "on",
+        self.served = Served(list(infos), list(warmups), head, num_pages, layer_groups, frozenset(eos))
+        pool = PageManager(num_pages, head.page_size, policy=config.eviction, prefix_cache=config.prefix_cache,
+                           protected_ratio=config.slru_protected_ratio, model_key=f"{head.model}/{head.dtype}")
+        scheduler = Scheduler(KVManager(pool), config.max_batch, config.max_batch_tokens, chunk_size=config.chunk_size,
+                              aging_s=config.priority_aging_s, mixed_steps=config.mixed_steps,
                               pair_cost=head.attention_pair_cost, num_layers=head.num_layers, layer_groups=layer_groups)
-        if self.engine is None:
-            self.engine = Engine(scheduler, self.shards, self.codec, head.context_length, self.observers)
-        else:  # the old pool described KV that is gone: start from an empty one
-            self.engine.scheduler, self.engine.max_position = scheduler, head.context_length
+        self.engine = Engine(scheduler, self.shards, self.codec, head.context_length, self.observers)
         log.info("serving %s: TP%d x PP%d, %d pages of %d tokens", head.model, head.tp_size, head.pp_size,
                  num_pages, head.page_size)
 
@@ -157,9 +178,9 @@ class Replica:
                 self.accepting = False
                 await self._set_serving(False)
                 try:  # drain: what was accepted runs to completion, for a while
-                    await asyncio.wait_for(asyncio.shield(self._drained(engine_task)), self.args.drain_timeout_s)
+                    await asyncio.wait_for(asyncio.shield(self._drained(engine_task)), self.config.drain_timeout_s)
                 except asyncio.TimeoutError:
-                    log.warning("drain timed out after %.0f s", self.args.drain_timeout_s)
+                    log.warning("drain timed out after %.0f s", self.config.drain_timeout_s)
                 if engine_task.done() and engine_task.exception() is not None:
                     return self._failure_of(engine_task.exception())
                 return Failure("UNAVAILABLE", "the server is shutting down"), False

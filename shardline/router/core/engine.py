@@ -14,7 +14,8 @@ page count per sequence.
 Blast radius: a failure that belongs to one request (the shard could not serve its plan entry or
 sample its token; its detokenizer or stop strings raised) ends that request alone with a status,
 and releases its pages. A failure of the shard group (`ShardError`) or of the loop itself leaves
-`run` with the exception; the replica (router/replica.py) then fails every request and reconnects.
+`run` with the exception; the replica (replica.py) then fails every request and reconnects
+with a new engine.
 """
 from __future__ import annotations
 
@@ -23,16 +24,31 @@ import logging
 import time
 from dataclasses import dataclass
 
-from shardline.protos import shard_pb2
-from shardline.router.constraints import next_masks
-from shardline.router.events import RequestEvents
-from shardline.router.scheduler import Phase, Scheduler, Step
-from shardline.router.sequence import Ending, Failure, FinishReason, Output, Sequence, Status
-from shardline.router.shard_client import ShardError, ShardGroup
-from shardline.router.stop_strings import StopMatcher
 from shardline.common.tokenizer import Detokenizer, TextCodec
+from shardline.protos import shard_pb2
+from shardline.router.core.constrained import next_masks
+from shardline.router.core.events import RequestEvents
+from shardline.router.core.page_manager import PageManager
+from shardline.router.core.scheduler import Phase, Scheduler, Step
+from shardline.router.core.sequence import Ending, Failure, FinishReason, Output, Sequence, Status
+from shardline.router.core.shard_client import ShardError, ShardGroup
+from shardline.router.core.stop_strings import StopMatcher
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Load:
+    """The engine's queues at one moment (the Stats RPC, metrics and the Fleet stream read it)."""
+
+    waiting: int
+    prefilling: int
+    decoding: int
+    prompt_tokens_queued: int   # prompt tokens of waiting and prefilling requests not yet computed
+
+    @property
+    def running(self) -> int:
+        return self.prefilling + self.decoding
 
 
 @dataclass
@@ -58,6 +74,26 @@ class Engine:
         self._in_flight = 0                    # steps sent and not answered
         self.step_id = 0
 
+    # -- what the request path and the observers ask ------------------------------------------------
+    @property
+    def pool(self) -> PageManager:
+        """The page pool and prefix index of this connection's shard group."""
+        return self.scheduler.kv.pool
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return self.scheduler.kv.can_ever_fit(num_tokens)
+
+    def waiting(self, tenant: str | None = None) -> int:
+        """Requests waiting for admission (of one tenant, or of all)."""
+        return sum(1 for s in self.scheduler.waiting if tenant is None or s.tenant == tenant)
+
+    def load(self) -> Load:
+        sched = self.scheduler
+        queued = sum(len(s.prompt_ids) - s.num_computed for s in sched.prefilling) + \
+            sum(len(s.prompt_ids) for s in sched.waiting)
+        return Load(len(sched.waiting), len(sched.prefilling), len(sched.decoding), queued)
+
+    # -- requests ---------------------------------------------------------------------------------
     def submit(self, seq: Sequence, stops: list[str]) -> None:
         self._text[seq.seq_id] = (self.codec.stream(), StopMatcher(stops))
         self.scheduler.add(seq)
@@ -111,7 +147,8 @@ class Engine:
             self.scheduler.complete(step, failed)
             self._apply(step, result, failed)
             if ahead is not None:  # the inputs the shard takes: the tokens just applied
-                ahead.step.inputs = [seq.output_ids[-1:] for seq in ahead.step.seqs]
+                for s in ahead.step.scheduled:
+                    s.tokens = s.seq.output_ids[-1:]
 
     def _ahead(self, step: Step) -> Step | None:
         """The decode step to send while `step` runs, or None. Only a lone shard holds the tokens
@@ -129,31 +166,31 @@ class Engine:
         self.step_id += 1
         if step.phase is Phase.ADMIT:
             now = time.monotonic()
-            for seq, _ in step.chunks:
-                seq.admitted_at = now
+            for chunk in step.chunks:
+                chunk.seq.admitted_at = now
                 for o in self.observers:
-                    o.admitted(seq)
+                    o.admitted(chunk.seq)
+        # On the wire, layer_end 0 is through the last layer (shard.proto).
         plan = shard_pb2.StepPlan(step_id=self.step_id, released=self._released, layer_start=step.layer_start,
-                                  layer_end=step.layer_end)
+                                  layer_end=step.layer_end or 0)
         self._released = []
-        for seq, inputs, emit in zip(step.seqs, step.inputs, step.emits):
+        for s in step.scheduled:
+            seq, block_table = s.seq, s.seq.pages.block_table
             held = self._announced.get(seq.seq_id)
-            entry = plan.seqs.add(seq_id=seq.seq_id, token_ids=inputs, emit=emit, first=held is None,
-                                  new_pages=seq.block_table[held or 0:])
+            entry = plan.seqs.add(seq_id=seq.seq_id, token_ids=s.tokens, emit=s.emit, first=held is None,
+                                  new_pages=block_table[held or 0:])
             # A step sent ahead computes the position after the one the step before it computes.
             entry.start_pos, entry.sampled_input = seq.num_computed + step.sampled_inputs, step.sampled_inputs
             if held is None:
-                s = seq.sampling
-                entry.sampling.CopyFrom(shard_pb2.Sampling(temperature=s.temperature, top_p=s.top_p,
-                                                           top_k=s.top_k, seed=s.seed, logprobs=seq.logprobs))
+                entry.sampling.CopyFrom(seq.sampling)
             if seq.prompt_logprobs is not None and seq.num_computed < len(seq.prompt_ids):
                 entry.prompt_logprobs = seq.prompt_logprobs
-                end = seq.num_computed + len(inputs)
+                end = seq.num_computed + len(s.tokens)
                 if end < len(seq.prompt_ids):
                     entry.next_token = seq.prompt_ids[end]
-            if emit and seq.constrained is not None:
+            if s.emit and seq.constrained is not None:
                 entry.allowed_tokens = seq.constrained.mask
-            self._announced[seq.seq_id] = len(seq.block_table)
+            self._announced[seq.seq_id] = len(block_table)
         for o in self.observers:
             o.step_started(self.step_id, step, plan)
         try:
@@ -175,7 +212,7 @@ class Engine:
         for o in self.observers:
             o.step_done(step_id, step, result, wall_s)
         failed = {f.seq_id for f in result.failures}
-        want = sum(1 for seq, emit in zip(step.seqs, step.emits) if emit and seq.seq_id not in failed)
+        want = sum(1 for s in step.scheduled if s.emit and s.seq.seq_id not in failed)
         if len(result.tokens) != want:
             raise ShardError(f"step {step_id}: {len(result.tokens)} tokens for {want} emitting sequences")
         return result
@@ -183,14 +220,15 @@ class Engine:
     def _apply(self, step: Step, result: shard_pb2.StepResult, failed: dict[int, str]) -> None:
         sampled = iter(result.tokens)
         logprobs = {entry.seq_id: entry for entry in result.logprobs}
-        for seq, emit in zip(step.seqs, step.emits):
+        for s in step.scheduled:
+            seq = s.seq
             if seq.seq_id in failed:
                 self.fail(seq, Failure("INTERNAL", f"the shard could not serve this request: {failed[seq.seq_id]}"))
                 continue
             scores = logprobs.get(seq.seq_id)
             if scores is not None:
                 seq.prompt_scores.extend(scores.prompt)
-            if not emit:
+            if not s.emit:
                 continue  # an intermediate chunk: KV written, nothing sampled
             token = next(sampled)
             if seq.cancelled or seq.status is Status.FINISHED:
@@ -275,13 +313,11 @@ class Engine:
             seq.outputs.put_nowait(Output([], "", failure=failure))
 
     def fail_all(self, failure: Failure) -> None:
+        """Ends every request: the shard group failed or the server stops. The engine is done
+        (a reconnected group starts from nothing, with a new one)."""
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
             self.fail(seq, failure)
         self._cancelled.clear()
-        self._text.clear()
-        self._in_flight = 0
-        self._announced.clear()  # the shards start from nothing after a reconnect
-        self._released.clear()
 
     def _drop_cancelled(self) -> None:
         for seq in self._cancelled:

@@ -1,20 +1,10 @@
-"""Constrained decoding, the router's half: a request's constraint compiled by llguidance into a
-matcher per sequence, which says before every step which tokens may come next (a packed mask the
-step plan carries to the sampling shard) and is advanced by every sampled token.
+"""Constrained decoding, the request path's half: a request's constraint compiled by llguidance
+into a matcher per sequence (core/constrained.py), which the engine then advances.
 
 - One `Grammars` per served tokenizer. It compiles a constraint on a worker thread, within
   `timeout_s` of the compile's start, so a pathological one costs its own request a refusal
   (INVALID_ARGUMENT, with the compiler's message) and never stalls the event loop. Compiled constraints are kept by content
   (the last `CACHE_SIZE`); a sequence gets a copy of the compiled matcher and its first mask.
-- A `Constrained` sequence consumes each sampled token as it arrives; the next masks of a step's
-  sequences are then computed together (`next_masks`), so a dead end is found between steps and
-  fails that request alone, INVALID_ARGUMENT: a matcher error, a mask that allows nothing while
-  the constraint is unfinished, or a token the mask allowed that the matcher then refuses. All
-  three happen where the constraint asks for text the model's tokens cannot spell (SmolLM2's
-  vocabulary has no token for some control bytes, such as 0x14; llguidance then allows a token
-  it refuses on the next step).
-- EOS is allowed only where the constraint is complete; once it admits nothing more the
-  request finishes "stop".
 
 Between JSON tokens the output may hold `JSON_WHITESPACE`, llama.cpp's choice: nothing, a space,
 or a line break and an indent of up to 20 (pretty-printed JSON fits). Unbounded whitespace, which
@@ -29,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import llguidance as llg
 
-from shardline.common.token_masks import mask_bytes
 from shardline.protos import generation_pb2 as pb
-from shardline.router.validation import invalid
+from shardline.router.core.constrained import Constrained
+from shardline.router.requests.validation import invalid
 
 CACHE_SIZE = 256
 MAX_CHOICES = 1024
@@ -62,42 +52,6 @@ def grammar_of(req: pb.GenerateRequest) -> str | None:
     return None
 
 
-class Constrained:
-    """One sequence's matcher and the mask of its next token."""
-
-    def __init__(self, matcher: llg.LLMatcher, vocab_size: int):
-        self.matcher = matcher
-        self.mask_bytes = mask_bytes(vocab_size)  # compute_bitmask's rows have a word more
-        self.error: str | None = None
-        self._set_mask(matcher.compute_bitmask())
-
-    @property
-    def complete(self) -> bool:
-        """The constraint admits no further token (its output is whole)."""
-        return self.matcher.is_stopped() and not self.matcher.is_error()
-
-    def consume(self, token: int) -> None:
-        """Advances the matcher by a sampled token; `next_masks` then computes the next mask."""
-        if not self.matcher.consume_token(token):
-            self.error = ("the constraint cannot be continued with this model's tokens: "
-                          f"token {token} does not fit it ({self.matcher.get_error()})")
-
-    def _set_mask(self, mask: bytes) -> None:
-        self.mask = mask[:self.mask_bytes]
-        if self.matcher.is_error():
-            self.error = f"the constraint failed: {self.matcher.get_error()}"
-        elif self.mask.count(0) == len(self.mask):
-            self.error = "the constraint reached a dead end: none of this model's tokens can continue it"
-
-
-def next_masks(sequences: list[Constrained]) -> None:
-    """The next mask of each (unfinished, not failed) sequence. One after the other on the
-    event loop's thread: llguidance's parallel executor measured slower end to end on two cores
-    (its pool threads spin after each batch, taking CPU from the shards and the event loop)."""
-    for c in sequences:
-        c._set_mask(c.matcher.compute_bitmask())
-
-
 class Grammars:
     """Compiles constraints for one tokenizer (tokenizer.json's text), vocabulary size (the
     model's, so masks cover every logit) and EOS tokens."""
@@ -115,7 +69,7 @@ class Grammars:
         if grammar is None:
             return None
         compiled = await self._compile(grammar, req.WhichOneof("constraint"))
-        copy = lambda: Constrained(compiled.deep_copy(), self.vocab_size)  # noqa: E731 - its first mask, off the loop
+        copy = lambda: Constrained(compiled.deep_copy())  # noqa: E731 - its first mask, off the loop
         return await asyncio.get_running_loop().run_in_executor(self._workers, copy)
 
     async def _compile(self, grammar: str, kind: str) -> llg.LLMatcher:

@@ -4,7 +4,7 @@ The router aggregates what the shards report (each step's compute time comes bac
 `StepResult`), so one scrape target describes the whole replica; shards expose no endpoint.
 
 Counters and histograms move when the engine reports a request's or a step's events
-(`RequestEvents`); gauges are read from the scheduler and page pool at scrape time, so they cost
+(`RequestEvents`); gauges are read from the engine's load and page pool at scrape time, so they cost
 nothing between scrapes. A counter never goes backwards: a replica reconnect starts a fresh page
 pool, but the counters here are the router's own.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from shardline.router.events import RequestEvents
-from shardline.router.sequence import Ending, Sequence, ending_label
+from shardline.router.core.events import RequestEvents
+from shardline.router.core.sequence import Ending, Sequence, ending_label
 
 # Buckets in seconds, from vLLM's: first tokens and whole requests take seconds on a CPU, a token
 # or a step tens of milliseconds.
@@ -94,17 +94,16 @@ class _AtScrape:
         replica, p = self.replica, "shardline:"
         yield CounterMetricFamily(p + "shard_failures", "Times the shard group failed", replica.failures)
         yield CounterMetricFamily(p + "shard_recoveries", "Times the shard group came back", replica.recoveries)
-        engine = replica.engine
+        load, pool = replica.load(), replica.pool
         running = GaugeMetricFamily(p + "num_requests_running", "Requests admitted (prefilling or decoding)")
         waiting = GaugeMetricFamily(p + "num_requests_waiting", "Requests waiting for admission")
         prefilling = GaugeMetricFamily(p + "num_requests_prefilling", "Admitted requests still prefilling")
         usage = GaugeMetricFamily(p + "kv_cache_usage_perc", "Share of KV pages referenced or reserved, 0 to 1")
         pages = GaugeMetricFamily(p + "kv_cache_pages", "KV pages by state", labels=["state"])
-        if engine is not None:
-            sched, pool = engine.scheduler, engine.scheduler.pages
-            running.add_metric([], len(sched.prefilling) + len(sched.decoding))
-            waiting.add_metric([], len(sched.waiting))
-            prefilling.add_metric([], len(sched.prefilling))
+        if load is not None:
+            running.add_metric([], load.running)
+            waiting.add_metric([], load.waiting)
+            prefilling.add_metric([], load.prefilling)
             usage.add_metric([], (pool.referenced + pool.reserved) / pool.num_pages if pool.num_pages else 0.0)
             for state in ("referenced", "reserved", "evictable", "free"):
                 pages.add_metric([state], getattr(pool, state))

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from shardline.protos import generation_pb2 as pb
-from shardline.router.sequence import Sampling
 from shardline.common.tokenizer import CHAT_ROLES
+from shardline.protos import generation_pb2 as pb, shard_pb2
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
 MAX_ID_CHARS = 256        # request_id, cache_salt
@@ -91,10 +90,13 @@ def _top_p(s: pb.SamplingParams) -> float:
     return s.top_p if s.HasField("top_p") else 1.0
 
 
-def sampling_of(s: pb.SamplingParams, seed_if_unset: int) -> Sampling:
-    """A validated request's sampling parameters; the server picks the seed of one that sets none."""
-    return Sampling(temperature=s.temperature, top_p=_top_p(s), top_k=s.top_k,
-                    seed=s.seed if s.HasField("seed") else seed_if_unset)
+def sampling_of(req: pb.GenerateRequest, seed_if_unset: int) -> shard_pb2.Sampling:
+    """A validated request's sampling as the shards take it; the server picks the seed of one
+    that sets none."""
+    s = req.sampling
+    return shard_pb2.Sampling(temperature=s.temperature, top_p=_top_p(s), top_k=s.top_k,
+                              seed=s.seed if s.HasField("seed") else seed_if_unset,
+                              logprobs=req.logprobs if req.HasField("logprobs") else None)
 
 
 def _json_list(name: str, text: str) -> None:

@@ -6,7 +6,7 @@ A request is queued, admitted (or ends while waiting), gets tokens, and ends onc
 """
 from __future__ import annotations
 
-from shardline.router.sequence import Ending, Sequence
+from shardline.router.core.sequence import Ending, Sequence
 
 
 class RequestEvents:

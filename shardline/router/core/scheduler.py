@@ -37,7 +37,8 @@ sequence running or waiting) runs its remaining layers at once.
 
 Admission is all or nothing on pages: a request is admitted only when the pages of its cached
 prefix are pinned and every other page it can ever need is reserved; otherwise the request
-keeps its place at the head of the queue and nothing changes.
+keeps its place at the head of the queue and nothing changes. The pages themselves are the KV
+manager's (kv_manager.py): the scheduler asks it what a choice costs and tells it what ran.
 
 A sequence that waits for another (`Sequence.after`: the other choices of a request with
 several) is admitted once that one's prompt is computed, so that it finds the prompt's full
@@ -56,8 +57,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Collection
 
-from shardline.router.page_manager import PageManager
-from shardline.router.sequence import Sequence, Status
+from shardline.router.core.kv_manager import KVManager
+from shardline.router.core.sequence import Sequence, Status
 
 
 class Phase(enum.Enum):
@@ -66,24 +67,35 @@ class Phase(enum.Enum):
     ADMIT = "admit"
 
 
+@dataclass(eq=False)
+class Scheduled:
+    """One sequence's part of a step."""
+
+    seq: Sequence
+    tokens: list[int]   # the positions it computes: a decode row's last token, or a prompt chunk
+    emit: bool          # it samples its next token (a decode row, or a prompt's final chunk)
+    decode: bool        # a decode row, not a prompt chunk
+
+
 @dataclass
 class Step:
-    """A step's sequences: its first `num_decode` decode one token each, the others compute a
-    prompt chunk in `phase` (DECODE: a step of decode rows only)."""
+    """What one step runs, one record per sequence: decode rows first, then prompt chunks, in
+    `phase` (DECODE: a step of decode rows only; a mixed step's phase is its chunks')."""
 
     phase: Phase
-    seqs: list[Sequence] = field(default_factory=list)
-    inputs: list[list[int]] = field(default_factory=list)  # per sequence, the tokens this step computes
-    emits: list[bool] = field(default_factory=list)        # per sequence, whether it samples its next token
-    num_decode: int = 0
-    # A layer group (`Scheduler.layer_groups`): the step runs layers [layer_start, layer_end) of
-    # its chunk; layer_end 0: through the last layer, the only step of a chunk whose positions
-    # count as computed and that may emit.
+    scheduled: list[Scheduled] = field(default_factory=list)
+    # The layers it runs: every one, or those of a layer group (`Scheduler.layer_groups`) from
+    # `layer_start` to `layer_end`, None being through the last layer: only a step that runs the
+    # last layer computes its chunk's positions and may emit.
     layer_start: int = 0
-    layer_end: int = 0
+    layer_end: int | None = None
     # Sent before the step ahead of it ended (`Scheduler.decode_ahead`): each decode row's input
-    # is the token the shard samples for it in that step, so `inputs` are [] until it is known.
+    # is the token the shard samples for it in that step, so its `tokens` are [] until known.
     sampled_inputs: bool = False
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [s.seq for s in self.scheduled]
 
     @property
     def is_prefill(self) -> bool:
@@ -91,18 +103,27 @@ class Step:
         return self.phase is not Phase.DECODE
 
     @property
-    def num_tokens(self) -> int:
-        """Positions the step computes."""
-        return len(self.seqs) if self.sampled_inputs else sum(map(len, self.inputs))
+    def partial(self) -> bool:
+        """A layer group that stops short of the last layer: nothing is computed or sampled yet."""
+        return self.layer_end is not None
 
     @property
-    def chunks(self) -> list[tuple[Sequence, list[int]]]:
-        """(sequence, its prompt tokens) of each prompt chunk of the step."""
-        return list(zip(self.seqs[self.num_decode:], self.inputs[self.num_decode:]))
+    def num_decode(self) -> int:
+        return sum(s.decode for s in self.scheduled)
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions the step computes."""
+        return len(self.scheduled) if self.sampled_inputs else sum(len(s.tokens) for s in self.scheduled)
+
+    @property
+    def chunks(self) -> list[Scheduled]:
+        """The step's prompt chunks."""
+        return [s for s in self.scheduled if not s.decode]
 
 
 class Scheduler:
-    def __init__(self, pages: PageManager, max_batch: int, max_batch_tokens: int, chunk_size: int = 0,
+    def __init__(self, kv: KVManager, max_batch: int, max_batch_tokens: int, chunk_size: int = 0,
                  aging_s: float = 1.0, clock: Callable[[], float] = time.monotonic, mixed_steps: bool = False,
                  pair_cost: float = 0.0, layer_groups: int = 1, num_layers: int = 0):
         if max_batch < 1 or max_batch_tokens < 1 or chunk_size < 0 or not aging_s > 0 or not pair_cost >= 0 \
@@ -112,7 +133,7 @@ class Scheduler:
                              f"layer_groups {layer_groups} of {num_layers} layers")
         if layer_groups > 1 and mixed_steps:
             raise ValueError("layer groups and mixed steps exclude each other: a mixed step's decode rows run every layer")
-        self.pages = pages
+        self.kv = kv
         # Layer group boundaries: group i runs layers [bounds[i], bounds[i + 1]).
         self.layer_bounds = [round(i * num_layers / layer_groups) for i in range(layer_groups + 1)]
         self._group: Step | None = None  # the chunk running in layer groups, as its last group ran
@@ -139,19 +160,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.decoding)
 
-    def can_ever_fit(self, num_tokens: int) -> bool:
-        return self.pages.pages_for(num_tokens) <= self.pages.num_pages
-
     def schedule(self) -> Step | None:
         if not self.mixed_steps:
             return self._rotate(self.max_batch_tokens)
         decode = self._decode()
         # The decode rows take their share of the step's token budget before the chunk does.
-        chunks = self._rotate(self.max_batch_tokens - len(decode.seqs) if decode else self.max_batch_tokens)
+        chunks = self._rotate(self.max_batch_tokens - len(decode.scheduled) if decode else self.max_batch_tokens)
         if decode is None or chunks is None:
             return decode or chunks
-        return Step(chunks.phase, decode.seqs + chunks.seqs, decode.inputs + chunks.inputs,
-                    decode.emits + chunks.emits, num_decode=len(decode.seqs))
+        return Step(chunks.phase, decode.scheduled + chunks.scheduled)
 
     def _rotate(self, budget: int) -> Step | None:
         """The next step: without mixed steps, Decode after every prefill step; then the next
@@ -166,7 +183,7 @@ class Scheduler:
             rotation[:] = [Phase.ADMIT, Phase.CONTINUE] if self._shorter_waits() else [Phase.CONTINUE, Phase.ADMIT]
         for i in range(len(rotation)):
             phase = (self._next_phase + i) % len(rotation)
-            step = self._step_of(rotation[phase], budget)
+            step = self._continue(budget) if rotation[phase] is Phase.CONTINUE else self._admit(budget)
             if step is not None:
                 self._next_phase = (phase + 1) % len(rotation)
                 self._decode_due = not self.mixed_steps
@@ -174,17 +191,12 @@ class Scheduler:
         return None if self.mixed_steps else self._decode()
 
     # -- phases -----------------------------------------------------------------------------------
-    def _step_of(self, phase: Phase, budget: int) -> Step | None:
-        # Looked up per call, not bound once: a test watches the phases by replacing them.
-        return {Phase.CONTINUE: self._continue, Phase.ADMIT: self._admit}[phase](budget)
-
     def _decode(self) -> Step | None:
         if not self.decoding:
             return None
         for seq in self.decoding:
-            self._grow(seq, seq.num_tokens)
-        seqs = list(self.decoding)
-        return Step(Phase.DECODE, seqs, [s.output_ids[-1:] for s in seqs], [True] * len(seqs), len(seqs))
+            self.kv.grow(seq, seq.num_tokens)
+        return Step(Phase.DECODE, [Scheduled(seq, seq.output_ids[-1:], True, True) for seq in self.decoding])
 
     def decode_ahead(self, seqs: list[Sequence]) -> Step | None:
         """The decode step of `seqs`, to be sent while their decode step runs, when it is the step
@@ -196,9 +208,8 @@ class Scheduler:
         if not seqs or self.prefilling or (len(self.decoding) < self.max_batch and self._most_urgent()):
             return None
         for seq in seqs:
-            self._grow(seq, seq.num_computed + 2)
-        return Step(Phase.DECODE, list(seqs), [[] for _ in seqs], [True] * len(seqs), len(seqs),
-                    sampled_inputs=True)
+            self.kv.grow(seq, seq.num_computed + 2)
+        return Step(Phase.DECODE, [Scheduled(seq, [], True, True) for seq in seqs], sampled_inputs=True)
 
     def _continue(self, budget: int) -> Step | None:
         if self._group is not None:
@@ -206,46 +217,40 @@ class Scheduler:
         step = Step(Phase.CONTINUE)
         for _ in range(len(self.prefilling)):
             seq = self.prefilling[0]
-            n = self._chunk(seq, budget, first=not step.seqs)
+            n = self._chunk(seq, budget, first=not step.scheduled)
             grouped = self._in_groups(seq, n, seq.cached_prompt_tokens)
-            if n == 0 or grouped and step.seqs:
+            if n == 0 or grouped and step.scheduled:
                 break
             self.prefilling.rotate(-1)  # round robin: the next Continue step starts after it
             self._add_chunk(step, seq, n, grouped)
             budget -= n
-            if step.layer_end:
+            if step.partial:
                 break
-        return step if step.seqs else None
+        return step if step.scheduled else None
 
     def _admit(self, budget: int) -> Step | None:
-        pages, step = self.pages, Step(Phase.ADMIT)
+        step = Step(Phase.ADMIT)
         while len(self.prefilling) + len(self.decoding) < self.max_batch:
             seq = self._most_urgent()
             if seq is None:
                 break
-            if seq.prompt_hashes is None:
-                seq.prompt_hashes = pages.prompt_hashes(seq.prompt_ids, seq.cache_namespace)
-            # Scoring the prompt needs its logits at every position: nothing of it is reused.
-            hits = [] if seq.prompt_logprobs is not None else pages.lookup(seq.prompt_hashes)
-            cached = len(hits) * pages.page_size
-            n = self._chunk(seq, budget, first=not step.seqs, computed=cached)
+            prefix = self.kv.cached_prefix(seq)
+            cached = len(prefix) * self.kv.page_size
+            n = self._chunk(seq, budget, first=not step.scheduled, computed=cached)
             # A chunk in layer groups runs alone, and one at a time: a long prompt waits for both.
             grouped = self._in_groups(seq, n, cached)
-            if n == 0 or grouped and (step.seqs or self._group is not None):
+            if n == 0 or grouped and (step.scheduled or self._group is not None):
                 break
-            total = pages.pages_for(seq.max_tokens)
-            if not pages.admit(hits, total, len(seq.prompt_ids)):
+            if not self.kv.admit(seq, prefix):
                 break
             self.waiting.remove(seq)
-            seq.block_table, seq.page_hashes = hits, seq.prompt_hashes[:len(hits)]
-            seq.num_computed = seq.cached_prompt_tokens = cached
-            seq.reserved_pages, seq.status = total - len(hits), Status.RUNNING
+            seq.status = Status.RUNNING
             self.prefilling.append(seq)
             self._add_chunk(step, seq, n, grouped)
             budget -= n
-            if step.layer_end:
+            if step.partial:
                 break
-        return step if step.seqs else None
+        return step if step.scheduled else None
 
     # -- layer groups -----------------------------------------------------------------------------
     @property
@@ -257,21 +262,21 @@ class Scheduler:
         prefix does not fit in one chunk. (Callers start one only while no other is in groups.)"""
         return self.layer_groups > 1 and n < len(seq.prompt_ids) - cached
 
-    def _group_end(self, done: int) -> int:
-        """Where the group after `done` layers ends: the next bound, or 0 (the last layer) when
-        nothing else runs or waits, or the bound is the last."""
+    def _group_end(self, done: int) -> int | None:
+        """Where the group after `done` layers ends: the next bound, or None (through the last
+        layer) when nothing else runs or waits, or the bound is the last."""
         if not (self.decoding or self.waiting or len(self.prefilling) > 1):
-            return 0
+            return None
         end = next(b for b in self.layer_bounds if b > done)
-        return 0 if end == self.layer_bounds[-1] else end
+        return None if end == self.layer_bounds[-1] else end
 
     def _next_group(self) -> Step:
         """The next layer group of the chunk in groups: its tokens again, from where the last ended."""
-        (seq, inputs), = self._group.chunks
-        done = self._group.layer_end
-        step = Step(Phase.CONTINUE, [seq], [inputs], layer_start=done, layer_end=self._group_end(done))
-        step.emits = [not step.layer_end and seq.num_computed + len(inputs) == len(seq.prompt_ids)]
-        return step
+        (chunk,) = self._group.chunks
+        seq, done = chunk.seq, self._group.layer_end
+        end = self._group_end(done)
+        emit = end is None and seq.num_computed + len(chunk.tokens) == len(seq.prompt_ids)
+        return Step(Phase.CONTINUE, [Scheduled(seq, chunk.tokens, emit, False)], layer_start=done, layer_end=end)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _shorter_waits(self) -> bool:
@@ -314,18 +319,11 @@ class Scheduler:
     def _add_chunk(self, step: Step, seq: Sequence, n: int, grouped: bool) -> None:
         """Adds a chunk to the step; a chunk that runs in layer groups (alone) adds its first."""
         start = seq.num_computed
-        self._grow(seq, start + n)
+        self.kv.grow(seq, start + n)
         if grouped:
             step.layer_end = self._group_end(0)
-        step.seqs.append(seq)
-        step.inputs.append(seq.prompt_ids[start:start + n])
-        step.emits.append(start + n == len(seq.prompt_ids) and not step.layer_end)
-
-    def _grow(self, seq: Sequence, num_tokens: int) -> None:
-        """Gives the sequence the reserved pages that cover `num_tokens` positions."""
-        while len(seq.block_table) * self.pages.page_size < num_tokens:
-            seq.block_table.append(self.pages.allocate())
-            seq.reserved_pages -= 1
+        emit = start + n == len(seq.prompt_ids) and not step.partial
+        step.scheduled.append(Scheduled(seq, seq.prompt_ids[start:start + n], emit, False))
 
     # -- after a step -----------------------------------------------------------------------------
     def complete(self, step: Step, failed: Collection[int] = ()) -> None:
@@ -334,39 +332,22 @@ class Scheduler:
         that finished while the step ran (sent ahead, it computed a token they do not need).
         Advances each other sequence, publishes the pages that became full, and moves finished
         prefills to the decode phase."""
-        if step.layer_end:  # a layer group that stops short of the last layer: nothing computed yet
-            seq = step.seqs[0]
+        if step.partial:  # nothing computed yet
+            seq = step.scheduled[0].seq
             gone = seq.seq_id in failed or seq.status is Status.FINISHED
             self._group = None if gone else step
             return
         if step.layer_start:
             self._group = None
-        chunked = {id(seq) for seq, _ in step.chunks}
-        for seq, inputs in zip(step.seqs, step.inputs):
+        for s in step.scheduled:
+            seq = s.seq
             if seq.seq_id in failed or seq.status is Status.FINISHED:
                 continue
-            seq.num_computed += len(inputs)
-            self._publish(seq)
-            if id(seq) in chunked and seq.num_computed == len(seq.prompt_ids) \
-                    and seq.status is Status.RUNNING:
+            seq.num_computed += len(s.tokens)
+            self.kv.publish(seq)
+            if not s.decode and seq.num_computed == len(seq.prompt_ids) and seq.status is Status.RUNNING:
                 self.prefilling.remove(seq)
                 self.decoding.append(seq)
-
-    def _publish(self, seq: Sequence) -> None:
-        pages, ps = self.pages, self.pages.page_size
-        full = seq.num_computed // ps
-        if len(seq.page_hashes) >= full:
-            return
-        tokens = seq.prompt_ids + seq.output_ids
-        while len(seq.page_hashes) < full:
-            i = len(seq.page_hashes)
-            if i < len(seq.prompt_hashes):
-                h = seq.prompt_hashes[i]
-            else:
-                parent = seq.page_hashes[-1] if i else pages.root_hash(seq.cache_namespace)
-                h = pages.chain(parent, tokens[i * ps:(i + 1) * ps])
-            pages.publish(seq.block_table[i], h, seq.block_table[i - 1] if i else None)
-            seq.page_hashes.append(h)
 
     def finish(self, seq: Sequence) -> None:
         """Takes the sequence out of its phase and returns its pages and reservation.
@@ -375,15 +356,14 @@ class Scheduler:
         runs its plans in order. Idempotent."""
         if seq.status is Status.FINISHED:
             return
-        if self._group is not None and self._group.seqs[0] is seq:
+        if self._group is not None and self._group.scheduled[0].seq is seq:
             self._group = None
         for queue in (self.waiting, self.prefilling, self.decoding):
             if seq in queue:
                 queue.remove(seq)
                 break
-        self.pages.release(seq.block_table)
-        self.pages.unreserve(seq.reserved_pages)
-        seq.block_table, seq.reserved_pages, seq.status = [], 0, Status.FINISHED
+        self.kv.release(seq)
+        seq.status = Status.FINISHED
 
 
 def _may_start(seq: Sequence) -> bool:

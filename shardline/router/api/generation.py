@@ -1,5 +1,5 @@
 """The public gRPC API (`shardline.v1.Generation`): a front end of the replica's admission
-(router/admission.py), which every front end shares; served with health and reflection by
+(requests/admission.py), which every front end shares; served with health and reflection by
 common/generation_service.py.
 
 Bytes that do not parse are INVALID_ARGUMENT (not gRPC's INTERNAL); a failure of one request
@@ -7,17 +7,20 @@ ends its stream with that request's status.
 """
 from __future__ import annotations
 
+import statistics
+
 import grpc
 from opentelemetry.trace import Status, StatusCode
 
+from shardline.common.auth import ApiKeys, caller_tenant
 from shardline.common.generation_service import Malformed
 from shardline.protos import generation_pb2 as pb
-from shardline.router.admission import Admission
-from shardline.common.auth import ApiKeys, caller_tenant
-from shardline.router.replica import Replica
-from shardline.router.stats import StatsCounters, stats_response
-from shardline.router.tracing import Tracing, request_attributes
-from shardline.router.validation import InvalidRequest, invalid
+from shardline.router.core.replica import Replica
+from shardline.router.observers.stats import StatsCounters
+from shardline.router.observers.tracing import Tracing, request_attributes
+from shardline.router.requests.admission import Admission
+from shardline.router.requests.validation import InvalidRequest, invalid
+
 
 class GenerationService:
     """The gRPC front end of `admission` (router/admission.py); `keys`: API keys (None: open to all)."""
@@ -84,12 +87,56 @@ class GenerationService:
         await self._tenant(context)
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        if self.replica.info is None:
+        if self.replica.served is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"not connected: {self.replica.down_reason}")
-        return self.replica.info
+        return info_response(self.replica)
 
 
 def _public_logprob(entry) -> pb.TokenLogprob:
     """A shard's TokenLogprob (parallel id and value lists) as the API's message."""
     return pb.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob,
                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in zip(entry.top_ids, entry.top_logprobs)])
+
+
+def info_response(replica: Replica) -> pb.InfoResponse:
+    """The model, layout, pool and policies of a replica that has been connected."""
+    config, served = replica.config, replica.served
+    head, infos, warmups = served.head, served.infos, served.warmups
+    return pb.InfoResponse(
+        model=head.model, page_size=head.page_size, num_pages=served.num_pages, tensor_parallel=head.tp_size,
+        pipeline_parallel=head.pp_size, max_batch=config.max_batch, context_length=head.context_length,
+        vocab_size=head.vocab_size, dtype=head.dtype, device=head.device, prefix_cache=config.prefix_cache,
+        eviction_policy=config.eviction, slru_protected_ratio=config.slru_protected_ratio,
+        chunk_size=config.chunk_size, max_batch_tokens=config.max_batch_tokens, mixed_steps=config.mixed_steps,
+        layer_groups=served.layer_groups, step_timeout_s=config.step_timeout_s, drain_timeout_s=config.drain_timeout_s,
+        shard_weight_bytes=max(i.weight_bytes for i in infos), shard_kv_pool_bytes=max(w.kv_pool_bytes for w in warmups),
+        decode_graphs=bool(warmups[0].decode_graph_buckets), decode_graph_buckets=warmups[0].decode_graph_buckets,
+        decode_graph_capture_s=max(w.capture_s for w in warmups),
+        weight_formats={k: v for i in infos for k, v in i.weight_formats.items()}, kv_dtype=head.kv_dtype)
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def stats_response(replica: Replica, counters: StatsCounters) -> pb.StatsResponse:
+    """The replica's live page pool and queue counts, and the router's counters."""
+    st = pb.StatsResponse(serving=replica.serving, replica_failures=replica.failures,
+                          replica_recoveries=replica.recoveries)
+    load, pages, c = replica.load(), replica.pool, counters
+    if load is None:
+        return st
+    st.MergeFrom(pb.StatsResponse(
+        pages_total=pages.num_pages, pages_free=pages.free, pages_referenced=pages.referenced,
+        pages_evictable=pages.evictable, pages_cached=pages.cached, pages_reserved=pages.reserved,
+        pages_probation=len(pages.probation), pages_protected=len(pages.protected),
+        prefix_hit_tokens=pages.hit_tokens, prefix_query_tokens=pages.query_tokens,
+        requests_waiting=load.waiting, requests_running=load.running,
+        requests_prefilling=load.prefilling, requests_decoding=load.decoding,
+        steps=c.steps, tokens_generated=c.tokens_generated, prompt_tokens_computed=c.prompt_tokens_computed,
+        requests_failed=c.requests_failed, decode_graph_launches=c.decode_graph_launches,
+        eager_decode_steps=c.eager_decode_steps, mixed_steps=c.mixed_steps,
+        layer_group_steps=c.layer_group_steps,
+        decode_step_ms_p50=_median([w for w, _ in c.decode_step_times]),
+        shard_decode_step_ms_p50=_median([s for _, s in c.decode_step_times])))
+    return st

@@ -2,7 +2,7 @@
 
 Requests are checked for their shape here (types, ranges OpenAI states, fields a server must
 refuse rather than ignore); what depends on the served model (context, vocabulary, limits) is
-checked where every front end checks it (router/validation.py). A field this server does not
+checked where every front end checks it (requests/validation.py). A field this server does not
 know is refused, as OpenAI refuses it, rather than ignored: a client that asks for a penalty or a
 tool expects it to apply. Extensions follow vLLM's names: `top_k`, `ignore_eos`, `priority`,
 `cache_salt`, `request_id`.
@@ -109,7 +109,7 @@ class StructuredOutputs(Closed):
         return self
 
 
-class Sampling(Closed):
+class BaseRequest(Closed):
     """What chat and text completions share."""
 
     model: StrictStr
@@ -172,7 +172,7 @@ class NamedToolChoice(Closed):
     function: NamedFunction
 
 
-class ChatCompletionRequest(Sampling):
+class ChatCompletionRequest(BaseRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
@@ -206,7 +206,7 @@ class ChatCompletionRequest(Sampling):
         return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
 
-class CompletionRequest(Sampling):
+class CompletionRequest(BaseRequest):
     # A string, or token ids; or a batch of one of either.
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
     logprobs: StrictInt | None = Field(None, ge=0, le=20)

@@ -1,7 +1,7 @@
 """How a request becomes a running sequence, the same for every front end: validated
-(router/validation.py), tokenized on a worker thread, its constraint compiled
-(router/constraints.py), checked against the replica's capacity and the tenant's limits,
-registered under (tenant, request id) and queued in the engine.
+(validation.py), tokenized on a worker thread, its constraint compiled (constraints.py), checked
+against the replica's capacity and the tenant's limits, registered under (tenant, request id)
+and queued in the replica's engine.
 
 Tokenizing and chat templating run on one worker thread with the GIL released while tokenizing,
 so a long prompt does not delay other streams' tokens, and a burst of long prompts queues there
@@ -17,13 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from shardline.protos import generation_pb2 as pb
 from shardline.common.auth import cache_namespace
 from shardline.common.prompts import prompt_ids
-from shardline.router.replica import Replica
-from shardline.router.sequence import Sequence
 from shardline.common.tokenizer import TemplateError
-from shardline.router.validation import InvalidRequest, Limits, invalid, new_tokens, prompt_fits, sampling_of, validate
+from shardline.protos import generation_pb2 as pb
+from shardline.router.core.replica import Replica
+from shardline.router.core.sequence import Sequence
+from shardline.router.requests.constraints import Grammars
+from shardline.router.requests.validation import (InvalidRequest, Limits, invalid, new_tokens, prompt_fits, sampling_of,
+                                                  validate)
 
 
 def _exhausted(message: str) -> InvalidRequest:
@@ -33,12 +35,15 @@ def _exhausted(message: str) -> InvalidRequest:
 class Admission:
     """`max_waiting`: requests queued before RESOURCE_EXHAUSTED. `tenant_max_requests` /
     `tenant_max_waiting`: a tenant's requests in flight / queued (0: no limit). `share_cache`:
-    tenants share cached prefix pages (else each tenant's pages are its own)."""
+    tenants share cached prefix pages (else each tenant's pages are its own).
+    `constraint_timeout_s`: the most a constraint may take to compile."""
 
     def __init__(self, replica: Replica, max_waiting: int, tenant_max_requests: int = 0,
-                 tenant_max_waiting: int = 0, share_cache: bool = False):
+                 tenant_max_waiting: int = 0, share_cache: bool = False, constraint_timeout_s: float = 5.0):
         self.replica, self.max_waiting, self.share_cache = replica, max_waiting, share_cache
         self.tenant_max_requests, self.tenant_max_waiting = tenant_max_requests, tenant_max_waiting
+        self.constraint_timeout_s = constraint_timeout_s
+        self._grammars: Grammars | None = None  # built once the served vocabulary is known
         self._ids = itertools.count(1)
         self._running: dict[tuple[str, str], Sequence] = {}  # until its front end releases it
         self._text_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
@@ -52,9 +57,18 @@ class Admission:
         return None
 
     def limits(self) -> Limits:
-        info = self.replica.info
-        return Limits(info.context_length, info.vocab_size, self.replica.codec.max_token_chars,
-                      info.num_pages * info.page_size)
+        served = self.replica.served
+        return Limits(served.head.context_length, served.head.vocab_size, self.replica.codec.max_token_chars,
+                      served.pool_tokens)
+
+    def grammars(self) -> Grammars:
+        """The constraint compiler of the served vocabulary (the model is the router's: it stays
+        across reconnects)."""
+        if self._grammars is None:
+            served = self.replica.served
+            self._grammars = Grammars(self.replica.codec.tokenizer.to_str(), served.head.vocab_size,
+                                      sorted(served.eos_ids), self.constraint_timeout_s)
+        return self._grammars
 
     async def admit(self, req: pb.GenerateRequest, tenant: str, span=None, open_ended: bool = False,
                     after: Sequence | None = None) -> Sequence:
@@ -72,7 +86,7 @@ class Admission:
             raise invalid(str(e)) from None
         max_new = new_tokens(req, len(ids), limits)
         prompt_fits(len(ids), max_new, limits)
-        constrained = await self.replica.grammars.constrained(req) if req.WhichOneof("constraint") else None
+        constrained = await self.grammars().constrained(req) if req.WhichOneof("constraint") else None
         if constrained is not None and constrained.error:
             raise invalid(constrained.error)
         if error := self.unavailable():  # the group may have failed while we tokenized
@@ -80,22 +94,21 @@ class Admission:
         self._check_room(len(ids) + max_new, tenant, req.request_id)
         seq = Sequence(seq_id=next(self._ids), request_id=req.request_id or uuid.uuid4().hex,
                        prompt_ids=ids, max_new_tokens=max_new,
-                       sampling=sampling_of(req.sampling, random.getrandbits(63)),
+                       sampling=sampling_of(req, random.getrandbits(63)),
                        cache_namespace=cache_namespace(None if self.share_cache else tenant, req.cache_salt),
                        tenant=tenant, priority=req.priority,
-                       logprobs=req.logprobs if req.HasField("logprobs") else None,
                        prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
-                       stop_token_ids=frozenset() if req.ignore_eos else self.replica.eos_ids, span=span,
+                       stop_token_ids=frozenset() if req.ignore_eos else self.replica.served.eos_ids, span=span,
                        after=after, constrained=constrained)
         # No await since _check_room: the id is still free.
         self._running[tenant, seq.request_id] = seq
-        self.replica.engine.submit(seq, list(req.stop))
+        self.replica.submit(seq, list(req.stop))
         return seq
 
     def release(self, seq: Sequence) -> None:
         """The request's stream ended (finished, cancelled by its client, deadline, broken
         connection): its pages go back at the next step boundary."""
-        self.replica.engine.cancel(seq)
+        self.replica.cancel(seq)
         if self._running.get((seq.tenant, seq.request_id)) is seq:  # not a later request with its id
             del self._running[seq.tenant, seq.request_id]
 
@@ -105,15 +118,15 @@ class Admission:
         seq = self._running.get((tenant, request_id))
         if seq is None:
             return False
-        self.replica.engine.cancel(seq)
+        self.replica.cancel(seq)
         return True
 
     def _check_room(self, tokens: int, tenant: str, request_id: str) -> None:
-        info, scheduler = self.replica.info, self.replica.engine.scheduler
-        if not scheduler.can_ever_fit(tokens):
+        replica = self.replica
+        if not replica.can_ever_fit(tokens):
             raise _exhausted(f"the request needs {tokens} tokens of KV cache "
-                             f"but the whole page pool holds {info.num_pages * info.page_size}")
-        if len(scheduler.waiting) >= self.max_waiting:
+                             f"but the whole page pool holds {replica.served.pool_tokens}")
+        if replica.waiting() >= self.max_waiting:
             raise _exhausted(f"too many waiting requests ({self.max_waiting}); retry later")
         if (tenant, request_id) in self._running:
             raise InvalidRequest(grpc.StatusCode.ALREADY_EXISTS,
@@ -121,7 +134,6 @@ class Admission:
         if self.tenant_max_requests and sum(t == tenant for t, _ in self._running) >= self.tenant_max_requests:
             raise _exhausted(f"this tenant already has {self.tenant_max_requests} requests in flight, "
                              "its limit; retry later")
-        if self.tenant_max_waiting and \
-                sum(s.tenant == tenant for s in scheduler.waiting) >= self.tenant_max_waiting:
+        if self.tenant_max_waiting and replica.waiting(tenant) >= self.tenant_max_waiting:
             raise _exhausted(f"this tenant already has {self.tenant_max_waiting} requests waiting, "
                              "its limit; retry later")

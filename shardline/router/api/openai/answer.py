@@ -1,0 +1,190 @@
+"""One request's answer, streamed or whole, from its choices' outputs: what chat and text
+completions share. `chat.py` and `completions.py` say how each writes a choice, its
+log-probabilities and its chunks.
+
+- Streams are server-sent events: one chunk per output of the engine (a step's text delta),
+  `finish_reason` in each choice's last content chunk, with `stream_options.include_usage` a last
+  chunk of usage and no choices, then `data: [DONE]`. An error after the stream started ends it
+  with an error event, then `[DONE]`.
+- A client that disconnects cancels its request at the next step; its pages go back.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from opentelemetry.trace import Status, StatusCode
+from pydantic import BaseModel
+
+from shardline.common.tokenizer import TextCodec
+from shardline.router.api.openai.choices import Choices, running
+from shardline.router.api.openai.errors import ApiError
+from shardline.router.api.openai.schema import BaseRequest, Error, ErrorResponse, PromptTokensDetails, ToolCall, Usage
+from shardline.router.core.sequence import FinishReason, Output
+
+log = logging.getLogger(__name__)
+FINISH = {FinishReason.STOP: "stop", FinishReason.EOS: "stop", FinishReason.LENGTH: "length",
+          FinishReason.CANCELLED: "abort"}  # vLLM's word for a request cancelled on the server
+
+
+def as_json(model: BaseModel) -> str:
+    """As OpenAI writes its bodies: every field, null where there is no value."""
+    return model.model_dump_json()
+
+
+def _sse(data: str) -> bytes:
+    return f"data: {data}\n\n".encode()
+
+
+class Answer:
+    """The choices' outputs made into an API's answer; a subclass writes them."""
+
+    id_prefix = ""
+
+    def __init__(self, body: BaseRequest, choices: Choices, model: str, codec: TextCodec):
+        self.body, self.choices, self.model, self.codec = body, choices, model, codec
+        self.id = self.id_prefix + (body.request_id or choices.seqs[0].request_id)
+        self.created = int(time.time())
+        n = len(choices.reqs)
+        self.text = [""] * n
+        self.finish: list[str | None] = [None] * n
+        self.logprobs: list[list] = [[] for _ in range(n)]   # each choice's, as the API writes them
+        self._closed = False
+
+    # -- what each API writes ----------------------------------------------------------------------
+    def _read(self, index: int, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        """A choice's text delta as the API shows it, and the tool calls it completed."""
+        return text, []
+
+    def _finish_reason(self, index: int, reason: str) -> str:
+        return reason
+
+    def _logprob(self, index: int, entry):
+        """A shard TokenLogprob as the API reports it."""
+        raise NotImplementedError
+
+    def _opening(self) -> list[BaseModel]:
+        """The chunks a stream starts with."""
+        return []
+
+    def _chunk(self, index: int, delta: str, calls: list[ToolCall], logprobs: list) -> BaseModel:
+        raise NotImplementedError
+
+    def _usage_chunk(self) -> BaseModel:
+        raise NotImplementedError
+
+    def _whole(self) -> BaseModel:
+        raise NotImplementedError
+
+    # -- shared ------------------------------------------------------------------------------------
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.choices.reqs[0].HasField("logprobs")
+
+    def _take(self, index: int, out: Output) -> tuple[str, list[ToolCall]]:
+        """Records an output; returns its delta and the tool calls it completed."""
+        for entry in out.logprobs:
+            self.logprobs[index].append(self._logprob(index, entry))
+        text, calls = self._read(index, out.text, out.finish_reason is not None)
+        if out.finish_reason:
+            self.finish[index] = self._finish_reason(index, FINISH[out.finish_reason])
+        self.text[index] += text
+        return text, calls
+
+    def _usage(self) -> Usage:
+        seqs = self.choices.seqs
+        prompt, completion = len(seqs[0].prompt_ids), sum(len(s.output_ids) for s in seqs)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=seqs[0].cached_prompt_tokens))
+
+    async def _outputs(self) -> AsyncIterator[tuple[int, Output]]:
+        """The choices' outputs until all ended; a failure raises ApiError."""
+        async with running(self.choices) as outputs:
+            async for index, out in outputs:
+                if out.failure is not None:
+                    raise ApiError.of(out.failure.code, out.failure.message)
+                yield index, out
+
+    def close(self) -> None:
+        """Releases the choices (the engine cancels what still runs at the next step) and ends a
+        request span of several choices (one choice's ends with its sequence). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.choices.release()
+        span = self.choices.span
+        if span is not None and len(self.choices.reqs) > 1:
+            span.end()
+
+    def _failed(self, e: ApiError) -> None:
+        span = self.choices.span
+        if span is not None and len(self.choices.reqs) > 1:
+            span.set_status(Status(StatusCode.ERROR, e.body.error.message))
+
+    async def whole(self, request: Request) -> str:
+        # Nothing reads the request while the answer is made: a watcher hears the client leave.
+        gone = asyncio.ensure_future(_disconnect(request))
+        gone.add_done_callback(lambda task: task.cancelled() or self.close())
+        try:
+            async with contextlib.aclosing(self._outputs()) as outputs:
+                async for index, out in outputs:
+                    self._take(index, out)
+        except ApiError as e:
+            self._failed(e)
+            raise
+        finally:
+            gone.cancel()
+            self.close()
+        return as_json(self._whole())
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        try:
+            for chunk in self._opening():
+                yield _sse(as_json(chunk))
+            async with contextlib.aclosing(self._outputs()) as outputs:
+                async for index, out in outputs:
+                    seen = len(self.logprobs[index])
+                    delta, calls = self._take(index, out)
+                    if not (delta or calls or out.finish_reason or out.logprobs):
+                        continue  # withheld text (half a character, a possible stop string, a call)
+                    yield _sse(as_json(self._chunk(index, delta, calls, self.logprobs[index][seen:])))
+            options = self.body.stream_options
+            if options is not None and options.include_usage:
+                yield _sse(as_json(self._usage_chunk()))
+        except ApiError as e:
+            self._failed(e)
+            yield _sse(as_json(e.body))
+        except Exception as e:  # noqa: BLE001 - whatever went wrong, the stream ends with an error event
+            log.error("a stream of the HTTP API failed", exc_info=e)
+            yield _sse(as_json(ErrorResponse(error=Error(message=f"internal error ({type(e).__name__})",
+                                                         type="server_error"))))
+        finally:
+            self.close()
+        yield _sse("[DONE]")
+
+
+class StreamedAnswer(StreamingResponse):
+    """An answer's server-sent events, and its release however the response ends: also when the
+    client left before the first event (Starlette then cancels the response before it iterates)."""
+
+    def __init__(self, answer: Answer):
+        super().__init__(answer.stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.answer = answer
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self.answer.close()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has gone away (its body was read, so that is the next message)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

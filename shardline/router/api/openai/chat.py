@@ -1,0 +1,90 @@
+"""`/v1/chat/completions`: messages in (with tools), a message or its deltas out, tool calls
+read back from the text (tools.py), log-probabilities as `logprobs.content[]`."""
+from __future__ import annotations
+
+import json
+
+from shardline.common.tokenizer import TextCodec
+from shardline.protos import generation_pb2 as pb
+from shardline.router.api.openai import tools
+from shardline.router.api.openai.answer import Answer
+from shardline.router.api.openai.choices import Choices, base_request, per_choice
+from shardline.router.api.openai.schema import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
+                                                ChatCompletionRequest, ChatLogprobs, ChatMessage, Delta, TokenLogprob,
+                                                ToolCall, TopLogprob)
+from shardline.router.api.openai.tools import ToolCallReader
+
+
+def chat_requests(body: ChatCompletionRequest, tool_blocks: bool) -> list[pb.GenerateRequest]:
+    """The choices' requests. Without max_tokens a chat is open-ended (max_new_tokens 0): up to
+    the context. `tool_blocks`: the model writes its calls in <tool_call> blocks."""
+    req = base_request(body, tools.grammar(body, tool_blocks))
+    req.max_new_tokens = body.max_completion_tokens or body.max_tokens or 0
+    if body.logprobs:
+        req.logprobs = body.top_logprobs or 0
+    for m in body.messages:
+        role = "system" if m.role == "developer" else m.role
+        calls = json.dumps([c.model_dump() for c in m.tool_calls]) if m.tool_calls else ""
+        req.messages.messages.append(pb.ChatMessage(role=role, content=m.text(), tool_calls_json=calls,
+                                                    tool_call_id=m.tool_call_id or "", name=m.name or ""))
+    if body.tools:
+        req.messages.tools_json = json.dumps([t.model_dump(exclude_none=True) for t in body.tools])
+    return per_choice(req, body)
+
+
+class ChatAnswer(Answer):
+    id_prefix = "chatcmpl-"
+
+    def __init__(self, body: ChatCompletionRequest, choices: Choices, model: str, codec: TextCodec,
+                 tool_blocks: bool):
+        super().__init__(body, choices, model, codec)
+        kind = tools.mode(body, tool_blocks)
+        self.readers = [ToolCallReader(kind, tool_blocks) for _ in self.text]
+
+    def _read(self, index: int, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        reader = self.readers[index]
+        text, calls = reader.feed(text)
+        if final:
+            rest, more = reader.end()
+            text, calls = text + rest, calls + more
+        return text, calls
+
+    def _finish_reason(self, index: int, reason: str) -> str:
+        return "tool_calls" if self.readers[index].calls and reason == "stop" else reason
+
+    def _logprob(self, index: int, entry) -> TokenLogprob:
+        codec = self.codec
+        return TokenLogprob(token=codec.token_text(entry.token_id), logprob=entry.logprob,
+                            bytes=list(codec.token_bytes(entry.token_id)),
+                            top_logprobs=[TopLogprob(token=codec.token_text(t), logprob=v, bytes=list(codec.token_bytes(t)))
+                                          for t, v in zip(entry.top_ids, entry.top_logprobs)])
+
+    def _choice_logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs | None:
+        return ChatLogprobs(content=entries) if self.wants_logprobs else None
+
+    def _message(self, index: int) -> ChatMessage:
+        calls = self.readers[index].calls
+        return ChatMessage(content=self.text[index] or None if calls else self.text[index], tool_calls=calls or None)
+
+    def _whole(self) -> ChatCompletion:
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=self._usage(), choices=[
+            ChatChoice(index=i, message=self._message(i), finish_reason=self.finish[i],
+                       logprobs=self._choice_logprobs(self.logprobs[i])) for i in range(len(self.text))])
+
+    def _opening(self) -> list[ChatCompletionChunk]:
+        # OpenAI opens every choice with the assistant's role.
+        return [self._chunk_of([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))
+                                for i in range(len(self.text))])]
+
+    def _chunk(self, index: int, delta: str, calls: list[ToolCall], logprobs: list) -> ChatCompletionChunk:
+        tool_calls = self.readers[index].deltas(calls) if calls else None
+        content = delta if delta or not tool_calls else None
+        return self._chunk_of([ChatChunkChoice(index=index, delta=Delta(content=content, tool_calls=tool_calls),
+                                               finish_reason=self.finish[index],
+                                               logprobs=self._choice_logprobs(logprobs))])
+
+    def _usage_chunk(self) -> ChatCompletionChunk:
+        return self._chunk_of([], self._usage())
+
+    def _chunk_of(self, choices: list[ChatChunkChoice], usage=None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)

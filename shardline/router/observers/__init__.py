@@ -1,0 +1,2 @@
+"""Observers of the engine's events (core/events.py): Stats counters, Prometheus metrics and
+traces. The step loop counts nothing itself."""
