@@ -12,6 +12,7 @@ Per version, against a fresh `shardline serve --max-batch 32` on SmolLM2:
 
     .venv/bin/python -m bench.attention_memory [--baseline-rev REV] [--weights native|dequantized]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,8 @@ import grpc
 from bench.common import machine, save
 from harness.client import Stream, astream, concurrently, stream, token_request
 from harness.serve import ROOT, Server, peak_rss_mb, rss_mb
-from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+from shardline.protos import generation_pb2 as pb
+from shardline.protos import generation_pb2_grpc as pb_grpc
 
 BUDGET_EXTRA_MB = 400
 
@@ -48,8 +50,10 @@ def measure_short(cwd: Path, args, rng: random.Random) -> dict:
         stream(server.stub, token_request(prompt(32), 8))  # warm-up
         one = stream(server.stub, token_request(prompt(32), 128))
         wall, many = asyncio.run(concurrently(server.target, [token_request(prompt(32), 64) for _ in range(32)]))
-        return {"itl_p50_ms_1_stream": statistics.median(one.itl_ms),
-                "tok_s_32_streams": sum(len(s.ids) for s in many) / wall}
+        return {
+            "itl_p50_ms_1_stream": statistics.median(one.itl_ms),
+            "tok_s_32_streams": sum(len(s.ids) for s in many) / wall,
+        }
     finally:
         server.stop()
 
@@ -86,17 +90,29 @@ def measure_long(cwd: Path, args, rng: random.Random) -> dict:
         sampler = threading.Thread(target=sample)
         sampler.start()
         t0 = time.perf_counter()
-        long_, joined, shorts = asyncio.run(_long_joined_by_short(
-            server.target, token_request(prompt(args.long_tokens), args.long_new_tokens),
-            [token_request(prompt(32), args.short_new_tokens) for _ in range(31)]))
+        long_, joined, shorts = asyncio.run(
+            _long_joined_by_short(
+                server.target,
+                token_request(prompt(args.long_tokens), args.long_new_tokens),
+                [token_request(prompt(32), args.short_new_tokens) for _ in range(31)],
+            )
+        )
         stop.set()
         sampler.join()
         info = server.stub.Info(pb.InfoRequest())  # an older checkout leaves the memory fields 0
-        return {"prefill_s": joined - t0, "peak_rss_mb": peak_rss_mb(shard),
-                "rss_mb": [(round(t - t0, 2), round(m, 1)) for t, m in rss], "batch_32_from_s": joined - t0,
-                "short_tokens": sum(len(s.ids) for s in shorts), "long_tokens": len(long_.ids),
-                "info": {"weight_mb": info.shard_weight_bytes / 2**20, "kv_pool_mb": info.shard_kv_pool_bytes / 2**20,
-                         "num_pages": info.num_pages}}
+        return {
+            "prefill_s": joined - t0,
+            "peak_rss_mb": peak_rss_mb(shard),
+            "rss_mb": [(round(t - t0, 2), round(m, 1)) for t, m in rss],
+            "batch_32_from_s": joined - t0,
+            "short_tokens": sum(len(s.ids) for s in shorts),
+            "long_tokens": len(long_.ids),
+            "info": {
+                "weight_mb": info.shard_weight_bytes / 2**20,
+                "kv_pool_mb": info.shard_kv_pool_bytes / 2**20,
+                "num_pages": info.num_pages,
+            },
+        }
     finally:
         server.stop()
 
@@ -104,32 +120,44 @@ def measure_long(cwd: Path, args, rng: random.Random) -> dict:
 def _worktree(rev: str) -> Path:
     """A checkout of `rev` with its gRPC code generated, in a temporary folder."""
     path = Path(tempfile.mkdtemp(prefix="shardline-baseline-")) / "tree"
-    subprocess.run(["git", "worktree", "add", "--detach", str(path), rev], cwd=ROOT, check=True,
-                   capture_output=True)
-    from grpc_tools import protoc
+    subprocess.run(["git", "worktree", "add", "--detach", str(path), rev], cwd=ROOT, check=True, capture_output=True)
     import grpc_tools
+    from grpc_tools import protoc
+
     include = Path(grpc_tools.__file__).parent / "_proto"
     for proto in sorted((path / "protos").glob("*.proto")):
-        protoc.main(["protoc", f"-I{path}", f"-I{include}", f"--python_out={path}",
-                     f"--grpc_python_out={path}", str(proto.relative_to(path))])
+        protoc.main(
+            [
+                "protoc",
+                f"-I{path}",
+                f"-I{include}",
+                f"--python_out={path}",
+                f"--grpc_python_out={path}",
+                str(proto.relative_to(path)),
+            ]
+        )
     return path
 
 
 def plot(result: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
+
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
     for name, r in result["versions"].items():
         t, m = zip(*r["long"]["rss_mb"]) if r["long"]["rss_mb"] else ((), ())
         a1.plot(t, m, label=f"{name} (peak {r['long']['peak_rss_mb']:.0f} MB)")
         a1.axvline(r["long"]["batch_32_from_s"], ls=":", color=a1.lines[-1].get_color())
     a1.axhline(result["budget_mb"], ls="--", color="red", label=f"budget {result['budget_mb']:.0f} MB")
-    a1.set(title=f"shard RSS: {result['long_tokens']}-token sequence, then +31 short (dotted)",
-           xlabel="s", ylabel="MB")
+    a1.set(title=f"shard RSS: {result['long_tokens']}-token sequence, then +31 short (dotted)", xlabel="s", ylabel="MB")
     a1.legend(fontsize=8)
     names = list(result["versions"])
     for j, key in enumerate(["itl_p50_ms_1_stream", "tok_s_32_streams"]):
-        bars = a2.bar([i + 0.4 * j for i in range(len(names))],
-                      [result["versions"][n]["short_context"][key] for n in names], 0.4, label=key)
+        bars = a2.bar(
+            [i + 0.4 * j for i in range(len(names))],
+            [result["versions"][n]["short_context"][key] for n in names],
+            0.4,
+            label=key,
+        )
         a2.bar_label(bars, fmt="%.1f")
     a2.set_xticks([i + 0.2 for i in range(len(names))], names)
     a2.set(title="short-context decode")
@@ -150,8 +178,14 @@ def main() -> None:
     trees = {"this checkout": ROOT}
     if args.baseline_rev:
         trees = {f"baseline {args.baseline_rev}": _worktree(args.baseline_rev), **trees}
-    result = {"benchmark": "attention_memory", **machine(), "long_tokens": args.long_tokens, "weights": args.weights,
-              "short_repeats": args.short_repeats, "versions": {n: {"short_runs": []} for n in trees}}
+    result = {
+        "benchmark": "attention_memory",
+        **machine(),
+        "long_tokens": args.long_tokens,
+        "weights": args.weights,
+        "short_repeats": args.short_repeats,
+        "versions": {n: {"short_runs": []} for n in trees},
+    }
     rng = random.Random(0)
     try:
         for _ in range(args.short_repeats):  # interleaved, so that both see the same noise
@@ -171,8 +205,10 @@ def main() -> None:
         r["within_budget"] = r["long"]["peak_rss_mb"] <= result["budget_mb"]
         print(name, "short context (median of repeats):", r["short_context"], "peak RSS MB", r["long"]["peak_rss_mb"])
     save("attention_memory", result, plot)
-    print(f"budget {result['budget_mb']:.0f} MB:",
-          {n: round(r["long"]["peak_rss_mb"]) for n, r in result["versions"].items()})
+    print(
+        f"budget {result['budget_mb']:.0f} MB:",
+        {n: round(r["long"]["peak_rss_mb"]) for n, r in result["versions"].items()},
+    )
 
 
 if __name__ == "__main__":

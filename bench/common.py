@@ -1,4 +1,5 @@
 """What every benchmark records next to its numbers: the machine, the commit, where output goes."""
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,9 @@ def isa_flags() -> list[str]:
     """The CPU's vector-ISA flags (as lscpu lists them): avx2, avx512*, amx*, vnni, f16c, fma."""
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("flags"):
-            return sorted({f for f in line.split(":", 1)[1].split()
-                           if f.startswith(("avx", "amx")) or f in ("fma", "f16c")})
+            return sorted(
+                {f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx")) or f in ("fma", "f16c")}
+            )
     return []
 
 
@@ -35,23 +37,40 @@ def llama_cpp_model(model: str = "smollm2", n_ctx: int = 2048, **options):
     """llama.cpp (`llama-cpp-python`, the optional `peers` extra) on the model's GGUF with all the
     machine's threads, or None where it is not installed."""
     import importlib.util
+
     if importlib.util.find_spec("llama_cpp") is None:
         return None
     import llama_cpp
+
     from shardline.common.model_source import resolve_model
-    return llama_cpp.Llama(model_path=str(resolve_model(model).path), n_ctx=n_ctx, n_threads=os.cpu_count(),
-                           n_threads_batch=os.cpu_count(), verbose=False, **options)
+
+    return llama_cpp.Llama(
+        model_path=str(resolve_model(model).path),
+        n_ctx=n_ctx,
+        n_threads=os.cpu_count(),
+        n_threads_batch=os.cpu_count(),
+        verbose=False,
+        **options,
+    )
 
 
 def machine() -> dict:
     import torch
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=OUT.parent).stdout.strip()
-    return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit,
-            "cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-            "cpu": cpu_model(), "isa_flags": isa_flags(),
-            "forced": {k: os.environ[k] for k in FORCING if k in os.environ},
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=OUT.parent
+    ).stdout.strip()
+    return {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "commit": commit,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cpu": cpu_model(),
+        "isa_flags": isa_flags(),
+        "forced": {k: os.environ[k] for k in FORCING if k in os.environ},
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
 
 
 def out_path(name: str) -> Path:
@@ -65,6 +84,7 @@ def save(name: str, result: dict, plot) -> Path:
     import json
 
     import matplotlib
+
     matplotlib.use("Agg")  # no screen needed
     path = out_path(name)
     path.with_suffix(".json").write_text(json.dumps(result, indent=2))

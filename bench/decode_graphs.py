@@ -7,6 +7,7 @@ memory, and the launch counters.
 Both servers run side by side (the idle one costs nothing); scenarios alternate between them so
 the machine's noise hits both. Writes bench/out/decode_graphs-<timestamp>.json and .png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,14 @@ def main() -> None:
     max_batch = max(levels)
     cache = tempfile.mkdtemp(prefix="bench-inductor-")  # a cold compile cache, then the same one warm
     env = {"TORCHINDUCTOR_CACHE_DIR": cache}
-    result = {"benchmark": "decode_graphs", **machine(), "levels": levels, "max_new_tokens": args.max_new_tokens,
-              "start_s": {}, "runs": {"off": {n: [] for n in levels}, "on": {n: [] for n in levels}}}
+    result = {
+        "benchmark": "decode_graphs",
+        **machine(),
+        "levels": levels,
+        "max_new_tokens": args.max_new_tokens,
+        "start_s": {},
+        "runs": {"off": {n: [] for n in levels}, "on": {n: [] for n in levels}},
+    }
     servers = {}
     try:
         servers["off"], result["start_s"]["off"] = start("graphs off", "off", max_batch, env)
@@ -59,27 +66,34 @@ def main() -> None:
                     assert not r["errors"], r["errors"]
                     result["runs"][name][n].append({"tok_s": r["tok_s"], "itl_p50_ms": r["itl_ms"]["p50"]})
                     print(name, n, round(r["tok_s"], 1), "tok/s, ITL p50", round(r["itl_ms"]["p50"], 1), flush=True)
-        result["counters"] = {name: {k: getattr(s.stats(), k) for k in ("decode_graph_launches", "eager_decode_steps")}
-                              for name, s in servers.items()}
+        result["counters"] = {
+            name: {k: getattr(s.stats(), k) for k in ("decode_graph_launches", "eager_decode_steps")}
+            for name, s in servers.items()
+        }
         result["memory_mb_after"] = {name: s.memory_mb()["shard"] for name, s in servers.items()}
     finally:
         for server in servers.values():
             server.stop()
         shutil.rmtree(cache, ignore_errors=True)
-    med = {name: {n: {k: statistics.median(r[k] for r in runs[n]) for k in ("tok_s", "itl_p50_ms")}
-                  for n in levels} for name, runs in result["runs"].items()}
+    med = {
+        name: {n: {k: statistics.median(r[k] for r in runs[n]) for k in ("tok_s", "itl_p50_ms")} for n in levels}
+        for name, runs in result["runs"].items()
+    }
     result["median"] = med
     result["on_over_off_tok_s"] = {n: med["on"][n]["tok_s"] / med["off"][n]["tok_s"] for n in levels}
     for n in levels:
-        print(f"{n:3d} streams: off {med['off'][n]['tok_s']:.1f} tok/s (ITL p50 {med['off'][n]['itl_p50_ms']:.1f} ms), "
-              f"on {med['on'][n]['tok_s']:.1f} tok/s (ITL p50 {med['on'][n]['itl_p50_ms']:.1f} ms): "
-              f"{result['on_over_off_tok_s'][n]:.2f}x")
+        print(
+            f"{n:3d} streams: off {med['off'][n]['tok_s']:.1f} tok/s (ITL p50 {med['off'][n]['itl_p50_ms']:.1f} ms), "
+            f"on {med['on'][n]['tok_s']:.1f} tok/s (ITL p50 {med['on'][n]['itl_p50_ms']:.1f} ms): "
+            f"{result['on_over_off_tok_s'][n]:.2f}x"
+        )
     print("start:", result["start_s"], "memory:", result["memory_mb"], "counters:", result["counters"])
     save("decode_graphs", result, plot)
 
 
 def plot(result: dict, png) -> None:
     import matplotlib.pyplot as plt
+
     levels = result["levels"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for name, m in result["median"].items():

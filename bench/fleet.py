@@ -16,6 +16,7 @@ interleaved: TTFT p50 of one request at a time, and ITL p50 of 16 concurrent str
     .venv/bin/python -m bench.fleet [--rates 0.5,1,2] [--requests 40] [--parts smollm2,tiny,cost]
                                     [--policies round-robin,least-load,prefix,single]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,18 +34,21 @@ from bench.common import machine, save
 from harness.client import astream, concurrently, percentiles, token_request
 from harness.serve import Server, free_port
 from harness.tiny_models import make_tiny_model
-from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 from shardline.processes import HealthProbe, spawn_service
+from shardline.protos import generation_pb2 as pb
+from shardline.protos import generation_pb2_grpc as pb_grpc
 
 POLICIES = ["round-robin", "least-load", "prefix"]
 PAGE = 64
 
 
-def make_workload(rng: random.Random, tenants: int, system_tokens: int, question_tokens: int,
-                  n: int) -> list[list[int]]:
+def make_workload(
+    rng: random.Random, tenants: int, system_tokens: int, question_tokens: int, n: int
+) -> list[list[int]]:
     systems = [[rng.randrange(1000, 40000) for _ in range(system_tokens)] for _ in range(tenants)]
-    return [systems[rng.randrange(tenants)] + [rng.randrange(1000, 40000) for _ in range(question_tokens)]
-            for _ in range(n)]
+    return [
+        systems[rng.randrange(tenants)] + [rng.randrange(1000, 40000) for _ in range(question_tokens)] for _ in range(n)
+    ]
 
 
 def _routers(stub) -> list[str]:
@@ -59,8 +63,9 @@ def _computed(addresses: list[str]) -> int:
     return total
 
 
-async def _poisson(target: str, prompts: list[list[int]], rate: float, max_new: int, seed: int,
-                   timeout: float) -> tuple[float, list]:
+async def _poisson(
+    target: str, prompts: list[list[int]], rate: float, max_new: int, seed: int, timeout: float
+) -> tuple[float, list]:
     rng = random.Random(seed)
     async with grpc.aio.insecure_channel(target) as channel:
         await asyncio.wait_for(channel.channel_ready(), 30)
@@ -73,8 +78,14 @@ async def _poisson(target: str, prompts: list[list[int]], rate: float, max_new: 
     return max(s.ended for s in streams) - t0, list(streams)
 
 
-def one_policy(flags: list[str], policy: str, prompts_per_rate: list[list[list[int]]], rates: list[float],
-               max_new: int, timeout: float) -> list[dict]:
+def one_policy(
+    flags: list[str],
+    policy: str,
+    prompts_per_rate: list[list[list[int]]],
+    rates: list[float],
+    max_new: int,
+    timeout: float,
+) -> list[dict]:
     server = Server(*flags, *(["--routing", policy] if policy != "single" else []))
     try:
         routers = _routers(server.stub) if policy != "single" else [server.target]
@@ -86,22 +97,43 @@ def one_policy(flags: list[str], policy: str, prompts_per_rate: list[list[list[i
             prompt = sum(s.last.usage.prompt_tokens for s in done)
             cached = sum(s.last.usage.cached_prompt_tokens for s in done)
             ttft = percentiles([s.ttft_ms for s in done], (50, 90))
-            row = {"rate": rate, "requests": len(streams), "completed": len(done) == len(streams),
-                   "errors": sorted({s.error for s in streams if s.error})[:3],
-                   "prompt_tokens_computed": _computed(routers) - before, "hit_rate": cached / prompt if prompt else 0,
-                   "ttft_p50_ms": ttft.get("p50"), "ttft_p90_ms": ttft.get("p90"),
-                   "output_tok_s": sum(len(s.ids) for s in done) / wall, "wall_s": wall}
-            print(f"  {policy:>11} @ {rate:4.1f}/s: computed {row['prompt_tokens_computed']:7d}, hit "
-                  f"{row['hit_rate']:.0%}, TTFT p50 {row['ttft_p50_ms'] or 0:7.0f} p90 {row['ttft_p90_ms'] or 0:7.0f} ms, "
-                  f"{row['output_tok_s']:.1f} tok/s{'' if row['completed'] else ', INCOMPLETE'}", flush=True)
+            row = {
+                "rate": rate,
+                "requests": len(streams),
+                "completed": len(done) == len(streams),
+                "errors": sorted({s.error for s in streams if s.error})[:3],
+                "prompt_tokens_computed": _computed(routers) - before,
+                "hit_rate": cached / prompt if prompt else 0,
+                "ttft_p50_ms": ttft.get("p50"),
+                "ttft_p90_ms": ttft.get("p90"),
+                "output_tok_s": sum(len(s.ids) for s in done) / wall,
+                "wall_s": wall,
+            }
+            print(
+                f"  {policy:>11} @ {rate:4.1f}/s: computed {row['prompt_tokens_computed']:7d}, hit "
+                f"{row['hit_rate']:.0%}, TTFT p50 {row['ttft_p50_ms'] or 0:7.0f} "
+                f"p90 {row['ttft_p90_ms'] or 0:7.0f} ms, "
+                f"{row['output_tok_s']:.1f} tok/s{'' if row['completed'] else ', INCOMPLETE'}",
+                flush=True,
+            )
             out.append(row)
         return out
     finally:
         server.stop()
 
 
-def fleet(name: str, model_flags: list[str], replicas: int, pages_per_replica: int, workload: dict,
-          rates: list[float], n: int, max_new: int, timeout: float, policies: list[str]) -> dict:
+def fleet(
+    name: str,
+    model_flags: list[str],
+    replicas: int,
+    pages_per_replica: int,
+    workload: dict,
+    rates: list[float],
+    n: int,
+    max_new: int,
+    timeout: float,
+    policies: list[str],
+) -> dict:
     rng = random.Random(7)
     # Fresh system prompts per rate, so no rate starts from an earlier one's cache.
     prompts = [make_workload(rng, n=n, **workload) for _ in rates]
@@ -114,8 +146,9 @@ def fleet(name: str, model_flags: list[str], replicas: int, pages_per_replica: i
     if "single" not in policies:
         return result
     single_pages = pages_per_replica * replicas * 2
-    result["policies"]["single"] = one_policy([*common, "--num-pages", str(single_pages)], "single", prompts,
-                                              rates, max_new, timeout)
+    result["policies"]["single"] = one_policy(
+        [*common, "--num-pages", str(single_pages)], "single", prompts, rates, max_new, timeout
+    )
     single = result["policies"]["single"]
     for policy in [p for p in POLICIES if p in policies]:
         for row, ref in zip(result["policies"][policy], single):
@@ -125,11 +158,16 @@ def fleet(name: str, model_flags: list[str], replicas: int, pages_per_replica: i
     if completes and "prefix" in policies:
         i = completes[-1]
         result["at_highest_completing_rate"] = {
-            "rate": rates[i], "prefix_ttft_p90_vs_round_robin": result["policies"]["prefix"][i]["ttft_p90_ms"]
-            / rr[i]["ttft_p90_ms"], "prefix_computed_vs_single": result["policies"]["prefix"][i]["computed_vs_single"]}
-        print(f"{name} @ {rates[i]}/s: prefix TTFT p90 / round-robin "
-              f"{result['at_highest_completing_rate']['prefix_ttft_p90_vs_round_robin']:.2f}, prefix computed / single "
-              f"{result['at_highest_completing_rate']['prefix_computed_vs_single']:.2f}", flush=True)
+            "rate": rates[i],
+            "prefix_ttft_p90_vs_round_robin": result["policies"]["prefix"][i]["ttft_p90_ms"] / rr[i]["ttft_p90_ms"],
+            "prefix_computed_vs_single": result["policies"]["prefix"][i]["computed_vs_single"],
+        }
+        print(
+            f"{name} @ {rates[i]}/s: prefix TTFT p90 / round-robin "
+            f"{result['at_highest_completing_rate']['prefix_ttft_p90_vs_round_robin']:.2f}, prefix computed / single "
+            f"{result['at_highest_completing_rate']['prefix_computed_vs_single']:.2f}",
+            flush=True,
+        )
     return result
 
 
@@ -141,8 +179,11 @@ def gateway_cost(streams: int, rounds: int, max_new: int) -> dict:
     both busy computing, any extra process in the path waits for the scheduler (milliseconds)."""
     server = Server("--threads", "1", "--http-port", "0")
     port = free_port()
-    gateway = spawn_service(["gateway", "--port", str(port), "--http-port", "0", "--routers", server.target],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    gateway = spawn_service(
+        ["gateway", "--port", str(port), "--http-port", "0", "--routers", server.target],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     probe = HealthProbe(f"127.0.0.1:{port}")
     try:
         deadline = time.monotonic() + 120
@@ -156,7 +197,7 @@ def gateway_cost(streams: int, rounds: int, max_new: int) -> dict:
             return [token_request([rng.randrange(1000, 40000) for _ in range(tokens)], max_new) for _ in range(n)]
 
         for r in range(rounds + 1):
-            for name, target in (paths.items() if r % 2 else reversed(paths.items())):
+            for name, target in paths.items() if r % 2 else reversed(paths.items()):
                 # 4-token prompts: the prefill's own noise (milliseconds) would hide the hop
                 singles = [asyncio.run(concurrently(target, prompts(1, 4)))[1][0] for _ in range(10)]
                 _, together = asyncio.run(concurrently(target, prompts(streams, 32)))
@@ -165,13 +206,20 @@ def gateway_cost(streams: int, rounds: int, max_new: int) -> dict:
                 samples[name]["ttft_ms"] += [s.ttft_ms for s in singles]
                 samples[name]["itl_ms"].append(statistics.median(i for s in together for i in s.itl_ms))
         med = {k: {m: statistics.median(v) for m, v in s.items()} for k, s in samples.items()}
-        out = {"streams": streams, "rounds": rounds, "median": med, "samples": samples,
-               "ttft_p50_added_ms": med["gateway"]["ttft_ms"] - med["direct"]["ttft_ms"],
-               "itl_p50_added": med["gateway"]["itl_ms"] / med["direct"]["itl_ms"] - 1}
-        print(f"gateway cost: TTFT p50 of single requests {med['direct']['ttft_ms']:.2f} -> "
-              f"{med['gateway']['ttft_ms']:.2f} ms ({out['ttft_p50_added_ms']:+.2f} ms); ITL p50 at {streams} streams "
-              f"{med['direct']['itl_ms']:.2f} -> {med['gateway']['itl_ms']:.2f} ms ({out['itl_p50_added']:+.1%})",
-              flush=True)
+        out = {
+            "streams": streams,
+            "rounds": rounds,
+            "median": med,
+            "samples": samples,
+            "ttft_p50_added_ms": med["gateway"]["ttft_ms"] - med["direct"]["ttft_ms"],
+            "itl_p50_added": med["gateway"]["itl_ms"] / med["direct"]["itl_ms"] - 1,
+        }
+        print(
+            f"gateway cost: TTFT p50 of single requests {med['direct']['ttft_ms']:.2f} -> "
+            f"{med['gateway']['ttft_ms']:.2f} ms ({out['ttft_p50_added_ms']:+.2f} ms); ITL p50 at {streams} streams "
+            f"{med['direct']['itl_ms']:.2f} -> {med['gateway']['itl_ms']:.2f} ms ({out['itl_p50_added']:+.1%})",
+            flush=True,
+        )
         return out
     finally:
         probe.close()
@@ -192,15 +240,25 @@ def main() -> None:
     result = {"benchmark": "fleet", **machine(), "fleets": {}}
     if "smollm2" in parts:  # 6 tenants x 512-token system prompts = 48 pages; each SmolLM2 replica holds 28
         smol = dict(tenants=6, system_tokens=512, question_tokens=24)
-        result["fleets"]["smollm2 x2"] = fleet("smollm2 x2", [], 2, 28, smol, rates, args.requests,
-                                               args.max_new_tokens, 600, policies)
+        result["fleets"]["smollm2 x2"] = fleet(
+            "smollm2 x2", [], 2, 28, smol, rates, args.requests, args.max_new_tokens, 600, policies
+        )
     if "tiny" in parts:
         with tempfile.TemporaryDirectory() as tmp:
             tiny = make_tiny_model("llama", Path(tmp) / "llama")
             work = dict(tenants=12, system_tokens=512, question_tokens=24)  # 96 pages; each of 4 replicas holds 28
-            result["fleets"]["tiny x4"] = fleet("tiny x4", ["--model", str(tiny)], 4, 28, work,
-                                                [r * 8 for r in rates], args.requests * 2, args.max_new_tokens,
-                                                600, policies)
+            result["fleets"]["tiny x4"] = fleet(
+                "tiny x4",
+                ["--model", str(tiny)],
+                4,
+                28,
+                work,
+                [r * 8 for r in rates],
+                args.requests * 2,
+                args.max_new_tokens,
+                600,
+                policies,
+            )
     if "cost" in parts:
         result["gateway_cost"] = gateway_cost(16, 6, 32)
     save("fleet", result, plot)

@@ -13,6 +13,7 @@ with the same client and workload. With --llama-server, Shardline (default flags
 over HTTP, so that a ratio compares runs minutes apart at most on a machine whose speed drifts.
 Writes bench/out/http-<time>.json and .png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,18 +37,29 @@ def http_scenario(base_url: str, model: str, n: int, max_new: int, meter) -> dic
     with meter:
         wall, streams = asyncio.run(http_concurrently(base_url, http_workload(model, n, max_new)))
     tokens = sum(s.completion_tokens for s in streams)
-    return {"concurrency": n, "wall_s": wall, "completion_tokens": tokens, "tok_s": tokens / wall,
-            "decode_tok_s": decode_tok_s(streams), "ttft_ms": percentiles(s.ttft_ms for s in streams), "itl_ms": percentiles(x for s in streams for x in s.itl_ms),
-            "errors": [s.error for s in streams if s.error], **meter.pct}
+    return {
+        "concurrency": n,
+        "wall_s": wall,
+        "completion_tokens": tokens,
+        "tok_s": tokens / wall,
+        "decode_tok_s": decode_tok_s(streams),
+        "ttft_ms": percentiles(s.ttft_ms for s in streams),
+        "itl_ms": percentiles(x for s in streams for x in s.itl_ms),
+        "errors": [s.error for s in streams if s.error],
+        **meter.pct,
+    }
 
 
 def summary(runs: list[dict]) -> dict:
     decode = [r["decode_tok_s"] for r in runs if r.get("decode_tok_s")]
-    return {"tok_s": statistics.median(r["tok_s"] for r in runs),
-            "decode_tok_s": statistics.median(decode) if decode else None,
-            "itl_ms_p50": statistics.median(r["itl_ms"].get("p50", 0) for r in runs),
-            "itl_ms_p99": statistics.median(r["itl_ms"].get("p99", 0) for r in runs),
-            "errors": sum(len(r["errors"]) for r in runs), "runs": runs}
+    return {
+        "tok_s": statistics.median(r["tok_s"] for r in runs),
+        "decode_tok_s": statistics.median(decode) if decode else None,
+        "itl_ms_p50": statistics.median(r["itl_ms"].get("p50", 0) for r in runs),
+        "itl_ms_p99": statistics.median(r["itl_ms"].get("p99", 0) for r in runs),
+        "errors": sum(len(r["errors"]) for r in runs),
+        "runs": runs,
+    }
 
 
 def against_grpc(args, streams: list[int]) -> dict:
@@ -61,16 +73,27 @@ def against_grpc(args, streams: list[int]) -> dict:
             runs = {"grpc": [], "http": []}
             for rep in range(args.repeats):
                 for api in ("grpc", "http") if rep % 2 == 0 else ("http", "grpc"):  # neither always first
-                    runs[api].append(run_scenario(server.stub, server.target, n, args.max_new_tokens, server.stats().steps,
-                                                  meter) if api == "grpc" else
-                                     http_scenario(server.http_url, model, n, args.max_new_tokens, meter))
-                print(f"{n} streams: gRPC {runs['grpc'][-1]['tok_s']:.1f} tok/s, HTTP {runs['http'][-1]['tok_s']:.1f}",
-                      flush=True)
+                    runs[api].append(
+                        run_scenario(server.stub, server.target, n, args.max_new_tokens, server.stats().steps, meter)
+                        if api == "grpc"
+                        else http_scenario(server.http_url, model, n, args.max_new_tokens, meter)
+                    )
+                print(
+                    f"{n} streams: gRPC {runs['grpc'][-1]['tok_s']:.1f} tok/s, HTTP {runs['http'][-1]['tok_s']:.1f}",
+                    flush=True,
+                )
             grpc_, http_ = summary(runs["grpc"]), summary(runs["http"])
-            out[n] = {"grpc": grpc_, "http": http_, "http_vs_grpc_tok_s": http_["tok_s"] / grpc_["tok_s"],
-                      "http_minus_grpc_itl_p50_ms": http_["itl_ms_p50"] - grpc_["itl_ms_p50"]}
-            print(f"{n} streams: HTTP/gRPC tok/s {out[n]['http_vs_grpc_tok_s']:.3f}, "
-                  f"ITL p50 {out[n]['http_minus_grpc_itl_p50_ms']:+.2f} ms", flush=True)
+            out[n] = {
+                "grpc": grpc_,
+                "http": http_,
+                "http_vs_grpc_tok_s": http_["tok_s"] / grpc_["tok_s"],
+                "http_minus_grpc_itl_p50_ms": http_["itl_ms_p50"] - grpc_["itl_ms_p50"],
+            }
+            print(
+                f"{n} streams: HTTP/gRPC tok/s {out[n]['http_vs_grpc_tok_s']:.3f}, "
+                f"ITL p50 {out[n]['http_minus_grpc_itl_p50_ms']:+.2f} ms",
+                flush=True,
+            )
         return out
     finally:
         server.stop()
@@ -81,10 +104,27 @@ def llama_server(path: str, slots: int):
     """llama.cpp's `llama-server` on SmolLM2's GGUF with `slots` (`-np`, continuous batching) of
     2048 tokens of context each, on every core; yields its base URL (".../v1") once healthy."""
     from shardline.common.model_source import resolve_model
+
     port = free_port()
-    proc = subprocess.Popen([path, "-m", str(resolve_model("smollm2").path), "-np", str(slots), "-c",
-                             str(2048 * slots), "-t", str(os.cpu_count()), "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            path,
+            "-m",
+            str(resolve_model("smollm2").path),
+            "-np",
+            str(slots),
+            "-c",
+            str(2048 * slots),
+            "-t",
+            str(os.cpu_count()),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         base = f"http://127.0.0.1:{port}"
         for _ in range(600):
@@ -122,14 +162,22 @@ def against_llama_server(args, streams: list[int]) -> dict:
                     for name in urls if rep % 2 == 0 else reversed(urls):  # neither always first
                         url, served = urls[name]
                         runs[name].append(http_scenario(url, served, n, args.max_new_tokens, CpuMeter(None)))
-                    print(f"{n} streams: " + ", ".join(f"{k} {v[-1]['tok_s']:.1f} tok/s" for k, v in runs.items()),
-                          flush=True)
+                    print(
+                        f"{n} streams: " + ", ".join(f"{k} {v[-1]['tok_s']:.1f} tok/s" for k, v in runs.items()),
+                        flush=True,
+                    )
             ours_, theirs_ = summary(runs["shardline"]), summary(runs["llama-server"])
-            out[n] = {"shardline": ours_, "llama-server": theirs_,
-                      "tok_s_ratio": ours_["tok_s"] / theirs_["tok_s"],
-                      "decode_tok_s_ratio": ours_["decode_tok_s"] / theirs_["decode_tok_s"]}
-            print(f"{n} streams: Shardline/llama-server tok/s {out[n]['tok_s_ratio']:.2f}x, "
-                  f"decode {out[n]['decode_tok_s_ratio']:.2f}x", flush=True)
+            out[n] = {
+                "shardline": ours_,
+                "llama-server": theirs_,
+                "tok_s_ratio": ours_["tok_s"] / theirs_["tok_s"],
+                "decode_tok_s_ratio": ours_["decode_tok_s"] / theirs_["decode_tok_s"],
+            }
+            print(
+                f"{n} streams: Shardline/llama-server tok/s {out[n]['tok_s_ratio']:.2f}x, "
+                f"decode {out[n]['decode_tok_s_ratio']:.2f}x",
+                flush=True,
+            )
         return out
     finally:
         server.stop()
@@ -140,8 +188,11 @@ def peer(args, streams: list[int]) -> dict:
     meter, out = CpuMeter(None), {}
     for n in streams:
         asyncio.run(http_concurrently(args.base_url, http_workload(model, n, 8)))
-        out[n] = {"http": summary([http_scenario(args.base_url, model, n, args.max_new_tokens, meter)
-                                   for _ in range(args.repeats)])}
+        out[n] = {
+            "http": summary(
+                [http_scenario(args.base_url, model, n, args.max_new_tokens, meter) for _ in range(args.repeats)]
+            )
+        }
         print(f"{n} streams: {out[n]['http']['tok_s']:.1f} tok/s", flush=True)
     return out
 
@@ -161,8 +212,15 @@ def plot(result: dict, png) -> None:
         ax.set_xticks(range(len(ns)), [f"{n} streams" for n in ns])
         ax.set_title(title)
         ax.legend()
-    fig.suptitle(result.get("base_url") or ("Shardline against llama-server over HTTP, in turns" if "shardline" in apis
-                 else "Shardline: HTTP against gRPC, same server, in turns"), fontsize=10)
+    fig.suptitle(
+        result.get("base_url")
+        or (
+            "Shardline against llama-server over HTTP, in turns"
+            if "shardline" in apis
+            else "Shardline: HTTP against gRPC, same server, in turns"
+        ),
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(png, dpi=100)
 
@@ -174,13 +232,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--base-url", default="", help="an OpenAI-compatible server to drive instead (.../v1)")
     ap.add_argument("--model", default="", help="with --base-url: the model to ask for (default: its first)")
-    ap.add_argument("--llama-server", default="", help="llama.cpp's llama-server binary, driven in turns with Shardline")
+    ap.add_argument(
+        "--llama-server", default="", help="llama.cpp's llama-server binary, driven in turns with Shardline"
+    )
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
-    result = {"benchmark": "http", **machine(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-              "base_url": args.base_url}
-    result["streams"] = (peer(args, streams) if args.base_url else against_llama_server(args, streams)
-                         if args.llama_server else against_grpc(args, streams))
+    result = {
+        "benchmark": "http",
+        **machine(),
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "base_url": args.base_url,
+    }
+    result["streams"] = (
+        peer(args, streams)
+        if args.base_url
+        else against_llama_server(args, streams)
+        if args.llama_server
+        else against_grpc(args, streams)
+    )
     save("http", result, plot)
 
 

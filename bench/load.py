@@ -7,10 +7,21 @@ Writes <out>/load-<timestamp>.json and .png (default out: bench/out/) and prints
 Latencies are taken on the client as each message arrives; tokens/s is completion tokens over
 the scenario's wall time (first send to last message), prefill included, as for the baseline.
 """
+
 from __future__ import annotations
 
-import argparse, datetime, json, os, platform, shlex, signal, statistics, subprocess
-import sys, tempfile, time
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import grpc
@@ -20,7 +31,9 @@ from google.protobuf.json_format import MessageToDict
 
 from harness.client import PROMPTS, run_scenario, warm_up
 from harness.serve import ROOT, CpuMeter, Server
-from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+from shardline.protos import generation_pb2 as pb
+from shardline.protos import generation_pb2_grpc as pb_grpc
+
 
 def median_tree(rows: list[dict]) -> dict:
     """Median over repeats of every numeric leaf, nested dicts included."""
@@ -36,11 +49,14 @@ def median_tree(rows: list[dict]) -> dict:
 
 # --- Hugging Face baseline ---
 
+
 def hf_setup(model_spec: str):
     from transformers import AutoTokenizer
+
+    from harness.reference import transformers_model
     from shardline.common.model_source import resolve_model
     from shardline.common.tokenizer_files import tokenizer_folder
-    from harness.reference import transformers_model
+
     source = resolve_model(model_spec)
     tok = AutoTokenizer.from_pretrained(tokenizer_folder(source))  # the files the router reads
     tok.padding_side = "left"
@@ -50,6 +66,7 @@ def hf_setup(model_spec: str):
             model = transformers_model(source, Path(tmp))
     else:
         from transformers import AutoModelForCausalLM
+
         model = AutoModelForCausalLM.from_pretrained(model_spec, dtype=torch.float32)
     return model.float().eval(), tok
 
@@ -59,26 +76,37 @@ def hf_run(model, tok, batch: int, max_new: int) -> dict:
     # add_special_tokens=False: the router encodes `prompt` the same way.
     enc = tok(PROMPTS[:batch], return_tensors="pt", padding=True, add_special_tokens=False)
     t0 = time.perf_counter()
-    out = model.generate(**enc, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-                         pad_token_id=tok.pad_token_id)
+    out = model.generate(
+        **enc, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id
+    )
     wall = time.perf_counter() - t0
-    new = out[:, enc["input_ids"].shape[1]:]
-    return {"batch": batch, "wall_s": wall, "tokens": new.numel(), "tok_s": new.numel() / wall,
-            "ids_req0": new[0].tolist()}
+    new = out[:, enc["input_ids"].shape[1] :]
+    return {
+        "batch": batch,
+        "wall_s": wall,
+        "tokens": new.numel(),
+        "tok_s": new.numel() / wall,
+        "ids_req0": new[0].tolist(),
+    }
 
 
 # --- reporting ---
 
+
 def plot(path: Path, server: dict, hf: dict, title: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(16, 4.8))
     conc = sorted(server)
     x = np.arange(len(conc))
     med = np.array([server[n]["median"]["tok_s"] for n in conc])
-    spread = [med - [min(r["tok_s"] for r in server[n]["repeats"]) for n in conc],
-              [max(r["tok_s"] for r in server[n]["repeats"]) for n in conc] - med]
+    spread = [
+        med - [min(r["tok_s"] for r in server[n]["repeats"]) for n in conc],
+        [max(r["tok_s"] for r in server[n]["repeats"]) for n in conc] - med,
+    ]
     a1.errorbar(x, med, yerr=spread, marker="o", capsize=4, label="shardline (median, min-max)")
     for (b, h), color in zip(sorted(hf.items()), ["tab:red", "tab:green", "tab:purple"]):
         a1.axhline(h["median"]["tok_s"], ls="--", color=color, label=f"HF generate, batch {b}")
@@ -101,28 +129,40 @@ def plot(path: Path, server: dict, hf: dict, title: str) -> None:
 def summary(res: dict) -> str:
     f = lambda v, fmt="{:.1f}": "-" if v is None else fmt.format(v)
     pair = lambda d, a, b, fmt="{:.1f}": f"{f(d.get(a), fmt)}/{f(d.get(b), fmt)}"
-    lines = [f"{'streams':>7} {'tok/s':>7} {'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} "
-             f"{'step ms router/shard':>21} {'overhead':>8} {'window':>6} {'other CPU':>9} {'errors':>6}"]
+    lines = [
+        f"{'streams':>7} {'tok/s':>7} {'TTFT p50/p99 ms':>16} {'ITL p50/p99 ms':>15} "
+        f"{'step ms router/shard':>21} {'overhead':>8} {'window':>6} {'other CPU':>9} {'errors':>6}"
+    ]
     for n, s in sorted(res["server"].items()):
         m, st = s["median"], s["stats"]
-        lines.append(f"{n:>7} {m['tok_s']:>7.1f} {pair(m['ttft_ms'], 'p50', 'p99'):>16} "
-                     f"{pair(m['itl_ms'], 'p50', 'p99'):>15} "
-                     f"{pair(st, 'decode_step_ms_p50', 'shard_decode_step_ms_p50'):>21} "
-                     f"{f(st['overhead_pct']) + '%':>8} {st['window_share']:>6.2f} {m['other_cpu_pct']:>8.0f}% "
-                     f"{sum(len(r['errors']) for r in s['repeats']):>6}")
+        lines.append(
+            f"{n:>7} {m['tok_s']:>7.1f} {pair(m['ttft_ms'], 'p50', 'p99'):>16} "
+            f"{pair(m['itl_ms'], 'p50', 'p99'):>15} "
+            f"{pair(st, 'decode_step_ms_p50', 'shard_decode_step_ms_p50'):>21} "
+            f"{f(st['overhead_pct']) + '%':>8} {st['window_share']:>6.2f} {m['other_cpu_pct']:>8.0f}% "
+            f"{sum(len(r['errors']) for r in s['repeats']):>6}"
+        )
     for b, h in sorted(res["hf"].items()):
-        lines.append(f"HF generate batch {b}: {h['median']['tok_s']:.1f} tok/s "
-                     f"({h['median']['wall_s']:.2f} s for {h['median']['tokens']:.0f} tokens; "
-                     f"other CPU {h['median']['other_cpu_pct']:.0f}%, server {h['median']['server_cpu_pct']:.0f}%)")
+        lines.append(
+            f"HF generate batch {b}: {h['median']['tok_s']:.1f} tok/s "
+            f"({h['median']['wall_s']:.2f} s for {h['median']['tokens']:.0f} tokens; "
+            f"other CPU {h['median']['other_cpu_pct']:.0f}%, server {h['median']['server_cpu_pct']:.0f}%)"
+        )
     lines += [f"ratio {k}: {v:.2f}" for k, v in res["ratios"].items()]
-    noisy = [f"{label} {k} #{i + 1} ({r['other_cpu_pct']:.0f}%)"
-             for label, group in (("streams", res["server"]), ("HF batch", res["hf"]))
-             for k, g in group.items() for i, r in enumerate(g["repeats"]) if r["other_cpu_pct"] > 20]
+    noisy = [
+        f"{label} {k} #{i + 1} ({r['other_cpu_pct']:.0f}%)"
+        for label, group in (("streams", res["server"]), ("HF batch", res["hf"]))
+        for k, g in group.items()
+        for i, r in enumerate(g["repeats"])
+        if r["other_cpu_pct"] > 20
+    ]
     if noisy:  # another process took CPU meanwhile: those numbers (and ratios) are not clean
         lines.append("WARNING other processes used CPU during: " + "; ".join(noisy))
     if "startup_s" in res:
-        lines.append(f"startup (spawn to ready): {res['startup_s']:.1f} s "
-                     f"(converted-model cache present before: {res['cache_present']})")
+        lines.append(
+            f"startup (spawn to ready): {res['startup_s']:.1f} s "
+            f"(converted-model cache present before: {res['cache_present']})"
+        )
     for role, mem in res.get("memory_after_load", {}).items():
         lines.append(f"{role} RSS after load: {mem['rss_mb']:.0f} MB (peak {mem['peak_rss_mb']:.0f} MB)")
     return "\n".join(lines)
@@ -158,8 +198,11 @@ def run(args, res: dict, server: Server | None) -> None:
         warm_up(target, n, args.max_new_tokens)
         for _ in range(args.repeats):
             reps.append(r := run_scenario(stub, target, n, args.max_new_tokens, steps0, meter))
-            print(f"{n} streams: {r['tok_s']:.1f} tok/s, ITL p50 {r['itl_ms'].get('p50', 0):.1f} ms, "
-                  f"other CPU {r['other_cpu_pct']:.0f}%, errors {len(r['errors'])}", flush=True)
+            print(
+                f"{n} streams: {r['tok_s']:.1f} tok/s, ITL p50 {r['itl_ms'].get('p50', 0):.1f} ms, "
+                f"other CPU {r['other_cpu_pct']:.0f}%, errors {len(r['errors'])}",
+                flush=True,
+            )
         # Stats of the last repeat: its window holds the most steps of this concurrency.
         res["server"][n] = {"repeats": reps, "median": median_tree(reps), "stats": reps[-1]["stats"]}
         del res["server"][n]["median"]["stats"]
@@ -170,12 +213,14 @@ def run(args, res: dict, server: Server | None) -> None:
         res["memory_after_load"] = server.memory_mb()
     for s, b in ((1, 1), (16, 8)):
         if s in res["server"] and b in res["hf"]:
-            res["ratios"][f"server_{s}_streams/hf_batch_{b}"] = \
+            res["ratios"][f"server_{s}_streams/hf_batch_{b}"] = (
                 res["server"][s]["median"]["tok_s"] / res["hf"][b]["median"]["tok_s"]
+            )
     if 1 in res["server"] and 1 in res["hf"]:  # same prompt, both greedy: tokens until they differ
         a, b = res["server"][1]["repeats"][0]["raw"]["ids_req0"], res["hf"][1]["repeats"][0]["ids_req0"]
-        res["greedy_agreeing_tokens_server1_hf1"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
-                                                         min(len(a), len(b)))
+        res["greedy_agreeing_tokens_server1_hf1"] = next(
+            (i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))
+        )
 
 
 def main() -> int:
@@ -193,23 +238,41 @@ def main() -> int:
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below still runs
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    cpu = [l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")]
-    res = {"argv": [sys.executable, "-m", "bench.load", *sys.argv[1:]], "args": vars(args) | {"out": str(args.out)},
-           "git_commit": git("rev-parse", "HEAD"), "git_status": git("status", "--porcelain").splitlines(),
-           "started": datetime.datetime.now().isoformat(timespec="seconds"),
-           "machine": {"nproc": os.cpu_count(), "affinity_cpus": len(os.sched_getaffinity(0)),
-                       "cpu": cpu[0] if cpu else "", "python": platform.python_version(),
-                       "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                       "loadavg_before": os.getloadavg()},
-           "server": {}, "hf": {}, "ratios": {}}
+    cpu = [ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")]
+    res = {
+        "argv": [sys.executable, "-m", "bench.load", *sys.argv[1:]],
+        "args": vars(args) | {"out": str(args.out)},
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_status": git("status", "--porcelain").splitlines(),
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {
+            "nproc": os.cpu_count(),
+            "affinity_cpus": len(os.sched_getaffinity(0)),
+            "cpu": cpu[0] if cpu else "",
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "loadavg_before": os.getloadavg(),
+        },
+        "server": {},
+        "hf": {},
+        "ratios": {},
+    }
     server = None
     try:
         if not args.target:
             from shardline.common.model_source import resolve_model
+
             src = resolve_model(args.model)
             res["cache_present"] = src.kind != "gguf" or src.cache_dir.exists()
-            server = Server("--model", args.model, "--max-batch", str(args.max_batch),
-                           *shlex.split(args.serve_args), timeout=args.ready_timeout)
+            server = Server(
+                "--model",
+                args.model,
+                "--max-batch",
+                str(args.max_batch),
+                *shlex.split(args.serve_args),
+                timeout=args.ready_timeout,
+            )
             res["startup_s"] = server.startup_s
         run(args, res, server)
     finally:
@@ -219,9 +282,13 @@ def main() -> int:
     res["machine"]["loadavg_after"] = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"load-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    plot(stem.with_suffix(".png"), res["server"], res["hf"],
-         f"{args.model}, max_new_tokens {args.max_new_tokens}, {args.repeats} repeats, "
-         f"{res['machine']['nproc']} CPUs, commit {res['git_commit'][:10]}")
+    plot(
+        stem.with_suffix(".png"),
+        res["server"],
+        res["hf"],
+        f"{args.model}, max_new_tokens {args.max_new_tokens}, {args.repeats} repeats, "
+        f"{res['machine']['nproc']} CPUs, commit {res['git_commit'][:10]}",
+    )
     stem.with_suffix(".json").write_text(json.dumps(res, indent=1, default=float))
     print(summary(res))
     print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")

@@ -10,6 +10,7 @@ of tokens over time.
 
     .venv/bin/python -m bench.mixed [--runs 3] [--configs off 'chunk 256' ...]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,12 +26,15 @@ from harness.client import Stream, astream, percentiles, token_request
 from harness.serve import Server
 from shardline.protos import generation_pb2_grpc as pb_grpc
 
-CONFIGS = {"off": [], "chunk 256": ["--chunk-size", "256", "--layer-groups", "1"],
-           "chunk 512": ["--chunk-size", "512", "--layer-groups", "1"],
-           "groups 256": ["--chunk-size", "256", "--layer-groups", "8"],
-           "groups4 256": ["--chunk-size", "256", "--layer-groups", "4"],
-           "mixed 256": ["--chunk-size", "256", "--mixed-steps", "on"],
-           "mixed 512": ["--chunk-size", "512", "--mixed-steps", "on"]}
+CONFIGS = {
+    "off": [],
+    "chunk 256": ["--chunk-size", "256", "--layer-groups", "1"],
+    "chunk 512": ["--chunk-size", "512", "--layer-groups", "1"],
+    "groups 256": ["--chunk-size", "256", "--layer-groups", "8"],
+    "groups4 256": ["--chunk-size", "256", "--layer-groups", "4"],
+    "mixed 256": ["--chunk-size", "256", "--mixed-steps", "on"],
+    "mixed 512": ["--chunk-size", "512", "--mixed-steps", "on"],
+}
 
 
 async def _arrivals(target: str, rng: random.Random) -> tuple[Stream, Stream, Stream]:
@@ -67,7 +71,9 @@ def one_run(server: Server, rng: random.Random) -> dict:
         "long_ttft_ms": long_.ttft_ms,
         "window_s": window[1] - window[0],
         "window_tokens_per_s": in_window / (window[1] - window[0]),
-        "timeline": {name: [t - t0 for t in s.times] for name, s in (("active", active), ("long", long_), ("short", short))},
+        "timeline": {
+            name: [t - t0 for t in s.times] for name, s in (("active", active), ("long", long_), ("short", short))
+        },
         "arrivals": {name: s.sent - t0 for name, s in (("active", active), ("long", long_), ("short", short))},
     }
 
@@ -78,8 +84,13 @@ METRICS = ["active_itl_max_ms", "active_itl_p95_ms", "short_ttft_ms", "long_ttft
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS),
-                    help="configurations to run ('off' is always run: the others are compared with it)")
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        choices=CONFIGS,
+        default=list(CONFIGS),
+        help="configurations to run ('off' is always run: the others are compared with it)",
+    )
     args = ap.parse_args()
     configs = {name: flags for name, flags in CONFIGS.items() if name == "off" or name in args.configs}
     result = {"benchmark": "mixed", **machine(), "runs": args.runs, "configs": {}}
@@ -93,16 +104,21 @@ def main() -> None:
             server.stop()
         med = {m: statistics.median(r[m] for r in runs) for m in METRICS}
         result["configs"][name] = {"median": med, "runs": runs}
-        print(f"{name:>9}: active ITL max {med['active_itl_max_ms']:6.0f} ms, p95 {med['active_itl_p95_ms']:5.0f} ms; "
-              f"short TTFT {med['short_ttft_ms']:6.0f} ms; long TTFT {med['long_ttft_ms']:6.0f} ms; "
-              f"window {med['window_tokens_per_s']:.1f} tok/s", flush=True)
+        print(
+            f"{name:>9}: active ITL max {med['active_itl_max_ms']:6.0f} ms, p95 {med['active_itl_p95_ms']:5.0f} ms; "
+            f"short TTFT {med['short_ttft_ms']:6.0f} ms; long TTFT {med['long_ttft_ms']:6.0f} ms; "
+            f"window {med['window_tokens_per_s']:.1f} tok/s",
+            flush=True,
+        )
     off = result["configs"]["off"]["median"]
     for name in configs.keys() - {"off"}:
         on = result["configs"][name]["median"]
         result["configs"][name]["vs_off"] = {m: on[m] / off[m] - 1 for m in METRICS}
         v = result["configs"][name]["vs_off"]
-        print(f"{name} vs off: max ITL {v['active_itl_max_ms']:+.0%}, short TTFT {v['short_ttft_ms']:+.0%}, "
-              f"long TTFT {v['long_ttft_ms']:+.0%}")
+        print(
+            f"{name} vs off: max ITL {v['active_itl_max_ms']:+.0%}, short TTFT {v['short_ttft_ms']:+.0%}, "
+            f"long TTFT {v['long_ttft_ms']:+.0%}"
+        )
     save("mixed", result, plot)
 
 
@@ -119,8 +135,11 @@ def plot(result: dict, png) -> None:
             ax.axvline(run["arrivals"][stream], color=color, lw=0.8, ls="--")
         ax.set_yticks([0, 1, 2], ["active", "2048-tok", "128-tok"])
         med = result["configs"][name]["median"]
-        ax.set_title(f"{name}: active max ITL {med['active_itl_max_ms']:.0f} ms, "
-                     f"short TTFT {med['short_ttft_ms']:.0f} ms, long TTFT {med['long_ttft_ms']:.0f} ms", fontsize=9)
+        ax.set_title(
+            f"{name}: active max ITL {med['active_itl_max_ms']:.0f} ms, "
+            f"short TTFT {med['short_ttft_ms']:.0f} ms, long TTFT {med['long_ttft_ms']:.0f} ms",
+            fontsize=9,
+        )
     axes[-1].set_xlabel("seconds since the active stream started (dashed: arrivals)")
     fig.tight_layout()
     fig.savefig(png, dpi=110)

@@ -4,12 +4,14 @@ loopback: an all-reduce of one decode step's activations, and a stage-to-stage s
 
     .venv/bin/python -m bench.parallel
 """
+
 from __future__ import annotations
 
 import argparse
 import asyncio
 import random
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -27,23 +29,31 @@ def measure(layout: str, args, rng: random.Random) -> dict:
     tp, pp, threads = LAYOUTS[layout]
     server = Server("--tp", str(tp), "--pp", str(pp), "--threads", str(threads), "--prefix-cache", "off")
     try:
+
         def prompt(n):
             return [rng.randrange(1000, 40000) for _ in range(n)]
+
         stream(server.stub, token_request(prompt(32), 8))  # warm-up
         one = stream(server.stub, token_request(prompt(32), args.new_tokens))
         itl = one.itl_ms[1:]  # from the second gap on, as decode runs
-        wall, many = asyncio.run(concurrently(server.target, [token_request(prompt(32), args.new_tokens)
-                                                              for _ in range(8)]))
+        wall, many = asyncio.run(
+            concurrently(server.target, [token_request(prompt(32), args.new_tokens) for _ in range(8)])
+        )
         prefill = [stream(server.stub, token_request(prompt(2048), 1)) for _ in range(args.prefill_runs)]
         stats = server.stats()
     finally:
         server.stop()
-    return {"layout": layout, "tp": tp, "pp": pp, "threads_per_shard": threads,
-            "one_stream_tok_s": 1e3 / statistics.median(itl),
-            "eight_streams_tok_s": sum(len(s.ids) for s in many) / wall,
-            "prefill_2048_s": statistics.median(p.times[0] - p.sent for p in prefill),
-            "router_decode_step_ms_p50": stats.decode_step_ms_p50,
-            "shard_decode_step_ms_p50": stats.shard_decode_step_ms_p50}
+    return {
+        "layout": layout,
+        "tp": tp,
+        "pp": pp,
+        "threads_per_shard": threads,
+        "one_stream_tok_s": 1e3 / statistics.median(itl),
+        "eight_streams_tok_s": sum(len(s.ids) for s in many) / wall,
+        "prefill_2048_s": statistics.median(p.times[0] - p.sent for p in prefill),
+        "router_decode_step_ms_p50": stats.decode_step_ms_p50,
+        "shard_decode_step_ms_p50": stats.shard_decode_step_ms_p50,
+    }
 
 
 def _comm_worker(rank: int, port: int, reps: int, out):
@@ -94,14 +104,18 @@ def main() -> None:
     for layout in LAYOUTS:
         r = measure(layout, args, rng)
         result["layouts"].append(r)
-        print(f"{layout}: 1 stream {r['one_stream_tok_s']:.1f} tok/s, 8 streams {r['eight_streams_tok_s']:.1f} tok/s, "
-              f"2048-token prefill {r['prefill_2048_s']:.2f} s, decode step {r['shard_decode_step_ms_p50']:.1f} ms",
-              flush=True)
+        print(
+            f"{layout}: 1 stream {r['one_stream_tok_s']:.1f} tok/s, 8 streams {r['eight_streams_tok_s']:.1f} tok/s, "
+            f"2048-token prefill {r['prefill_2048_s']:.2f} s, decode step {r['shard_decode_step_ms_p50']:.1f} ms",
+            flush=True,
+        )
     c = result["comm"]
     per_step = 2 * 30 * c[f"all_reduce_1x{HIDDEN}_ms"]
     result["tp2_allreduce_ms_per_decode_step"] = per_step
-    print(f"gloo all-reduce 1x{HIDDEN}: {c[f'all_reduce_1x{HIDDEN}_ms']:.3f} ms, 8x{HIDDEN}: "
-          f"{c[f'all_reduce_8x{HIDDEN}_ms']:.3f} ms; send/recv 1x{HIDDEN}: {c[f'send_recv_1x{HIDDEN}_ms']:.3f} ms")
+    print(
+        f"gloo all-reduce 1x{HIDDEN}: {c[f'all_reduce_1x{HIDDEN}_ms']:.3f} ms, 8x{HIDDEN}: "
+        f"{c[f'all_reduce_8x{HIDDEN}_ms']:.3f} ms; send/recv 1x{HIDDEN}: {c[f'send_recv_1x{HIDDEN}_ms']:.3f} ms"
+    )
     print(f"TP2 runs 2 all-reduces per layer x 30 layers: ~{per_step:.0f} ms of every decode step")
     save("parallel", result, plot)
 
@@ -112,8 +126,11 @@ def plot(result: dict, png) -> None:
     rows = result["layouts"]
     names = [r["layout"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
-    for ax, key, label in zip(axes, ["one_stream_tok_s", "eight_streams_tok_s", "prefill_2048_s"],
-                              ["1 stream (tok/s)", "8 streams (tok/s)", "2048-token prefill (s)"]):
+    for ax, key, label in zip(
+        axes,
+        ["one_stream_tok_s", "eight_streams_tok_s", "prefill_2048_s"],
+        ["1 stream (tok/s)", "8 streams (tok/s)", "2048-token prefill (s)"],
+    ):
         ax.bar(names, [r[key] for r in rows], color=["tab:blue", "tab:orange", "tab:green"])
         ax.set_title(label)
     fig.suptitle("SmolLM2 fp32 on 2 CPU cores, gloo on loopback")

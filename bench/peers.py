@@ -17,6 +17,7 @@ token, prefill included; and decode tok/s, the tokens after each stream's first 
 from the first token to the last (what ITL measures). ITL is the gap between streamed tokens.
 Writes bench/out/peers-<time>.json and .png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,8 @@ from bench.http import http_scenario, llama_server, summary
 from bench.load import hf_run, hf_setup
 from harness.client import PROMPTS, http_concurrently, http_workload, run_scenario, warm_up
 from harness.serve import CpuMeter, Server
-from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+from shardline.protos import generation_pb2 as pb
+from shardline.protos import generation_pb2_grpc as pb_grpc
 
 
 def median(values: list[float]) -> float:
@@ -47,6 +49,7 @@ def llama_cpp_peer(max_new: int, repeats: int) -> dict:
         return {"missing": "llama-cpp-python is not installed (pip install -e .[peers])"}
     import llama_cpp
     from transformers import AutoTokenizer
+
     from shardline.common.model_source import resolve_model
     from shardline.common.tokenizer_files import tokenizer_folder
 
@@ -56,21 +59,29 @@ def llama_cpp_peer(max_new: int, repeats: int) -> dict:
     def one(prompt_ids: list[int], n: int) -> dict:
         llm.reset()
         t0, times = time.perf_counter(), []
-        for _ in llm.create_completion(prompt_ids, max_tokens=n, temperature=0.0, repeat_penalty=1.0,
-                                       top_k=1, stream=True, logit_bias=no_eos):
+        for _ in llm.create_completion(
+            prompt_ids, max_tokens=n, temperature=0.0, repeat_penalty=1.0, top_k=1, stream=True, logit_bias=no_eos
+        ):
             times.append(time.perf_counter())
         times = times[:n]  # the stream ends with a chunk that only says why it finished
         wall = times[-1] - t0
         itl = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
-        return {"tok_s": len(times) / wall, "ttft_ms": (times[0] - t0) * 1e3,
-                "itl_ms_p50": median(itl) if itl else None, "tokens": len(times)}
+        return {
+            "tok_s": len(times) / wall,
+            "ttft_ms": (times[0] - t0) * 1e3,
+            "itl_ms_p50": median(itl) if itl else None,
+            "tokens": len(times),
+        }
 
     ids = tok(PROMPTS[0], add_special_tokens=False)["input_ids"]
     one(ids, 8)  # warm-up
-    runs = [one(tok(PROMPTS[i % len(PROMPTS)], add_special_tokens=False)["input_ids"], max_new)
-            for i in range(repeats)]
-    return {"version": llama_cpp.__version__, "runs": runs,
-            "tok_s": median([r["tok_s"] for r in runs]), "itl_ms_p50": median([r["itl_ms_p50"] for r in runs])}
+    runs = [one(tok(PROMPTS[i % len(PROMPTS)], add_special_tokens=False)["input_ids"], max_new) for i in range(repeats)]
+    return {
+        "version": llama_cpp.__version__,
+        "runs": runs,
+        "tok_s": median([r["tok_s"] for r in runs]),
+        "itl_ms_p50": median([r["itl_ms_p50"] for r in runs]),
+    }
 
 
 def http_runs(base_url: str, model: str, n: int, max_new: int, repeats: int, meter) -> dict:
@@ -88,9 +99,11 @@ def llama_server_peer(path: str | None, streams: list[int], max_new: int, repeat
     for n in streams:
         with llama_server(path, n) as base_url:
             out["streams"][n] = http_runs(base_url, "smollm2", n, max_new, repeats, CpuMeter(None))
-            print(f"llama-server {n} streams: {out['streams'][n]['tok_s']:.1f} tok/s, "
-                  f"decode {out['streams'][n]['decode_tok_s']:.1f}, ITL p50 {out['streams'][n]['itl_ms_p50']:.1f} ms",
-                  flush=True)
+            print(
+                f"llama-server {n} streams: {out['streams'][n]['tok_s']:.1f} tok/s, "
+                f"decode {out['streams'][n]['decode_tok_s']:.1f}, ITL p50 {out['streams'][n]['itl_ms_p50']:.1f} ms",
+                flush=True,
+            )
     return out
 
 
@@ -112,32 +125,46 @@ def shardline_peer(weights: str, streams: list[int], max_new: int, repeats: int,
         stub = pb_grpc.GenerationStub(grpc.insecure_channel(server.target))
         info = stub.Info(pb.InfoRequest(), timeout=30)
         warm_up(server.target, 1, 8)
-        meter, out = CpuMeter(server), {"startup_s": server.startup_s,
-                                         "weight_formats": dict(info.weight_formats),
-                                         "shard_weight_mb": info.shard_weight_bytes / 2**20,
-                                         "kv_pool_mb": info.shard_kv_pool_bytes / 2**20, "streams": {}}
+        meter, out = (
+            CpuMeter(server),
+            {
+                "startup_s": server.startup_s,
+                "weight_formats": dict(info.weight_formats),
+                "shard_weight_mb": info.shard_weight_bytes / 2**20,
+                "kv_pool_mb": info.shard_kv_pool_bytes / 2**20,
+                "streams": {},
+            },
+        )
         for n in streams:
             warm_up(server.target, n, max_new)  # untimed: warms this batch shape
             runs = []
             for _ in range(repeats):
                 steps0 = stub.Stats(pb.StatsRequest(), timeout=10).steps
                 runs.append(run_scenario(stub, server.target, n, max_new, steps0, meter))
-            out["streams"][n] = {"tok_s": median([r["tok_s"] for r in runs]),
-                                 "decode_tok_s": median([r["decode_tok_s"] for r in runs]),
-                                 "itl_ms_p50": median([r["itl_ms"]["p50"] for r in runs]),
-                                 "shard_decode_step_ms_p50": runs[-1]["stats"]["shard_decode_step_ms_p50"],
-                                 "router_decode_step_ms_p50": runs[-1]["stats"]["decode_step_ms_p50"],
-                                 "other_cpu_pct": median([r["other_cpu_pct"] for r in runs]),
-                                 "ttft_ms_p50": median([r["ttft_ms"]["p50"] for r in runs]),
-                                 "errors": sum(len(r["errors"]) for r in runs),
-                                 "runs": [r["tok_s"] for r in runs]}
-            print(f"shardline {weights} {n} streams: {out['streams'][n]['tok_s']:.1f} tok/s, "
-                  f"ITL p50 {out['streams'][n]['itl_ms_p50']:.1f} ms", flush=True)
+            out["streams"][n] = {
+                "tok_s": median([r["tok_s"] for r in runs]),
+                "decode_tok_s": median([r["decode_tok_s"] for r in runs]),
+                "itl_ms_p50": median([r["itl_ms"]["p50"] for r in runs]),
+                "shard_decode_step_ms_p50": runs[-1]["stats"]["shard_decode_step_ms_p50"],
+                "router_decode_step_ms_p50": runs[-1]["stats"]["decode_step_ms_p50"],
+                "other_cpu_pct": median([r["other_cpu_pct"] for r in runs]),
+                "ttft_ms_p50": median([r["ttft_ms"]["p50"] for r in runs]),
+                "errors": sum(len(r["errors"]) for r in runs),
+                "runs": [r["tok_s"] for r in runs],
+            }
+            print(
+                f"shardline {weights} {n} streams: {out['streams'][n]['tok_s']:.1f} tok/s, "
+                f"ITL p50 {out['streams'][n]['itl_ms_p50']:.1f} ms",
+                flush=True,
+            )
         model = info.model
         out["http"] = {n: http_runs(server.http_url, model, n, max_new, repeats, meter) for n in http}
         for n, r in out["http"].items():
-            print(f"shardline {weights} over HTTP, {n} streams: {r['tok_s']:.1f} tok/s, decode {r['decode_tok_s']:.1f}, "
-                  f"ITL p50 {r['itl_ms_p50']:.1f} ms", flush=True)
+            print(
+                f"shardline {weights} over HTTP, {n} streams: {r['tok_s']:.1f} tok/s, decode {r['decode_tok_s']:.1f}, "
+                f"ITL p50 {r['itl_ms_p50']:.1f} ms",
+                flush=True,
+            )
         out["memory_after_load"] = server.memory_mb()
         return out
     finally:
@@ -153,8 +180,12 @@ def plot(result: dict, png) -> None:
         xs = sorted(int(n) for n in streams)
         ax.plot(xs, [streams[n]["tok_s"] for n in xs], "o-", color=color, label=f"Shardline {weights}")
     for batch, style in ((1, ":"), (8, "--")):
-        ax.axhline(result["transformers"][batch]["tok_s"], ls=style, color="tab:orange",
-                   label=f"transformers fp32 batch {batch}")
+        ax.axhline(
+            result["transformers"][batch]["tok_s"],
+            ls=style,
+            color="tab:orange",
+            label=f"transformers fp32 batch {batch}",
+        )
     if "tok_s" in result["llama_cpp"]:
         ax.axhline(result["llama_cpp"]["tok_s"], ls="-.", color="tab:green", label="llama.cpp, 1 stream")
     if "streams" in result["llama_server"]:
@@ -175,8 +206,10 @@ def plot(result: dict, png) -> None:
 def ratios(result: dict) -> dict:
     native = result["shardline"]["native"]["streams"]
     hf = result["transformers"]
-    out = {"native_1_stream/transformers_batch_1": native[1]["tok_s"] / hf[1]["tok_s"],
-           "native_16_streams/transformers_batch_8": native[16]["tok_s"] / hf[8]["tok_s"]}
+    out = {
+        "native_1_stream/transformers_batch_1": native[1]["tok_s"] / hf[1]["tok_s"],
+        "native_16_streams/transformers_batch_8": native[16]["tok_s"] / hf[8]["tok_s"],
+    }
     if "tok_s" in result["llama_cpp"]:
         out["native_1_stream/llama_cpp_1_stream"] = native[1]["tok_s"] / result["llama_cpp"]["tok_s"]
     if "streams" in result["llama_server"]:
@@ -203,9 +236,10 @@ def main() -> None:
     result = {"benchmark": "peers", **machine(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
     # Shardline first: the peers that run inside this process (transformers' OpenMP team,
     # llama.cpp's thread pool) may leave threads behind that compete with a server started later.
-    result["shardline"] = {w: shardline_peer(w, streams, args.max_new_tokens, args.repeats,
-                                             server_streams if w == "native" else [])
-                           for w in ("native", "dequantized")}
+    result["shardline"] = {
+        w: shardline_peer(w, streams, args.max_new_tokens, args.repeats, server_streams if w == "native" else [])
+        for w in ("native", "dequantized")
+    }
     result["llama_server"] = llama_server_peer(args.llama_server, server_streams, args.max_new_tokens, args.repeats)
     result["transformers"] = transformers_peer(args.max_new_tokens, args.repeats)
     print("transformers:", {b: round(r["tok_s"], 1) for b, r in result["transformers"].items()}, flush=True)

@@ -9,6 +9,7 @@ Each repeat uses a fresh random prompt, so the prefix cache never helps; the thr
 turns (server whole, server chunked, transformers) so the machine's noise hits all of them.
 Writes bench/out/prefill-<timestamp>.json and .png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,10 @@ def main() -> None:
     model, _ = hf_setup(args.model)
     vocab = model.config.vocab_size
     extra = args.serve_args.split()
-    servers = {"whole": Server("--model", args.model, *extra),
-               f"chunked {args.chunk_size}": Server("--model", args.model, "--chunk-size", str(args.chunk_size), *extra)}
+    servers = {
+        "whole": Server("--model", args.model, *extra),
+        f"chunked {args.chunk_size}": Server("--model", args.model, "--chunk-size", str(args.chunk_size), *extra),
+    }
     rng = random.Random(0)
     llm = llama_cpp_model(args.model, max(lengths) + 8, n_batch=512)
     runs = {name: {n: [] for n in lengths} for name in [*servers, "transformers", *(["llama.cpp"] if llm else [])]}
@@ -83,28 +86,49 @@ def main() -> None:
             server.stop()
     medians = {name: {n: statistics.median(ts) for n, ts in r.items()} for name, r in runs.items()}
     hf = medians["transformers"]
-    result = {"benchmark": "prefill", **machine(), "model": args.model, "lengths": lengths,
-              "threads": torch.get_num_threads(), "runs_s": runs, "median_s": medians,
-              "speedup_vs_transformers": {name: {n: hf[n] / m[n] for n in lengths}
-                                          for name, m in medians.items() if name != "transformers"},
-              "speedup_vs_llama_cpp": {name: {n: medians["llama.cpp"][n] / m[n] for n in lengths}
-                                       for name, m in medians.items() if name != "llama.cpp"} if llm else {},
-              "chunked_over_whole": {n: medians[f"chunked {args.chunk_size}"][n] / medians["whole"][n]
-                                     for n in lengths}}
+    result = {
+        "benchmark": "prefill",
+        **machine(),
+        "model": args.model,
+        "lengths": lengths,
+        "threads": torch.get_num_threads(),
+        "runs_s": runs,
+        "median_s": medians,
+        "speedup_vs_transformers": {
+            name: {n: hf[n] / m[n] for n in lengths} for name, m in medians.items() if name != "transformers"
+        },
+        "speedup_vs_llama_cpp": {
+            name: {n: medians["llama.cpp"][n] / m[n] for n in lengths}
+            for name, m in medians.items()
+            if name != "llama.cpp"
+        }
+        if llm
+        else {},
+        "chunked_over_whole": {n: medians[f"chunked {args.chunk_size}"][n] / medians["whole"][n] for n in lengths},
+    }
     for n in lengths:
-        print(f"{n:5d} tokens: " + ", ".join(f"{name} {m[n]:.2f} s" for name, m in medians.items()) +
-              f"; whole/transformers {result['speedup_vs_transformers']['whole'][n]:.2f}x, "
-              f"chunked/whole {result['chunked_over_whole'][n]:.2f}")
+        print(
+            f"{n:5d} tokens: "
+            + ", ".join(f"{name} {m[n]:.2f} s" for name, m in medians.items())
+            + f"; whole/transformers {result['speedup_vs_transformers']['whole'][n]:.2f}x, "
+            f"chunked/whole {result['chunked_over_whole'][n]:.2f}"
+        )
     save("prefill", result, plot)
 
 
 def plot(result: dict, png) -> None:
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, m in result["median_s"].items():
         ax.plot(result["lengths"], [m[n] for n in result["lengths"]], marker="o", label=name)
-    ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="time to first token (s, median)",
-           title=f"Prefill, {result['model']} ({result['commit']})")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="prompt tokens",
+        ylabel="time to first token (s, median)",
+        title=f"Prefill, {result['model']} ({result['commit']})",
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=110)

@@ -13,10 +13,10 @@ in the same run, so its own agreement with the dequantized weights is measured b
 Targets: perplexity within +1% of dequantized, and same top-1 at least 97% or llama.cpp's own
 agreement on this text, whichever is lower.
 """
+
 from __future__ import annotations
 
 import argparse
-
 
 from bench.common import llama_cpp_model, machine, save
 from harness.quality import TOP, compare, prompt_scores, reference_text
@@ -39,8 +39,13 @@ def llama_cpp_scores(model: str, ids: list[int]) -> list[pb.TokenLogprob] | None
         logp = row - (row.max() + np.log(np.exp(row - row.max()).sum()))
         best = np.argpartition(-logp, TOP)[:TOP]
         best = best[np.argsort(-logp[best])]
-        out.append(pb.TokenLogprob(token_id=ids[i + 1], logprob=float(logp[ids[i + 1]]),
-                                   top=[pb.TopLogprob(token_id=int(t), logprob=float(logp[t])) for t in best]))
+        out.append(
+            pb.TokenLogprob(
+                token_id=ids[i + 1],
+                logprob=float(logp[ids[i + 1]]),
+                top=[pb.TopLogprob(token_id=int(t), logprob=float(logp[t])) for t in best],
+            )
+        )
     del llm
     return out
 
@@ -75,11 +80,12 @@ def main() -> None:
         server = Server("--model", args.model, "--weights", weights)
         try:
             if "ids" not in result:
-                from shardline.common.tokenizer import TextCodec
                 from shardline.common.model_source import resolve_model
+                from shardline.common.tokenizer import TextCodec
                 from shardline.common.tokenizer_files import tokenizer_folder
+
                 codec = TextCodec(tokenizer_folder(resolve_model(args.model)))
-                result["ids"] = codec.encode(reference_text())[:args.tokens]
+                result["ids"] = codec.encode(reference_text())[: args.tokens]
             result[f"weight_formats_{weights}"] = dict(server.stub.Info(pb.InfoRequest()).weight_formats)
             scores[weights] = prompt_scores(server, result["ids"])
         finally:
@@ -89,8 +95,11 @@ def main() -> None:
     if theirs is not None:
         result["llama_cpp"] = compare(scores["dequantized"], theirs)
     gate = min(0.97, result.get("llama_cpp", {}).get("same_top1", 1.0))
-    result["gate"] = {"same_top1_at_least": gate, "perplexity_ratio_at_most": 1.01,
-                      "passed": result["same_top1"] >= gate and result["perplexity_ratio"] <= 1.01}
+    result["gate"] = {
+        "same_top1_at_least": gate,
+        "perplexity_ratio_at_most": 1.01,
+        "passed": result["same_top1"] >= gate and result["perplexity_ratio"] <= 1.01,
+    }
     result["tokens"] = len(result.pop("ids"))
     print({k: v for k, v in result.items() if not k.startswith("weight_formats")})
     save("quality", result, plot)

@@ -6,6 +6,7 @@ scan) in the same run. Writes JSON and a PNG to bench/out/.
 
     .venv/bin/python -m bench.reclaim
 """
+
 from __future__ import annotations
 
 import argparse
@@ -103,10 +104,13 @@ def main() -> None:
     save("reclaim", result, lambda res, png: plot(res, times, scan_times, png))
     for k in ("lru", "slru"):
         r = result[k]
-        print(f"{k}: median {r['reclaim_us_median']:.2f} us, p99 {r['reclaim_us_p99']:.2f} us per one-page "
-              f"reclaim; metadata {r['retained_mb']:.2f} MB")
-    print(f"scan baseline: median {result['scan']['reclaim_us_median']:.0f} us "
-          f"({result['speedup_vs_scan']:.0f}x slower)")
+        print(
+            f"{k}: median {r['reclaim_us_median']:.2f} us, p99 {r['reclaim_us_p99']:.2f} us per one-page "
+            f"reclaim; metadata {r['retained_mb']:.2f} MB"
+        )
+    print(
+        f"scan baseline: median {result['scan']['reclaim_us_median']:.0f} us ({result['speedup_vs_scan']:.0f}x slower)"
+    )
 
 
 def plot(result, times, scan_times, png: Path) -> None:

@@ -14,6 +14,7 @@
 
 Writes bench/out/structured-<time>.json and .png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,22 +27,33 @@ import time
 import jsonschema
 
 from bench.common import machine, save
-from shardline.common.model_source import resolve_model
 from harness.client import concurrently, percentiles
 from harness.schemas import SCHEMAS, prompt
 from harness.serve import Server
-from shardline.protos import generation_pb2 as pb
-from shardline.router.requests.constraints import Grammars, grammar_of
+from shardline.common.model_source import resolve_model
 from shardline.common.tokenizer import TextCodec
 from shardline.common.tokenizer_files import tokenizer_folder
+from shardline.protos import generation_pb2 as pb
+from shardline.router.requests.constraints import Grammars, grammar_of
 
 OTHERS = [  # (name, constraint fields, what a valid output fullmatches)
     ("regex: a date", dict(regex=r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"), r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"),
     ("regex: a phone", dict(regex=r"\+[0-9]{2} [0-9]{3} [0-9]{4}"), r"\+[0-9]{2} [0-9]{3} [0-9]{4}"),
-    ("grammar: arithmetic", dict(grammar='start: NUM | NUM OP NUM | NUM OP NUM OP NUM\nNUM: /[0-9]{1,3}/\nOP: "+" | "*"'),
-     r"[0-9]{1,3}([+*][0-9]{1,3})*"),
-    ("gbnf: a list", dict(grammar='root ::= "[" item ("," item){0,3} "]"\nitem ::= [a-z]{1,6}'), r"\[[a-z]{1,6}(,[a-z]{1,6}){0,3}\]"),
-    ("choice: sentiment", dict(choice=pb.Choice(options=["positive", "negative", "neutral"])), r"positive|negative|neutral"),
+    (
+        "grammar: arithmetic",
+        dict(grammar='start: NUM | NUM OP NUM | NUM OP NUM OP NUM\nNUM: /[0-9]{1,3}/\nOP: "+" | "*"'),
+        r"[0-9]{1,3}([+*][0-9]{1,3})*",
+    ),
+    (
+        "gbnf: a list",
+        dict(grammar='root ::= "[" item ("," item){0,3} "]"\nitem ::= [a-z]{1,6}'),
+        r"\[[a-z]{1,6}(,[a-z]{1,6}){0,3}\]",
+    ),
+    (
+        "choice: sentiment",
+        dict(choice=pb.Choice(options=["positive", "negative", "neutral"])),
+        r"positive|negative|neutral",
+    ),
 ]
 
 
@@ -53,12 +65,24 @@ def validity(server: Server, seeds: int, max_new: int) -> tuple[dict, list]:
     reqs, checks = [], []
     for seed in range(seeds):
         for what, schema in SCHEMAS:
-            reqs.append(pb.GenerateRequest(messages=chat(what), max_new_tokens=max_new, json_schema=json.dumps(schema),
-                                           sampling=pb.SamplingParams(temperature=1.0, seed=seed)))
+            reqs.append(
+                pb.GenerateRequest(
+                    messages=chat(what),
+                    max_new_tokens=max_new,
+                    json_schema=json.dumps(schema),
+                    sampling=pb.SamplingParams(temperature=1.0, seed=seed),
+                )
+            )
             checks.append(("json_schema", what, schema))
         for name, fields, pattern in OTHERS:
-            reqs.append(pb.GenerateRequest(prompt=f"Answer with {name.split(': ')[1]}:", max_new_tokens=max_new,
-                                           sampling=pb.SamplingParams(temperature=1.0, seed=seed), **fields))
+            reqs.append(
+                pb.GenerateRequest(
+                    prompt=f"Answer with {name.split(': ')[1]}:",
+                    max_new_tokens=max_new,
+                    sampling=pb.SamplingParams(temperature=1.0, seed=seed),
+                    **fields,
+                )
+            )
             checks.append((name.split(":")[0], name, pattern))
     _, streams = asyncio.run(concurrently(server.target, reqs))
     counts = {}
@@ -82,15 +106,24 @@ def validity(server: Server, seeds: int, max_new: int) -> tuple[dict, list]:
         except (ValueError, jsonschema.ValidationError) as e:
             c["invalid"].append({"name": name, "text": s.text, "why": str(e)[:200]})
     for kind, c in counts.items():
-        print(f"{kind}: {c['valid']}/{c['finished']} finished outputs valid ({c['requests']} requests, "
-              f"{len(c['errors'])} errors)", flush=True)
+        print(
+            f"{kind}: {c['valid']}/{c['finished']} finished outputs valid ({c['requests']} requests, "
+            f"{len(c['errors'])} errors)",
+            flush=True,
+        )
     return counts, valid_outputs
 
 
 def speed(server: Server, streams: int, repeats: int, max_new: int) -> dict:
-    constrained = [pb.GenerateRequest(messages=chat(SCHEMAS[i % len(SCHEMAS)][0]), max_new_tokens=max_new,
-                                      json_schema=json.dumps(SCHEMAS[i % len(SCHEMAS)][1]),
-                                      sampling=pb.SamplingParams(temperature=1.0, seed=i)) for i in range(streams)]
+    constrained = [
+        pb.GenerateRequest(
+            messages=chat(SCHEMAS[i % len(SCHEMAS)][0]),
+            max_new_tokens=max_new,
+            json_schema=json.dumps(SCHEMAS[i % len(SCHEMAS)][1]),
+            sampling=pb.SamplingParams(temperature=1.0, seed=i),
+        )
+        for i in range(streams)
+    ]
     asyncio.run(concurrently(server.target, constrained))  # warm: compiled, pages cached
     runs = {"constrained": [], "unconstrained": []}
     twins = None
@@ -109,23 +142,41 @@ def speed(server: Server, streams: int, repeats: int, max_new: int) -> dict:
                     twin.max_new_tokens, twin.ignore_eos = max(1, len(s.ids)), True
                     twins.append(twin)
             tokens = sum(len(s.ids) for s in out)
-            runs[kind].append({"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall,
-                               "itl_ms": percentiles(x for s in out for x in s.itl_ms),
-                               "errors": [s.error for s in out if s.error]})
-            print(f"{kind}: {runs[kind][-1]['tok_s']:.1f} tok/s, ITL p50 {runs[kind][-1]['itl_ms']['p50']:.2f} ms",
-                  flush=True)
-    summary = {k: {"tok_s": statistics.median(r["tok_s"] for r in v),
-                   "itl_ms_p50": statistics.median(r["itl_ms"]["p50"] for r in v), "runs": v} for k, v in runs.items()}
+            runs[kind].append(
+                {
+                    "tok_s": tokens / wall,
+                    "tokens": tokens,
+                    "wall_s": wall,
+                    "itl_ms": percentiles(x for s in out for x in s.itl_ms),
+                    "errors": [s.error for s in out if s.error],
+                }
+            )
+            print(
+                f"{kind}: {runs[kind][-1]['tok_s']:.1f} tok/s, ITL p50 {runs[kind][-1]['itl_ms']['p50']:.2f} ms",
+                flush=True,
+            )
+    summary = {
+        k: {
+            "tok_s": statistics.median(r["tok_s"] for r in v),
+            "itl_ms_p50": statistics.median(r["itl_ms"]["p50"] for r in v),
+            "runs": v,
+        }
+        for k, v in runs.items()
+    }
     c, u = summary["constrained"], summary["unconstrained"]
     summary["throughput_ratio"] = c["tok_s"] / u["tok_s"]
     summary["itl_p50_added_ms"] = c["itl_ms_p50"] - u["itl_ms_p50"]
-    print(f"constrained/unconstrained tok/s {summary['throughput_ratio']:.3f}, ITL p50 "
-          f"{summary['itl_p50_added_ms']:+.2f} ms", flush=True)
+    print(
+        f"constrained/unconstrained tok/s {summary['throughput_ratio']:.3f}, ITL p50 "
+        f"{summary['itl_p50_added_ms']:+.2f} ms",
+        flush=True,
+    )
     return summary
 
 
 def llguidance_cost(vocab_size: int, valid_outputs: list) -> dict:
     import llguidance as llg
+
     codec = TextCodec(tokenizer_folder(resolve_model(None)))
     eos = [codec.eos_token_id]
     grammars = Grammars(codec.tokenizer.to_str(), vocab_size, eos, timeout_s=30)
@@ -157,13 +208,21 @@ def llguidance_cost(vocab_size: int, valid_outputs: list) -> dict:
             if not matcher.consume_token(token) or matcher.is_stopped():
                 break
     cached = asyncio.run(cached_ms())
-    result = {"compile_ms": compile_ms, "compile_ms_p50": statistics.median(compile_ms.values()),
-              "compile_ms_max": max(compile_ms.values()), "cached_ms": percentiles(cached),
-              "mask_us": percentiles(mask_us), "mask_us_mean": statistics.fmean(mask_us) if mask_us else None,
-              "masks": len(mask_us)}
-    print(f"compile p50 {result['compile_ms_p50']:.1f} ms (max {result['compile_ms_max']:.1f}), cached "
-          f"p50 {result['cached_ms']['p50']:.2f} ms, mask per token p50 {result['mask_us']['p50']:.0f} us "
-          f"(mean {result['mask_us_mean']:.0f})", flush=True)
+    result = {
+        "compile_ms": compile_ms,
+        "compile_ms_p50": statistics.median(compile_ms.values()),
+        "compile_ms_max": max(compile_ms.values()),
+        "cached_ms": percentiles(cached),
+        "mask_us": percentiles(mask_us),
+        "mask_us_mean": statistics.fmean(mask_us) if mask_us else None,
+        "masks": len(mask_us),
+    }
+    print(
+        f"compile p50 {result['compile_ms_p50']:.1f} ms (max {result['compile_ms_max']:.1f}), cached "
+        f"p50 {result['cached_ms']['p50']:.2f} ms, mask per token p50 {result['mask_us']['p50']:.0f} us "
+        f"(mean {result['mask_us_mean']:.0f})",
+        flush=True,
+    )
     return result
 
 
@@ -194,8 +253,15 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--weights", default="native", choices=["native", "dequantized"])
     args = ap.parse_args()
-    result = {"benchmark": "structured", **machine(), "weights": args.weights, "seeds": args.seeds,
-              "streams": args.streams, "repeats": args.repeats, "max_new_tokens": args.max_new_tokens}
+    result = {
+        "benchmark": "structured",
+        **machine(),
+        "weights": args.weights,
+        "seeds": args.seeds,
+        "streams": args.streams,
+        "repeats": args.repeats,
+        "max_new_tokens": args.max_new_tokens,
+    }
     # Every validity request is sent at once: the queue holds them all.
     server = Server("--max-batch", str(max(32, args.streams)), "--weights", args.weights, "--max-waiting", "4096")
     try:

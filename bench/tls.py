@@ -7,6 +7,7 @@ and certificates made by `shardline certs` for the run), taking turns under the 
 tok/s is completion tokens over the scenario's wall time (as in bench.load). Both pairs are up
 together; only one is under load at a time. Writes bench/out/tls-<time>.json and .png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,9 @@ import grpc
 from bench.common import machine, save
 from bench.turns import plot_turns, take_turns
 from harness.serve import ROOT, free_port, tree_cpu_s
-from shardline.protos import generation_pb2_grpc as pb_grpc
 from shardline.certs import make_certs
 from shardline.processes import healthy, spawn_service
+from shardline.protos import generation_pb2_grpc as pb_grpc
 
 
 class Pair:
@@ -33,12 +34,31 @@ class Pair:
         flags = {"shard": [], "router": []}
         if certs:
             for side in flags:
-                flags[side] = ["--shard-tls-ca-file", str(certs / "ca.crt"), "--shard-tls-cert-file",
-                               str(certs / f"{side}.crt"), "--shard-tls-key-file", str(certs / f"{side}.key")]
+                flags[side] = [
+                    "--shard-tls-ca-file",
+                    str(certs / "ca.crt"),
+                    "--shard-tls-cert-file",
+                    str(certs / f"{side}.crt"),
+                    "--shard-tls-key-file",
+                    str(certs / f"{side}.key"),
+                ]
         out = dict(cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.procs = [spawn_service(["shard", "--listen", f"127.0.0.1:{shard_port}", *flags["shard"]], **out),
-                      spawn_service(["router", "--shards", f"127.0.0.1:{shard_port}", "--port", str(port),
-                                     "--max-batch", str(streams), *flags["router"]], **out)]
+        self.procs = [
+            spawn_service(["shard", "--listen", f"127.0.0.1:{shard_port}", *flags["shard"]], **out),
+            spawn_service(
+                [
+                    "router",
+                    "--shards",
+                    f"127.0.0.1:{shard_port}",
+                    "--port",
+                    str(port),
+                    "--max-batch",
+                    str(streams),
+                    *flags["router"],
+                ],
+                **out,
+            ),
+        ]
         self.target = f"127.0.0.1:{port}"
         deadline = time.monotonic() + 600
         while not healthy(self.target):
@@ -75,9 +95,16 @@ def main() -> None:
                 pair.stop()
     result["mtls_over_plaintext"] = result["mtls"]["tok_s"] / result["plaintext"]["tok_s"]
     print(f"mtls/plaintext {result['mtls_over_plaintext']:.3f}")
-    save("tls", result, lambda r, png: plot_turns(
-        r, ["plaintext", "mtls"], f"router<->shard TLS, {r['streams']} streams: "
-        f"mtls/plaintext = {r['mtls_over_plaintext']:.3f}", png))
+    save(
+        "tls",
+        result,
+        lambda r, png: plot_turns(
+            r,
+            ["plaintext", "mtls"],
+            f"router<->shard TLS, {r['streams']} streams: mtls/plaintext = {r['mtls_over_plaintext']:.3f}",
+            png,
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Two (or more) configurations of the server under the same load, taking turns: the A/B shape
 of bench.tracing and bench.tls. Each configuration is an object with `target`, `stub` and
 `cpu_s()` (a `harness.serve.Server`, or any pair of processes that offers the same)."""
+
 from __future__ import annotations
 
 import statistics
@@ -19,8 +20,9 @@ def take_turns(configs: dict, streams: int, max_new: int, repeats: int) -> dict:
     for _ in range(repeats):
         for name, config in configs.items():
             steps0 = config.stub.Stats(pb.StatsRequest(), timeout=10).steps
-            runs[name].append(run_scenario(config.stub, config.target, streams, max_new, steps0,
-                                           CpuMeter(config))["tok_s"])
+            runs[name].append(
+                run_scenario(config.stub, config.target, streams, max_new, steps0, CpuMeter(config))["tok_s"]
+            )
             print(f"{name}: {runs[name][-1]:.1f} tok/s", flush=True)
     return {name: {"runs": r, "tok_s": statistics.median(r)} for name, r in runs.items()}
 

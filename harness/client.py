@@ -2,6 +2,7 @@
 of every token, many at once over one channel, the standard workload's scenario, and the one
 percentile definition every report uses (linear interpolation, numpy's default), so that a p99
 from one benchmark compares with a p99 from another."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,16 +12,34 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+from shardline.protos import generation_pb2 as pb
+from shardline.protos import generation_pb2_grpc as pb_grpc
 
 # 52-56 SmolLM2 tokens each: under one 64-token KV page, so repeats cannot hit the prefix cache.
-TOPICS = ["a lighthouse keeper", "a lost robot", "a dragon who cannot fly", "a time-travelling baker",
-          "a haunted library", "a city under the sea", "a chess champion", "a talking cat",
-          "the last tree on Earth", "a space station cook", "a forgotten violin", "a desert caravan",
-          "a clockmaker apprentice", "a mountain rescue dog", "a secret garden", "a retired pirate"]
-PROMPTS = [f"Write a short story about {t}. Give the main character a name, a clear goal and a "
-           "problem that stands in the way. Describe the setting with vivid details, include some "
-           "dialogue, and end with a twist that the reader does not see coming." for t in TOPICS]
+TOPICS = [
+    "a lighthouse keeper",
+    "a lost robot",
+    "a dragon who cannot fly",
+    "a time-travelling baker",
+    "a haunted library",
+    "a city under the sea",
+    "a chess champion",
+    "a talking cat",
+    "the last tree on Earth",
+    "a space station cook",
+    "a forgotten violin",
+    "a desert caravan",
+    "a clockmaker apprentice",
+    "a mountain rescue dog",
+    "a secret garden",
+    "a retired pirate",
+]
+PROMPTS = [
+    f"Write a short story about {t}. Give the main character a name, a clear goal and a "
+    "problem that stands in the way. Describe the setting with vivid details, include some "
+    "dialogue, and end with a twist that the reader does not see coming."
+    for t in TOPICS
+]
 STATS_WINDOW = 512  # the router's Stats medians cover this many recent decode steps
 
 
@@ -34,21 +53,27 @@ def percentiles(values, qs=(50, 90, 99)) -> dict:
 
 def token_request(ids: list[int], max_new_tokens: int, **fields) -> pb.GenerateRequest:
     """Greedy, always `max_new_tokens` long (EOS ignored), from token ids."""
-    return pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=max_new_tokens,
-                              ignore_eos=True, **fields)
+    return pb.GenerateRequest(
+        prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=max_new_tokens, ignore_eos=True, **fields
+    )
 
 
 def text_request(prompt: str, max_new_tokens: int, **fields) -> pb.GenerateRequest:
-    return pb.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, ignore_eos=True,
-                              sampling=pb.SamplingParams(temperature=0.0), **fields)
+    return pb.GenerateRequest(
+        prompt=prompt,
+        max_new_tokens=max_new_tokens,
+        ignore_eos=True,
+        sampling=pb.SamplingParams(temperature=0.0),
+        **fields,
+    )
 
 
 @dataclass
 class Stream:
     """One streamed request as its client saw it."""
 
-    sent: float                                        # time.perf_counter() when it was sent
-    times: list[float] = field(default_factory=list)   # when each token arrived
+    sent: float  # time.perf_counter() when it was sent
+    times: list[float] = field(default_factory=list)  # when each token arrived
     ids: list[int] = field(default_factory=list)
     text: str = ""
     last: pb.GenerateResponse | None = None
@@ -140,22 +165,32 @@ def run_scenario(stub, target: str, n: int, max_new: int, group_steps0: int, met
     tokens = sum(s.completion_tokens for s in streams)
     router_ms, shard_ms = st.decode_step_ms_p50, st.shard_decode_step_ms_p50
     return {
-        "concurrency": n, "wall_s": wall, "completion_tokens": tokens, "tok_s": tokens / wall,
-        "decode_tok_s": decode_tok_s(streams), "ttft_ms": percentiles(s.ttft_ms for s in streams),
+        "concurrency": n,
+        "wall_s": wall,
+        "completion_tokens": tokens,
+        "tok_s": tokens / wall,
+        "decode_tok_s": decode_tok_s(streams),
+        "ttft_ms": percentiles(s.ttft_ms for s in streams),
         "itl_ms": percentiles(x for s in streams for x in s.itl_ms),
         "errors": [s.error for s in streams if s.error],
         "finish_reasons": sorted({s.finish_reason for s in streams}),
         "multi_token_msgs": sum(s.multi_token_msgs for s in streams),
         "cached_prompt_tokens": sum(s.last.usage.cached_prompt_tokens if s.last else 0 for s in streams),
         **meter.pct,  # client_cpu_pct near 100 would mean the client is the bottleneck
-        "stats": {"decode_step_ms_p50": router_ms, "shard_decode_step_ms_p50": shard_ms,
-                  "overhead_pct": (router_ms - shard_ms) / shard_ms * 100 if shard_ms else None,
-                  "steps": st.steps - before.steps,  # prefills included
-                  # ~share of the medians' window holding this concurrency's steps (steps count
-                  # prefills too, so approximate); under ~0.5 they mostly describe earlier scenarios
-                  "window_share": min(1.0, (st.steps - group_steps0) / min(STATS_WINDOW, st.steps))},
-        "raw": {"ttft_ms": [s.ttft_ms for s in streams],
-                "itl_ms": [[round(x, 3) for x in s.itl_ms] for s in streams], "ids_req0": streams[0].ids},
+        "stats": {
+            "decode_step_ms_p50": router_ms,
+            "shard_decode_step_ms_p50": shard_ms,
+            "overhead_pct": (router_ms - shard_ms) / shard_ms * 100 if shard_ms else None,
+            "steps": st.steps - before.steps,  # prefills included
+            # ~share of the medians' window holding this concurrency's steps (steps count
+            # prefills too, so approximate); under ~0.5 they mostly describe earlier scenarios
+            "window_share": min(1.0, (st.steps - group_steps0) / min(STATS_WINDOW, st.steps)),
+        },
+        "raw": {
+            "ttft_ms": [s.ttft_ms for s in streams],
+            "itl_ms": [[round(x, 3) for x in s.itl_ms] for s in streams],
+            "ids_req0": streams[0].ids,
+        },
     }
 
 
@@ -165,8 +200,7 @@ def warm_up(target: str, n: int, max_new: int) -> None:
 
 
 # -- the OpenAI-compatible HTTP API ---------------------------------------------------------------
-async def http_stream(client, base_url: str, body: dict, headers: dict | None = None,
-                      timeout: float = 900) -> Stream:
+async def http_stream(client, base_url: str, body: dict, headers: dict | None = None, timeout: float = 900) -> Stream:
     """One streamed completion (`/completions`, or `/chat/completions` when the body has
     messages) from any OpenAI-compatible server at `base_url` (".../v1"), on an httpx.AsyncClient:
     the arrival time of every chunk that carries text, the text, and `last` as a GenerateResponse
@@ -177,8 +211,9 @@ async def http_stream(client, base_url: str, body: dict, headers: dict | None = 
     path = "/chat/completions" if "messages" in body else "/completions"
     s, usage, finish = Stream(time.perf_counter()), None, ""
     try:
-        async with client.stream("POST", base_url + path, json={**body, "stream": True}, headers=headers,
-                                 timeout=timeout) as response:
+        async with client.stream(
+            "POST", base_url + path, json={**body, "stream": True}, headers=headers, timeout=timeout
+        ) as response:
             if response.status_code != 200:
                 s.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}"
             else:
@@ -186,7 +221,7 @@ async def http_stream(client, base_url: str, body: dict, headers: dict | None = 
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     now = time.perf_counter()
-                    chunk = json.loads(line[len("data: "):])
+                    chunk = json.loads(line[len("data: ") :])
                     if "error" in chunk:
                         s.error = chunk["error"].get("message", str(chunk["error"]))
                         continue
@@ -208,8 +243,9 @@ async def http_stream(client, base_url: str, body: dict, headers: dict | None = 
     return s
 
 
-async def http_concurrently(base_url: str, bodies: list[dict], headers: dict | None = None,
-                            timeout: float = 900) -> tuple[float, list[Stream]]:
+async def http_concurrently(
+    base_url: str, bodies: list[dict], headers: dict | None = None, timeout: float = 900
+) -> tuple[float, list[Stream]]:
     """All of `bodies` at once over one connection pool: (wall seconds from the first send to the
     last message, the streams)."""
     import httpx
@@ -224,5 +260,14 @@ async def http_concurrently(base_url: str, bodies: list[dict], headers: dict | N
 def http_workload(model: str, n: int, max_new: int) -> list[dict]:
     """The standard workload as completions bodies: greedy, `max_new` tokens each, EOS ignored
     (`ignore_eos`: vLLM's name, which llama.cpp's server reads too)."""
-    return [{"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_new, "temperature": 0.0,
-             "ignore_eos": True, "stream_options": {"include_usage": True}} for i in range(n)]
+    return [
+        {
+            "model": model,
+            "prompt": PROMPTS[i % len(PROMPTS)],
+            "max_tokens": max_new,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
+        for i in range(n)
+    ]

@@ -5,6 +5,7 @@ keeps what it receives, for the tracing tests and the tracing-overhead benchmark
         ...
         spans = rx.spans()          # every span so far, flattened with its resource's attributes
 """
+
 from __future__ import annotations
 
 import threading
@@ -35,9 +36,9 @@ class Span:
     parent_span_id: str
     attributes: dict
     resource: dict
-    links: list[tuple[str, str]]        # (trace id, span id) of each linked span
+    links: list[tuple[str, str]]  # (trace id, span id) of each linked span
     events: list[tuple[str, dict]]
-    status_code: int                    # 0 unset, 1 ok, 2 error
+    status_code: int  # 0 unset, 1 ok, 2 error
 
 
 class _Service(trace_service_pb2_grpc.TraceServiceServicer):
@@ -51,10 +52,19 @@ class _Service(trace_service_pb2_grpc.TraceServiceServicer):
             resource = attributes(rs.resource.attributes)
             for ss in rs.scope_spans:
                 for s in ss.spans:
-                    spans.append(Span(s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
-                                      attributes(s.attributes), resource,
-                                      [(link.trace_id.hex(), link.span_id.hex()) for link in s.links],
-                                      [(e.name, attributes(e.attributes)) for e in s.events], s.status.code))
+                    spans.append(
+                        Span(
+                            s.name,
+                            s.trace_id.hex(),
+                            s.span_id.hex(),
+                            s.parent_span_id.hex(),
+                            attributes(s.attributes),
+                            resource,
+                            [(link.trace_id.hex(), link.span_id.hex()) for link in s.links],
+                            [(e.name, attributes(e.attributes)) for e in s.events],
+                            s.status.code,
+                        )
+                    )
         with self.lock:
             self.received.extend(spans)
         return trace_service_pb2.ExportTraceServiceResponse()
@@ -68,7 +78,7 @@ class OtlpReceiver:
         self.port = self._server.add_insecure_port(f"{host}:{port}")
         self.endpoint = f"{host}:{self.port}"
 
-    def __enter__(self) -> "OtlpReceiver":
+    def __enter__(self) -> OtlpReceiver:
         self._server.start()
         return self
 

@@ -7,6 +7,7 @@ The KL divergence is over the reference's TOP best tokens plus one bucket for th
 vocabulary; where the other's top TOP lacks one of them, its probability is taken as its own
 TOP-th best (an upper bound, which makes that term, and so the reported KL, an underestimate).
 """
+
 from __future__ import annotations
 
 import math
@@ -20,14 +21,22 @@ def reference_text() -> str:
     """English prose that every CPython ships: the reference documentation in
     `pydoc_data.topics`, sorted by topic and joined."""
     from pydoc_data.topics import topics
+
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
 def prompt_scores(server, ids: list[int]) -> list[pb.TokenLogprob]:
     """Teacher-forced log-probabilities of ids[1:], with the best TOP alternatives each."""
-    first = next(iter(server.stub.Generate(pb.GenerateRequest(
-        prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=1, ignore_eos=True,
-        prompt_logprobs=TOP), timeout=1800)))
+    first = next(
+        iter(
+            server.stub.Generate(
+                pb.GenerateRequest(
+                    prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=1, ignore_eos=True, prompt_logprobs=TOP
+                ),
+                timeout=1800,
+            )
+        )
+    )
     return list(first.prompt_logprobs)
 
 
@@ -46,5 +55,11 @@ def compare(reference: list[pb.TokenLogprob], other: list[pb.TokenLogprob]) -> d
         same += r.top[0].token_id == o.top[0].token_id
     n = len(reference)
     ppl = [math.exp(-sum(x.logprob for x in xs) / n) for xs in (reference, other)]
-    return {"positions": n, "perplexity_reference": ppl[0], "perplexity": ppl[1],
-            "perplexity_ratio": ppl[1] / ppl[0], "mean_kl": kl / n, "same_top1": same / n}
+    return {
+        "positions": n,
+        "perplexity_reference": ppl[0],
+        "perplexity": ppl[1],
+        "perplexity_ratio": ppl[1] / ppl[0],
+        "mean_kl": kl / n,
+        "same_top1": same / n,
+    }

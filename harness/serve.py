@@ -1,5 +1,6 @@
 """`shardline serve` as a child process of a test or a benchmark: started, waited for until it
 prints `ready`, its output kept, driven over gRPC, measured (psutil), and stopped with SIGTERM."""
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,9 @@ from pathlib import Path
 import grpc
 import psutil
 
-from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 from shardline.processes import free_ports, spawn_service
+from shardline.protos import generation_pb2 as pb
+from shardline.protos import generation_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,7 +47,7 @@ class Server:
     def __init__(self, *args: str, env: dict | None = None, timeout: float = 600, cwd: Path = ROOT):
         self.port, self.http_port = free_ports(2)
         self.target = f"127.0.0.1:{self.port}"
-        self.http_url = f"http://127.0.0.1:{self.http_port}/v1"   # the OpenAI-compatible API
+        self.http_url = f"http://127.0.0.1:{self.http_port}/v1"  # the OpenAI-compatible API
         http = ["--http-port", str(self.http_port)] if _has_http(cwd) and "--http-port" not in args else []
         args = ("serve", "--port", str(self.port), *http, *args)
         self.log: deque[str] = deque(maxlen=2000)
@@ -97,8 +99,9 @@ class Server:
         deadline = time.monotonic() + timeout
         while True:
             st = self.stats()
-            if (st.pages_referenced == 0 and st.requests_running == 0 and st.requests_waiting == 0) \
-                    or time.monotonic() > deadline:
+            if (
+                st.pages_referenced == 0 and st.requests_running == 0 and st.requests_waiting == 0
+            ) or time.monotonic() > deadline:
                 return st
             time.sleep(0.05)
 
@@ -108,9 +111,11 @@ class Server:
 
     def shard_pids(self) -> list[int]:
         """The launcher's shard processes, in (stage, rank) order."""
+
         def place(proc):
             args = proc.cmdline()
             return int(args[args.index("--pp-stage") + 1]), int(args[args.index("--tp-rank") + 1])
+
         return [p.pid for p in sorted((p for p in self.children() if "shard" in p.cmdline()), key=place)]
 
     def router_pid(self) -> int:
@@ -150,7 +155,7 @@ def rss_mb(pid: int) -> float:
 
 def peak_rss_mb(pid: int) -> float:
     """The most the process was resident (psutil reports no peak on Linux: /proc says it)."""
-    line = next(l for l in Path(f"/proc/{pid}/status").read_text().splitlines() if l.startswith("VmHWM:"))
+    line = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("VmHWM:"))
     return int(line.split()[1]) / 1024
 
 
@@ -176,13 +181,16 @@ class CpuMeter:
     """CPU use during a measurement, in % of one core: this client, the server's process tree,
     and everything else on the machine (the noise of a shared box; with no server, the server too)."""
 
-    def __init__(self, server: "Server | None"):
+    def __init__(self, server: Server | None):
         self.server = server
 
     def _read(self) -> tuple[float, float, float]:
         busy = psutil.cpu_times()
-        return (time.process_time(), self.server.cpu_s() if self.server else 0.0,
-                busy.user + busy.nice + busy.system + busy.irq + busy.softirq + busy.steal)
+        return (
+            time.process_time(),
+            self.server.cpu_s() if self.server else 0.0,
+            busy.user + busy.nice + busy.system + busy.irq + busy.softirq + busy.steal,
+        )
 
     def __enter__(self):
         self.r0, self.t0, self.pct = self._read(), time.perf_counter(), {}
@@ -190,5 +198,6 @@ class CpuMeter:
 
     def __exit__(self, *exc):
         wall, (c, s, b) = time.perf_counter() - self.t0, [b - a for a, b in zip(self.r0, self._read())]
-        self.pct.update(client_cpu_pct=100 * c / wall, server_cpu_pct=100 * s / wall,
-                        other_cpu_pct=100 * (b - c - s) / wall)
+        self.pct.update(
+            client_cpu_pct=100 * c / wall, server_cpu_pct=100 * s / wall, other_cpu_pct=100 * (b - c - s) / wall
+        )

@@ -13,6 +13,7 @@ The report: requests by final status, TTFT and ITL p50/p99 per time window, rout
 over time, the pool at the end (after all clients are done), and streams that went silent (no
 message for `silent_s`) while open.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,7 +29,8 @@ import grpc
 
 from harness.client import percentiles
 from harness.serve import ROOT, Server, rss_mb
-from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+from shardline.protos import generation_pb2 as pb
+from shardline.protos import generation_pb2_grpc as pb_grpc
 
 
 def _arg(default, help: str):
@@ -60,9 +62,12 @@ class Soak:
         roll = rng.random()
         tail = [rng.randrange(100, self.vocab) for _ in range(rng.choice([4, 16, 60, 200]))]
         ids = (rng.choice(self.prefixes) + tail) if roll < 0.7 else tail * rng.choice([1, 3])
-        req = pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=ids),
-                                 max_new_tokens=rng.choice([4, 16, 32, 64, 128]),
-                                 priority=rng.randint(-2, 2), ignore_eos=rng.random() < 0.5)
+        req = pb.GenerateRequest(
+            prompt_token_ids=pb.PromptTokens(ids=ids),
+            max_new_tokens=rng.choice([4, 16, 32, 64, 128]),
+            priority=rng.randint(-2, 2),
+            ignore_eos=rng.random() < 0.5,
+        )
         kind = rng.random()
         if kind < 0.4:
             req.sampling.temperature = rng.choice([0.3, 0.7, 1.0, 1.5])
@@ -128,14 +133,17 @@ class Soak:
 
 def _killed_client(target: str, streams: int, seconds: float) -> None:
     """A child process with open streams, SIGKILLed mid-stream by the parent."""
-    code = (f"import grpc, threading\nfrom protos import generation_pb2 as pb, generation_pb2_grpc as g\n"
-            f"s = g.GenerationStub(grpc.insecure_channel({target!r}))\n"
-            f"r = pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=list(range(300, 420))), "
-            f"max_new_tokens=500, ignore_eos=True)\n"
-            f"ts = [threading.Thread(target=lambda: [m for m in s.Generate(r, timeout=600)]) for _ in range({streams})]\n"
-            f"[t.start() for t in ts]; [t.join() for t in ts]\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    code = (
+        f"import grpc, threading\nfrom protos import generation_pb2 as pb, generation_pb2_grpc as g\n"
+        f"s = g.GenerationStub(grpc.insecure_channel({target!r}))\n"
+        f"r = pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=list(range(300, 420))), "
+        f"max_new_tokens=500, ignore_eos=True)\n"
+        f"ts = [threading.Thread(target=lambda: [m for m in s.Generate(r, timeout=600)]) for _ in range({streams})]\n"
+        f"[t.start() for t in ts]; [t.join() for t in ts]\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     time.sleep(seconds)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -154,8 +162,7 @@ async def run_soak(target: str, args: SoakArgs, server: Server | None = None) ->
 
     async def sample_memory():
         while True:
-            memory.append((time.monotonic() - t0, {r: rss_mb(p) for r, p in roles.items()
-                                                   if r in ("router", "shard")}))
+            memory.append((time.monotonic() - t0, {r: rss_mb(p) for r, p in roles.items() if r in ("router", "shard")}))
             await asyncio.sleep(5)
 
     async def kill_clients():
@@ -186,24 +193,47 @@ def report(soak: Soak, memory, st, t0: float, finished: float, args) -> dict:
         recs = [r for r in soak.records if start <= r["start"] - t0 < start + width and r["stamps"]]
         ttft = percentiles(((r["stamps"][0] - r["start"]) * 1e3 for r in recs), (50, 99))
         itl = percentiles(((b - a) * 1e3 for r in recs for a, b in zip(r["stamps"], r["stamps"][1:])), (50, 99))
-        windows.append({"t": start, "requests": len(recs), "ttft_p50_ms": ttft.get("p50"), "ttft_p99_ms": ttft.get("p99"),
-                        "itl_p50_ms": itl.get("p50"), "itl_p99_ms": itl.get("p99")})
+        windows.append(
+            {
+                "t": start,
+                "requests": len(recs),
+                "ttft_p50_ms": ttft.get("p50"),
+                "ttft_p99_ms": ttft.get("p99"),
+                "itl_p50_ms": itl.get("p50"),
+                "itl_p99_ms": itl.get("p99"),
+            }
+        )
     statuses = Counter(r["status"] for r in soak.records)
     tokens = sum(len(r["stamps"]) for r in soak.records)
     return {
-        "streams": args.streams, "duration_s": args.duration_s, "requests": len(soak.records),
-        "tokens": tokens, "tokens_per_s": tokens / (finished - t0),
-        "statuses": dict(statuses), "by_behaviour": {b: dict(Counter(r["status"] for r in soak.records
-                                                                  if r["behaviour"] == b))
-                                                     for b in ("complete", "cancel", "deadline", "drop")},
+        "streams": args.streams,
+        "duration_s": args.duration_s,
+        "requests": len(soak.records),
+        "tokens": tokens,
+        "tokens_per_s": tokens / (finished - t0),
+        "statuses": dict(statuses),
+        "by_behaviour": {
+            b: dict(Counter(r["status"] for r in soak.records if r["behaviour"] == b))
+            for b in ("complete", "cancel", "deadline", "drop")
+        },
         "unknown_or_internal": [r.get("details", "") for r in soak.records if r["status"] in ("UNKNOWN", "INTERNAL")],
         # Silent for over silent_s: before the first token (still queued: the server is over its
         # capacity), or mid-stream (a stall: what a hang would look like).
-        "silent_streams": soak.silent, "silent_threshold_s": args.silent_s,
-        "end_pool": {"pages_total": st.pages_total, "pages_free": st.pages_free, "pages_evictable": st.pages_evictable,
-                     "pages_referenced": st.pages_referenced, "pages_reserved": st.pages_reserved,
-                     "requests_running": st.requests_running, "requests_waiting": st.requests_waiting,
-                     "replica_failures": st.replica_failures, "requests_failed": st.requests_failed},
-        "window_s": width, "windows": windows, "memory_mb": [(round(t, 1), m) for t, m in memory],
+        "silent_streams": soak.silent,
+        "silent_threshold_s": args.silent_s,
+        "end_pool": {
+            "pages_total": st.pages_total,
+            "pages_free": st.pages_free,
+            "pages_evictable": st.pages_evictable,
+            "pages_referenced": st.pages_referenced,
+            "pages_reserved": st.pages_reserved,
+            "requests_running": st.requests_running,
+            "requests_waiting": st.requests_waiting,
+            "replica_failures": st.replica_failures,
+            "requests_failed": st.requests_failed,
+        },
+        "window_s": width,
+        "windows": windows,
+        "memory_mb": [(round(t, 1), m) for t, m in memory],
         "drain_s": time.monotonic() - finished,
     }

@@ -5,6 +5,7 @@ Writes into --out: ca.crt, ca.key (kept to issue more later), router.crt/.key, s
 the shard certificate names every host in --names plus localhost and 127.0.0.1. Files that
 exist are kept: a second run changes nothing. Keys are written owner-only.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -31,8 +32,9 @@ def _write(path: Path, data: bytes, secret: bool = False) -> None:
 
 
 def _key_pem(key) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _alt_name(host: str) -> x509.GeneralName:
@@ -46,13 +48,19 @@ def _issue(ca_key, ca_cert, cn: str, hosts: list[str], usage) -> tuple[bytes, by
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
     sans = [_alt_name(h) for h in hosts]
-    cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(ca_cert.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + VALID)
-            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(cn))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + VALID)
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
 
 
@@ -67,20 +75,27 @@ def make_certs(out: Path, names: list[str]) -> list[str]:
     else:
         ca_key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
-        ca_cert = (x509.CertificateBuilder().subject_name(_name("shardline local CA"))
-                   .issuer_name(_name("shardline local CA")).public_key(ca_key.public_key())
-                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + VALID).add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-                   .sign(ca_key, hashes.SHA256()))
+        ca_cert = (
+            x509.CertificateBuilder()
+            .subject_name(_name("shardline local CA"))
+            .issuer_name(_name("shardline local CA"))
+            .public_key(ca_key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + VALID)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .sign(ca_key, hashes.SHA256())
+        )
         _write(ca_key_path, _key_pem(ca_key), secret=True)
         _write(ca_crt, ca_cert.public_bytes(serialization.Encoding.PEM))
         written += [str(ca_crt), str(ca_key_path)]
     both = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
     # The router's certificate serves both its client side to the shards and its public API (to
     # clients and gateways, which reach it by one of `names`); a gateway serves its API with it too.
-    for role, hosts in (("router", ["router", "shardline-router", "gateway", "shardline-gateway", *names,
-                                    "localhost", "127.0.0.1"]),
-                        ("shard", [*names, "localhost", "127.0.0.1"])):
+    for role, hosts in (
+        ("router", ["router", "shardline-router", "gateway", "shardline-gateway", *names, "localhost", "127.0.0.1"]),
+        ("shard", [*names, "localhost", "127.0.0.1"]),
+    ):
         crt, key = out / f"{role}.crt", out / f"{role}.key"
         if crt.exists() and key.exists():
             continue

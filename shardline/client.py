@@ -1,4 +1,5 @@
 """`shardline generate`: a streaming client that prints text as it arrives."""
+
 from __future__ import annotations
 
 import sys
@@ -6,7 +7,8 @@ import sys
 import grpc
 
 from shardline.common.tls import client_credentials
-from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+from shardline.protos import generation_pb2 as pb
+from shardline.protos import generation_pb2_grpc as pb_grpc
 
 
 def generate(args) -> int:
@@ -27,15 +29,18 @@ def generate(args) -> int:
         try:
             # wait_for_ready: a server that is still starting is waited for, up to --wait seconds.
             metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
-            stream = pb_grpc.GenerationStub(channel).Generate(req, wait_for_ready=args.wait > 0,
-                                                              timeout=args.wait + 600, metadata=metadata)
+            stream = pb_grpc.GenerationStub(channel).Generate(
+                req, wait_for_ready=args.wait > 0, timeout=args.wait + 600, metadata=metadata
+            )
             for msg in stream:
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
                 if msg.finish_reason:
                     u = msg.usage
-                    print(f"\n[{msg.finish_reason}: {u.prompt_tokens} prompt tokens, "
-                          f"{u.completion_tokens} generated]", file=sys.stderr)
+                    print(
+                        f"\n[{msg.finish_reason}: {u.prompt_tokens} prompt tokens, {u.completion_tokens} generated]",
+                        file=sys.stderr,
+                    )
         except grpc.RpcError as e:
             print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1

@@ -12,6 +12,7 @@
   The launcher exits with 0 when that went cleanly. If the router dies, the launcher names it,
   stops the shards and exits 1.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,7 +29,7 @@ from shardline.processes import HealthProbe, free_ports, spawn_service
 
 log = logging.getLogger("shardline.launcher")
 BACKOFF_S = (1, 2, 4, 8, 16, 30)
-STABLE_S = 60.0   # a group up this long resets the restart count
+STABLE_S = 60.0  # a group up this long resets the restart count
 
 
 def passed_on(args, command: str) -> list[str]:
@@ -42,8 +43,18 @@ def passed_on(args, command: str) -> list[str]:
 
 
 def shard_command(args, address: str, stage: int, rank: int, dist_port: int) -> list[str]:
-    return ["shard", *passed_on(args, "shard"), "--tp-rank", str(rank), "--pp-stage", str(stage),
-            "--dist-init", f"tcp://127.0.0.1:{dist_port}", "--listen", address]
+    return [
+        "shard",
+        *passed_on(args, "shard"),
+        "--tp-rank",
+        str(rank),
+        "--pp-stage",
+        str(stage),
+        "--dist-init",
+        f"tcp://127.0.0.1:{dist_port}",
+        "--listen",
+        address,
+    ]
 
 
 def router_command(args, shard_addresses: list[str]) -> list[str]:
@@ -68,8 +79,9 @@ class ShardProcesses:
 
     def __init__(self, args, sockets: Path):
         self.args = args
-        self.addresses = [f"unix:{sockets / f'shard-{stage}-{rank}.sock'}"
-                          for stage in range(args.pp) for rank in range(args.tp)]
+        self.addresses = [
+            f"unix:{sockets / f'shard-{stage}-{rank}.sock'}" for stage in range(args.pp) for rank in range(args.tp)
+        ]
         self.procs: list[subprocess.Popen] = []
         self.probes: list[HealthProbe] = []
         self.started = 0.0
@@ -81,7 +93,7 @@ class ShardProcesses:
         dist_port = next(p for p in free_ports(2) if p != args.port)  # the router binds its port later
         self.procs = []
         for address in self.addresses:
-            Path(address[len("unix:"):]).unlink(missing_ok=True)
+            Path(address[len("unix:") :]).unlink(missing_ok=True)
         for n, address in enumerate(self.addresses):
             stage, rank = divmod(n, args.tp)
             self.procs.append(spawn_service(shard_command(args, address, stage, rank, dist_port)))
@@ -106,8 +118,10 @@ class ShardProcesses:
             elif self.answered[n]:  # loading weights is not a hang; silence after serving is
                 self.silent_since[n] = self.silent_since[n] or now
                 if now - self.silent_since[n] > hang_detection_s(self.args.step_timeout_s)[1]:
-                    return (f"shard {n} (pid {self.procs[n].pid}) has not answered its health check "
-                            f"for {now - self.silent_since[n]:.0f} s")
+                    return (
+                        f"shard {n} (pid {self.procs[n].pid}) has not answered its health check "
+                        f"for {now - self.silent_since[n]:.0f} s"
+                    )
         return None
 
     def stop(self, kill: bool = False) -> None:
@@ -141,8 +155,11 @@ def serve(args) -> int:
     try:
         while not stopping:
             if router.poll() is not None:
-                print(f"shardline: router (pid {router.pid}) exited with code {router.returncode}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"shardline: router (pid {router.pid}) exited with code {router.returncode}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 1
             why = group.failure()
             if why:

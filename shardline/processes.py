@@ -1,5 +1,6 @@
 """Child services (the launcher's router and shards, and the servers that tests and benchmarks
 start): spawned so that they die with their parent, on free ports, probed for health."""
+
 from __future__ import annotations
 
 import ctypes
@@ -79,8 +80,11 @@ class HealthProbe:
     """Asks the gRPC health service at `target`, over one channel kept open between probes."""
 
     def __init__(self, target: str, credentials: grpc.ChannelCredentials | None = None):
-        self.channel = (grpc.secure_channel(target, credentials, options=FAST_RECONNECT) if credentials
-                        else grpc.insecure_channel(target, options=FAST_RECONNECT))
+        self.channel = (
+            grpc.secure_channel(target, credentials, options=FAST_RECONNECT)
+            if credentials
+            else grpc.insecure_channel(target, options=FAST_RECONNECT)
+        )
         self.stub = health_pb2_grpc.HealthStub(self.channel)
 
     def serving(self, timeout: float = 1.0) -> bool:

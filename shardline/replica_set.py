@@ -11,6 +11,7 @@ processes of one command.
 - SIGTERM / Ctrl-C: the gateway drains and exits, then the replicas drain and exit; the command
   exits 0 when all of that went cleanly. Children die with the command (PR_SET_PDEATHSIG).
 """
+
 from __future__ import annotations
 
 import signal
@@ -24,8 +25,18 @@ from shardline.processes import HealthProbe, free_ports, spawn_service
 
 def replica_command(args, port: int, http_port: int, n: int) -> list[str]:
     metrics = args.metrics_port + 1 + n if args.metrics_port else 0
-    return ["serve", *passed_on(args, "serve"), "--replicas", "1", "--port", str(port),
-            "--http-port", str(http_port if args.http_port else 0), "--metrics-port", str(metrics)]
+    return [
+        "serve",
+        *passed_on(args, "serve"),
+        "--replicas",
+        "1",
+        "--port",
+        str(port),
+        "--http-port",
+        str(http_port if args.http_port else 0),
+        "--metrics-port",
+        str(metrics),
+    ]
 
 
 def gateway_command(args, routers: list[str]) -> list[str]:
@@ -58,7 +69,7 @@ def serve_replica_set(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     free = [p for p in free_ports(2 * args.replicas + 2) if p not in (args.port, args.http_port)]
-    ports, http_ports = free[:args.replicas], free[args.replicas:2 * args.replicas]
+    ports, http_ports = free[: args.replicas], free[args.replicas : 2 * args.replicas]
     routers = [f"127.0.0.1:{p}" for p in ports]
     replicas = [spawn_service(replica_command(args, p, h, n)) for n, (p, h) in enumerate(zip(ports, http_ports))]
     started = [time.monotonic()] * len(replicas)
@@ -71,18 +82,26 @@ def serve_replica_set(args) -> int:
     try:
         while not stopping:
             if gateway.poll() is not None:
-                print(f"shardline: the gateway (pid {gateway.pid}) exited with code {gateway.returncode}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"shardline: the gateway (pid {gateway.pid}) exited with code {gateway.returncode}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 1
             now = time.monotonic()
             for n, proc in enumerate(replicas):
                 if proc.poll() is not None and down_since[n] is None:
                     delay = BACKOFF_S[min(restarts[n], len(BACKOFF_S) - 1)]
-                    print(f"shardline: replica {n} (pid {proc.pid}, {routers[n]}) exited with code "
-                          f"{proc.returncode}; starting it again in {delay} s", file=sys.stderr, flush=True)
+                    print(
+                        f"shardline: replica {n} (pid {proc.pid}, {routers[n]}) exited with code "
+                        f"{proc.returncode}; starting it again in {delay} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     down_since[n] = now
-                elif down_since[n] is not None and \
-                        now - down_since[n] >= BACKOFF_S[min(restarts[n], len(BACKOFF_S) - 1)]:
+                elif (
+                    down_since[n] is not None and now - down_since[n] >= BACKOFF_S[min(restarts[n], len(BACKOFF_S) - 1)]
+                ):
                     replicas[n] = spawn_service(replica_command(args, ports[n], http_ports[n], n))
                     started[n], down_since[n] = now, None
                     restarts[n] += 1

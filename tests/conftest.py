@@ -9,6 +9,7 @@ def own_machine_choices(tmp_path, monkeypatch):
     unit test that builds quantized layers neither reads nor writes the machine's (the kernels
     stay built where they are)."""
     from shardline.kernels import choice, native
+
     native.available()
     monkeypatch.setattr(choice.native, "build_folder", lambda: tmp_path)
     return tmp_path

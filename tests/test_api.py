@@ -1,4 +1,5 @@
 """The public API against real server processes: bad input, concurrency, cancellation, seeds."""
+
 import math
 import shutil
 import threading
@@ -17,8 +18,18 @@ INVALID, EXHAUSTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_
 @pytest.fixture(scope="module")
 def small_server(tiny_models):
     """A tiny model with a small pool (8 pages x 16 tokens) and one running + one waiting slot."""
-    server = Server("--model", str(tiny_models["llama"]), "--page-size", "16", "--num-pages", "8",
-                    "--max-batch", "1", "--max-waiting", "1")
+    server = Server(
+        "--model",
+        str(tiny_models["llama"]),
+        "--page-size",
+        "16",
+        "--num-pages",
+        "8",
+        "--max-batch",
+        "1",
+        "--max-waiting",
+        "1",
+    )
     yield server
     assert server.stop() == 0
 
@@ -36,27 +47,49 @@ BAD_REQUESTS = [
     ("max_new_tokens above context", dict(prompt="hi", max_new_tokens=5000), INVALID, "context"),
     ("prompt + new over context", dict(prompt_token_ids=_ids(*[5] * 2000), max_new_tokens=100), INVALID, "context"),
     ("over the whole pool", dict(prompt_token_ids=_ids(*[5] * 100), max_new_tokens=100), EXHAUSTED, "pool"),
-    ("negative temperature", dict(prompt="hi", max_new_tokens=4, sampling=pb.SamplingParams(temperature=-1)), INVALID, "temperature"),
-    ("NaN temperature", dict(prompt="hi", max_new_tokens=4, sampling=pb.SamplingParams(temperature=math.nan)), INVALID, "temperature"),
-    ("top_p zero", dict(prompt="hi", max_new_tokens=4, sampling=pb.SamplingParams(temperature=1, top_p=0)), INVALID, "top_p"),
+    (
+        "negative temperature",
+        dict(prompt="hi", max_new_tokens=4, sampling=pb.SamplingParams(temperature=-1)),
+        INVALID,
+        "temperature",
+    ),
+    (
+        "NaN temperature",
+        dict(prompt="hi", max_new_tokens=4, sampling=pb.SamplingParams(temperature=math.nan)),
+        INVALID,
+        "temperature",
+    ),
+    (
+        "top_p zero",
+        dict(prompt="hi", max_new_tokens=4, sampling=pb.SamplingParams(temperature=1, top_p=0)),
+        INVALID,
+        "top_p",
+    ),
     ("top_p above one", dict(prompt="hi", max_new_tokens=4, sampling=pb.SamplingParams(top_p=1.5)), INVALID, "top_p"),
     ("NaN top_p", dict(prompt="hi", max_new_tokens=4, sampling=pb.SamplingParams(top_p=math.nan)), INVALID, "top_p"),
-    ("unknown chat role", dict(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")]),
-                               max_new_tokens=4), INVALID, "role"),
+    (
+        "unknown chat role",
+        dict(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")]), max_new_tokens=4),
+        INVALID,
+        "role",
+    ),
     ("empty stop string", dict(prompt="hi", max_new_tokens=4, stop=[""]), INVALID, "stop"),
     ("17 stop strings", dict(prompt="hi", max_new_tokens=4, stop=[str(i) for i in range(17)]), INVALID, "at most 16"),
     ("a 257-character stop string", dict(prompt="hi", max_new_tokens=4, stop=["x" * 257]), INVALID, "1 to 256"),
     ("a long request id", dict(prompt="hi", max_new_tokens=4, request_id="r" * 257), INVALID, "request_id"),
     ("a long cache salt", dict(prompt="hi", max_new_tokens=4, cache_salt="s" * 257), INVALID, "cache_salt"),
     ("a 4 MB prompt", dict(prompt="four megabytes " * 266_000, max_new_tokens=4), INVALID, "characters"),
-    ("infinite temperature", dict(prompt="hi", max_new_tokens=4, sampling=pb.SamplingParams(temperature=math.inf)),
-     INVALID, "temperature"),
+    (
+        "infinite temperature",
+        dict(prompt="hi", max_new_tokens=4, sampling=pb.SamplingParams(temperature=math.inf)),
+        INVALID,
+        "temperature",
+    ),
 ]
 
 
 @pytest.mark.parametrize("name,request_kwargs,code,phrase", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
-def test_bad_input_gets_a_clear_status_and_the_server_stays_healthy(small_server, name, request_kwargs,
-                                                                   code, phrase):
+def test_bad_input_gets_a_clear_status_and_the_server_stays_healthy(small_server, name, request_kwargs, code, phrase):
     with pytest.raises(grpc.RpcError) as err:
         small_server.generate(**request_kwargs)
     assert err.value.code() == code
@@ -85,9 +118,18 @@ def test_too_many_waiting_requests_is_resource_exhausted(small_server):
     assert st.pages_free + st.pages_evictable == st.pages_total
 
 
-PROMPTS = ["The capital of France is", "List three fruits:", "def fibonacci(n):", "Once upon a time",
-           "The sky is blue because", "Water boils at", "My favourite book is", "1, 2, 3, 4,",
-           "Translate to French: good morning", "The quick brown fox"]
+PROMPTS = [
+    "The capital of France is",
+    "List three fruits:",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "The sky is blue because",
+    "Water boils at",
+    "My favourite book is",
+    "1, 2, 3, 4,",
+    "Translate to French: good morning",
+    "The quick brown fox",
+]
 
 
 @pytest.mark.smollm2
@@ -108,8 +150,9 @@ def test_concurrent_streams_get_the_same_tokens_as_alone(smollm2_server):
 
 @pytest.mark.smollm2
 def test_cancel_mid_decode_returns_every_page(smollm2_server):
-    call = smollm2_server.stub.Generate(pb.GenerateRequest(prompt="Tell me a long story.", max_new_tokens=2000,
-                                                           ignore_eos=True), timeout=120)
+    call = smollm2_server.stub.Generate(
+        pb.GenerateRequest(prompt="Tell me a long story.", max_new_tokens=2000, ignore_eos=True), timeout=120
+    )
     for _ in range(3):
         next(call)
     assert smollm2_server.stats().pages_referenced > 0
@@ -121,8 +164,7 @@ def test_cancel_mid_decode_returns_every_page(smollm2_server):
 @pytest.mark.smollm2
 def test_cancel_mid_prefill_returns_every_page(smollm2_server):
     prompt = pb.PromptTokens(ids=[(i * 37) % 40000 + 100 for i in range(1200)])
-    call = smollm2_server.stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=10),
-                                        timeout=120)
+    call = smollm2_server.stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=10), timeout=120)
     deadline = time.monotonic() + 30
     while smollm2_server.stats().pages_referenced == 0 and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -140,8 +182,9 @@ def test_cancel_mid_prefill_returns_every_page(smollm2_server):
 def test_seeded_sampling_is_reproducible(smollm2_server):
     def run(seed, **extra):
         sampling = pb.SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=seed)
-        return smollm2_server.generate(prompt="Write a poem about the sea.", max_new_tokens=24,
-                                       ignore_eos=True, sampling=sampling, **extra)[0]
+        return smollm2_server.generate(
+            prompt="Write a poem about the sea.", max_new_tokens=24, ignore_eos=True, sampling=sampling, **extra
+        )[0]
 
     first = run(7)
     assert run(7) == first
@@ -157,7 +200,8 @@ def test_a_chat_template_that_refuses_the_messages_is_invalid_argument(tiny_mode
     shutil.copytree(tiny_models["llama"], folder)
     (folder / "chat_template.jinja").write_text(
         "{% if messages[0]['role'] != 'user' %}{{ raise_exception('conversations must start with the user') }}"
-        "{% endif %}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+        "{% endif %}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    )
     server = Server("--model", str(folder), "--page-size", "16")
     try:
         chat = lambda role: pb.ChatMessages(messages=[pb.ChatMessage(role=role, content="hello")])

@@ -1,4 +1,5 @@
 """Paged attention against a dense causal reference, and KV writes that touch only their slots."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,8 +13,9 @@ def _dense(q, k, v, start):
     """q [n, H, D] at positions start.., k/v [start+n, KVH, D]."""
     ctx = k.shape[0]
     mask = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
+    )
     return out.transpose(0, 1)
 
 
@@ -24,6 +26,7 @@ def _slots(table, positions):
 @pytest.mark.parametrize("kernel", ["fused", "plain"])
 def test_prefill_chunks_and_decode_match_dense(monkeypatch, kernel):
     import shardline.kernels.attention as attention
+
     if kernel == "plain":  # the path other devices take, checked here on the CPU
         monkeypatch.setattr(attention, "_attend", attention.attend_plain)
     torch.manual_seed(0)
@@ -35,10 +38,14 @@ def test_prefill_chunks_and_decode_match_dense(monkeypatch, kernel):
     outs, pos = [], 0
     for n in (9, 6, 1, 7):  # a first chunk, a chunk over cached context, a single token, the rest
         positions = torch.arange(pos, pos + n)
-        batch = AttentionBatch(slots=_slots(table, positions), is_decode=False, query_lens=[n],
-                               start_positions=[pos], block_tables_list=[table])
-        outs.append(paged_attention(q[pos:pos + n], k[pos:pos + n], v[pos:pos + n], kp, vp, batch,
-                                    HD ** -0.5))
+        batch = AttentionBatch(
+            slots=_slots(table, positions),
+            is_decode=False,
+            query_lens=[n],
+            start_positions=[pos],
+            block_tables_list=[table],
+        )
+        outs.append(paged_attention(q[pos : pos + n], k[pos : pos + n], v[pos : pos + n], kp, vp, batch, HD**-0.5))
         pos += n
     torch.testing.assert_close(torch.cat(outs), want)
 
@@ -50,7 +57,7 @@ def test_batched_decode_matches_dense_per_sequence():
     pages = torch.randperm(PAGES)
     tables, offset, seqs = [], 0, []
     for n in lens:
-        tables.append(pages[offset: offset + -(-n // PAGE)])
+        tables.append(pages[offset : offset + -(-n // PAGE)])
         offset += len(tables[-1])
         seqs.append((torch.randn(n, HEADS, HD), torch.randn(n, KVH, HD), torch.randn(n, KVH, HD)))
     for table, (q, k, v) in zip(tables, seqs):  # cache every token but the last
@@ -61,10 +68,16 @@ def test_batched_decode_matches_dense_per_sequence():
     block_tables = torch.stack([torch.cat([t, torch.full((width - len(t),), PAGES)]) for t in tables])
     positions = torch.tensor(lens) - 1
     slots = block_tables[torch.arange(len(lens)), positions // PAGE] * PAGE + positions % PAGE
-    batch = AttentionBatch(slots=slots, is_decode=True, block_tables=block_tables,
-                           context_lens=positions + 1)
-    got = paged_attention(torch.stack([q[-1] for q, _, _ in seqs]), torch.stack([k[-1] for _, k, _ in seqs]),
-                          torch.stack([v[-1] for _, _, v in seqs]), kp, vp, batch, HD ** -0.5)
+    batch = AttentionBatch(slots=slots, is_decode=True, block_tables=block_tables, context_lens=positions + 1)
+    got = paged_attention(
+        torch.stack([q[-1] for q, _, _ in seqs]),
+        torch.stack([k[-1] for _, k, _ in seqs]),
+        torch.stack([v[-1] for _, _, v in seqs]),
+        kp,
+        vp,
+        batch,
+        HD**-0.5,
+    )
     for i, (q, k, v) in enumerate(seqs):
         torch.testing.assert_close(got[i], _dense(q, k, v, 0)[-1])
 
@@ -74,8 +87,9 @@ def test_kv_write_touches_only_scheduled_slots():
     vp = kp.clone()
     table = torch.tensor([7, 3, 19])
     positions = torch.arange(2, 10)
-    batch = AttentionBatch(slots=_slots(table, positions), is_decode=False, query_lens=[8],
-                           start_positions=[2], block_tables_list=[table])
+    batch = AttentionBatch(
+        slots=_slots(table, positions), is_decode=False, query_lens=[8], start_positions=[2], block_tables_list=[table]
+    )
     k = torch.randn(8, KVH, HD)
     # start > 0 makes attention read cached slots 0-1 (NaN); only the writes are checked here.
     paged_attention(torch.randn(8, HEADS, HD), k, k.clone(), kp, vp, batch, 1.0)
@@ -95,7 +109,7 @@ def _decode_case(lens, seed=2):
     pages = torch.randperm(PAGES * 4)
     tables, offset, seqs = [], 0, []
     for n in lens:
-        tables.append(pages[offset: offset + -(-n // PAGE)])
+        tables.append(pages[offset : offset + -(-n // PAGE)])
         offset += len(tables[-1])
         seqs.append((torch.randn(n, HEADS, HD), torch.randn(n, KVH, HD), torch.randn(n, KVH, HD)))
     for table, (q, k, v) in zip(tables, seqs):
@@ -112,13 +126,14 @@ def _decode_case(lens, seed=2):
 
 def test_decode_in_blocks_matches_dense_and_reads_only_what_each_sequence_reaches(monkeypatch):
     import shardline.kernels.attention as attention
+
     monkeypatch.setattr(attention, "DECODE_BLOCK_TOKENS", 2 * PAGE)  # blocks of 8 tokens
     calls = []
     real = attention._attend
     monkeypatch.setattr(attention, "_attend", lambda q, k, *a: calls.append(tuple(k.shape[::2])) or real(q, k, *a))
-    lens = [3, 40, 1, 17, 8, 9]   # one long sequence, blocks boundaries hit exactly
+    lens = [3, 40, 1, 17, 8, 9]  # one long sequence, blocks boundaries hit exactly
     (q, k, v), kp, vp, batch, want = _decode_case(lens)
-    got = paged_attention(q, k, v, kp, vp, batch, HD ** -0.5)
+    got = paged_attention(q, k, v, kp, vp, batch, HD**-0.5)
     for i in range(len(lens)):
         torch.testing.assert_close(got[i], want[i])
     # (sequences, context tokens) gathered per block: every block holds at most 8 tokens per

@@ -1,5 +1,7 @@
 """Chunked prefill and phase rotation in the scheduler; priority with aging on a fake clock."""
-from hypothesis import given, settings, strategies as st
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardline.protos.shard_pb2 import Sampling
 from shardline.router.core.kv_manager import KVManager
@@ -17,20 +19,39 @@ class FakeClock:
 
 
 def _seq(i, prompt_len, max_new, priority=0, base=0):
-    return Sequence(seq_id=i, request_id=str(i), prompt_ids=[base + t for t in range(prompt_len)],
-                    max_new_tokens=max_new, sampling=Sampling(), priority=priority)
+    return Sequence(
+        seq_id=i,
+        request_id=str(i),
+        prompt_ids=[base + t for t in range(prompt_len)],
+        max_new_tokens=max_new,
+        sampling=Sampling(),
+        priority=priority,
+    )
 
 
 @settings(max_examples=150, deadline=None)
-@given(chunk=st.sampled_from([1, 3, 7, 64]), budget=st.sampled_from([4, 16, 100]),
-       reqs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 6), st.integers(0, 3)), min_size=1, max_size=12),
-       cancel_at=st.lists(st.integers(0, 60), max_size=3), mixed=st.booleans(),
-       pair_cost=st.sampled_from([0.0, 0.02, 0.5]), groups=st.sampled_from([1, 2, 3]))
+@given(
+    chunk=st.sampled_from([1, 3, 7, 64]),
+    budget=st.sampled_from([4, 16, 100]),
+    reqs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 6), st.integers(0, 3)), min_size=1, max_size=12),
+    cancel_at=st.lists(st.integers(0, 60), max_size=3),
+    mixed=st.booleans(),
+    pair_cost=st.sampled_from([0.0, 0.02, 0.5]),
+    groups=st.sampled_from([1, 2, 3]),
+)
 def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, mixed, pair_cost, groups):
     pages = PageManager(40, 4)
     groups = 1 if mixed else groups  # they exclude each other
-    sched = Scheduler(KVManager(pages), max_batch=4, max_batch_tokens=budget, chunk_size=chunk, mixed_steps=mixed,
-                      pair_cost=pair_cost, layer_groups=groups, num_layers=5)
+    sched = Scheduler(
+        KVManager(pages),
+        max_batch=4,
+        max_batch_tokens=budget,
+        chunk_size=chunk,
+        mixed_steps=mixed,
+        pair_cost=pair_cost,
+        layer_groups=groups,
+        num_layers=5,
+    )
     group = None  # the chunk in layer groups: (sequence, its tokens, where its last group ended)
     seqs = [_seq(i, p, n, base=100 * (i % 3)) for i, (p, n, _) in enumerate(reqs)]
     arrivals = {s: a for s, (_, _, a) in zip(seqs, reqs)}
@@ -45,6 +66,7 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, m
         step = real_admit(budget)
         asked.append(step)
         return step
+
     sched._admit = admit
     last_asked = 0
     for t in range(1500):  # chunks of 1 in 3 layer groups take hundreds of steps
@@ -73,7 +95,7 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, m
         last_asked = steps + 1 if asked else last_asked
         asked.clear()
         decodes = [s for s in step.scheduled if s.decode]
-        assert step.scheduled[:len(decodes)] == decodes, "decode rows come first"
+        assert step.scheduled[: len(decodes)] == decodes, "decode rows come first"
         assert all(len(s.tokens) == 1 for s in decodes)
         chunks = [(s.seq, s.tokens) for s in step.chunks]
         if step.phase is not Phase.DECODE:
@@ -82,7 +104,7 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, m
         if mixed:  # every step decodes every decoding sequence
             assert step.num_decode == decoding
         if step.layer_start or step.partial:  # a layer group: one chunk, of a prompt longer than one
-            (seq, inputs), = chunks
+            ((seq, inputs),) = chunks
             assert step.num_decode == 0 and groups > 1
             assert len(inputs) < len(seq.prompt_ids) - seq.cached_prompt_tokens
             assert 0 <= step.layer_start < (step.layer_end or 5) <= 5
@@ -142,12 +164,18 @@ def test_a_long_prompt_cannot_monopolize_prefill_or_starve_decodes_and_a_shorter
         phases.append(step.phase)
         served.append([s.seq_id for s in step.seqs if s is not decoder])
     # A decoding sequence waits for one prefill step at most: Decode follows each.
-    assert all(Phase.DECODE in phases[i:i + 2] for i in range(len(phases) - 1)), phases
+    assert all(Phase.DECODE in phases[i : i + 2] for i in range(len(phases) - 1)), phases
     # The short prompt is admitted in the round after the long one's first chunk, before its
     # second (shortest first); then round robin (one 8-token chunk fits the budget): 1, 2, 1,
     # and the short prompt's last 4 tokens share a step with 4 of the long one's.
-    assert list(zip(phases, served))[:6] == [(Phase.DECODE, []), (Phase.ADMIT, [1]), (Phase.DECODE, []),
-                                             (Phase.ADMIT, [2]), (Phase.DECODE, []), (Phase.CONTINUE, [1])]
+    assert list(zip(phases, served))[:6] == [
+        (Phase.DECODE, []),
+        (Phase.ADMIT, [1]),
+        (Phase.DECODE, []),
+        (Phase.ADMIT, [2]),
+        (Phase.DECODE, []),
+        (Phase.CONTINUE, [1]),
+    ]
     continues = [ids for ids, phase in zip(served, phases) if phase is Phase.CONTINUE]
     assert continues[:4] == [[1], [2], [1], [2, 1]]
     assert short in sched.decoding and short.num_computed > 20  # prefilled, now decoding
@@ -175,27 +203,41 @@ def test_a_long_prompts_chunks_run_in_layer_groups_that_a_short_prompt_and_decod
         # (phase, sequences, layer range; 0 at the end: through the last layer)
         steps.append((step.phase.name[0], [s.seq_id for s in step.seqs], step.layer_start, step.layer_end or 0))
     assert steps == [
-        ("A", [3], 0, 0), ("D", [3], 0, 0),
-        ("A", [1], 0, 2),                    # the long prompt's first chunk: layers 0-1 (its prompt needs 3)
-        ("D", [3], 0, 0), ("A", [2], 0, 0),  # the short prompt, whole, before the chunk's next group
-        ("D", [3], 0, 0), ("C", [1], 2, 4), ("D", [3], 0, 0), ("C", [1], 4, 0),  # to the last layer
-        ("D", [3], 0, 0), ("C", [1], 0, 2), ("D", [3], 0, 0),
+        ("A", [3], 0, 0),
+        ("D", [3], 0, 0),
+        ("A", [1], 0, 2),  # the long prompt's first chunk: layers 0-1 (its prompt needs 3)
+        ("D", [3], 0, 0),
+        ("A", [2], 0, 0),  # the short prompt, whole, before the chunk's next group
+        ("D", [3], 0, 0),
+        ("C", [1], 2, 4),
+        ("D", [3], 0, 0),
+        ("C", [1], 4, 0),  # to the last layer
+        ("D", [3], 0, 0),
+        ("C", [1], 0, 2),
+        ("D", [3], 0, 0),
         ("C", [1], 2, 0),  # the decoder is done: with nothing else to run, the rest of the layers at once
-        ("C", [1], 0, 0)]  # and the last chunk whole
+        ("C", [1], 0, 0),
+    ]  # and the last chunk whole
     assert long.num_computed == 20 and long.output_ids and short.output_ids
 
 
 @settings(max_examples=300, deadline=None)
-@given(size=st.integers(1, 512), start=st.integers(0, 40000),
-       pair_cost=st.sampled_from([0.0, 1152 / 3538944, 1e-3, 0.05, 2.0]))
+@given(
+    size=st.integers(1, 512),
+    start=st.integers(0, 40000),
+    pair_cost=st.sampled_from([0.0, 1152 / 3538944, 1e-3, 0.05, 2.0]),
+)
 def test_a_chunk_late_in_a_prompt_holds_the_most_tokens_that_cost_what_a_first_chunk_does(size, start, pair_cost):
     """n tokens after `start` cost n + pair_cost * (attention pairs to the tokens before each);
     a chunk is the largest n (at least 1, at most the chunk size) that costs no more than a
     chunk of `size` tokens at the start of a prompt. (1152 / 3538944: SmolLM2-135M's.)"""
-    sched = Scheduler(KVManager(PageManager(4, 4)), max_batch=1, max_batch_tokens=1, chunk_size=size, pair_cost=pair_cost)
+    sched = Scheduler(
+        KVManager(PageManager(4, 4)), max_batch=1, max_batch_tokens=1, chunk_size=size, pair_cost=pair_cost
+    )
 
     def cost(n):
         return n + pair_cost * (n * start + n * (n - 1) / 2)
+
     limit = size + pair_cost * size * (size - 1) / 2
     n = sched.chunk_at(start)
     assert 1 <= n <= size

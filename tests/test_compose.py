@@ -1,12 +1,12 @@
 """docker-compose.yml stays true: its services' commands, with their environment, started as local
 processes on loopback (Docker itself is not on every machine that runs the tests)."""
+
 import os
 import re
 import ssl
 import subprocess
 import sys
 import time
-
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from harness.otlp_receiver import OtlpReceiver
-
-from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 from shardline.processes import spawn_service
+from shardline.protos import generation_pb2 as pb
+from shardline.protos import generation_pb2_grpc as pb_grpc
 from tests.support import ROOT, free_port, wait_for
 
 ADDRESS = re.compile(r"([A-Za-z0-9][\w.-]*):(\d+)")
@@ -32,9 +32,13 @@ def load_compose() -> dict:
 def shardline_services(compose: dict) -> dict:
     """The gateway, routers and shards of the default profile (not the one-shot certs, the
     observability stack or CUDA)."""
-    return {n: s for n, s in compose["services"].items()
-            if "profiles" not in s and str(s.get("image", "")).startswith("shardline")
-            and s["command"][1] in ("gateway", "router", "shard")}
+    return {
+        n: s
+        for n, s in compose["services"].items()
+        if "profiles" not in s
+        and str(s.get("image", "")).startswith("shardline")
+        and s["command"][1] in ("gateway", "router", "shard")
+    }
 
 
 def _of_kind(services: dict, kind: str) -> dict:
@@ -58,13 +62,14 @@ class Loopback:
             return str(self.port(service, value))
         for prefix, local in self.paths.items():
             if value == prefix or value.startswith(prefix + "/"):
-                return local + value[len(prefix):]
+                return local + value[len(prefix) :]
 
         def swap(m):
             host, port = m.group(1), m.group(2)
             owner = service if host in ("0.0.0.0", "127.0.0.1", "localhost") else host  # itself
             assert owner in self.services, f"{service}: {key} names an unknown host {host!r}"
             return f"127.0.0.1:{self.port(owner, port)}"
+
         return ADDRESS.sub(swap, value)
 
     def command(self, service: str, argv: list[str]) -> list[str]:
@@ -78,7 +83,10 @@ def _wait_healthy(loop: Loopback, name: str, service: dict, proc, timeout=180):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"{name} exited with {proc.returncode}"
-        if subprocess.run([sys.executable, "-m", "shardline.cli", *check], cwd=ROOT, capture_output=True).returncode == 0:
+        if (
+            subprocess.run([sys.executable, "-m", "shardline.cli", *check], cwd=ROOT, capture_output=True).returncode
+            == 0
+        ):
             return
         time.sleep(0.5)
     raise AssertionError(f"{name} never became healthy")
@@ -110,7 +118,8 @@ def test_compose_file_shape():
     assert gateway["ports"]
     # The gateway names every router where it listens; each router its own shards; each name has a certificate.
     assert gateway["environment"]["SHARDLINE_ROUTERS"].split(",") == [
-        f"{n}:{s['environment']['SHARDLINE_PORT']}" for n, s in routers.items()]
+        f"{n}:{s['environment']['SHARDLINE_PORT']}" for n, s in routers.items()
+    ]
     listens = {n: s["environment"]["SHARDLINE_LISTEN"].rpartition(":")[2] for n, s in shards.items()}
     served = [a for s in routers.values() for a in s["environment"]["SHARDLINE_SHARDS"].split(",")]
     assert sorted(served) == sorted(f"{n}:{p}" for n, p in listens.items())
@@ -133,8 +142,12 @@ def test_compose_services_serve_a_request_on_loopback(tmp_path):
     keys.write_text(f"{key} compose\n")
     router_env = next(iter(_of_kind(services, "router").values()))["environment"]
     loop = Loopback(compose["services"], {"/certs": str(certs), router_env["SHARDLINE_API_KEYS_FILE"]: str(keys)})
-    subprocess.run([sys.executable, "-m", "shardline.cli", *loop.command("certs", compose["services"]["certs"]["command"])],
-                   cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "shardline.cli", *loop.command("certs", compose["services"]["certs"]["command"])],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     auth = [("authorization", f"Bearer {key}")]
     kinds = ("shard", "router", "gateway")
     order = sorted(services, key=lambda n: kinds.index(services[n]["command"][1]))  # what each depends on first
@@ -149,36 +162,57 @@ def test_compose_services_serve_a_request_on_loopback(tmp_path):
                 if dep in services:
                     _wait_healthy(loop, dep, services[dep], procs[dep])
             env = {k: loop.rewrite(name, k, str(v)) for k, v in service["environment"].items()}
-            procs[name] = spawn_service(loop.command(name, service["command"]), cwd=ROOT, env={**os.environ, **env},
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            procs[name] = spawn_service(
+                loop.command(name, service["command"]),
+                cwd=ROOT,
+                env={**os.environ, **env},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         (gateway,) = _of_kind(services, "gateway")
         _wait_healthy(loop, gateway, services[gateway], procs[gateway])
         port = loop.port(gateway, str(services[gateway]["environment"]["SHARDLINE_PORT"]))
         ca = (certs / "ca.crt").read_bytes()  # the public API is TLS too, with the same local CA
         with grpc.secure_channel(f"127.0.0.1:{port}", grpc.ssl_channel_credentials(ca)) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            wait_for(lambda: sum(r.serving for r in stub.Stats(pb.StatsRequest(), metadata=auth).replicas) == 2,
-                     60, "the gateway to route to both replicas")
+            wait_for(
+                lambda: sum(r.serving for r in stub.Stats(pb.StatsRequest(), metadata=auth).replicas) == 2,
+                60,
+                "the gateway to route to both replicas",
+            )
             info = stub.Info(pb.InfoRequest(), metadata=auth)
             assert info.tensor_parallel == 1
-            replies = list(stub.Generate(pb.GenerateRequest(prompt="The capital of France is", max_new_tokens=4),
-                                         metadata=auth, timeout=120))
+            replies = list(
+                stub.Generate(
+                    pb.GenerateRequest(prompt="The capital of France is", max_new_tokens=4), metadata=auth, timeout=120
+                )
+            )
             assert "Paris" in "".join(m.text for m in replies)
             generated = sum(len(m.token_ids) for m in replies)
             for n in range(20):  # new prompts until both replicas served one (the gateway spreads them)
                 if all(r.requests_routed for r in stub.Stats(pb.StatsRequest(), metadata=auth).replicas):
                     break
-                generated += sum(len(m.token_ids) for m in stub.Generate(
-                    pb.GenerateRequest(prompt=f"{n} plus {n} is", max_new_tokens=2), metadata=auth, timeout=120))
+                generated += sum(
+                    len(m.token_ids)
+                    for m in stub.Generate(
+                        pb.GenerateRequest(prompt=f"{n} plus {n} is", max_new_tokens=2), metadata=auth, timeout=120
+                    )
+                )
             with pytest.raises(grpc.RpcError) as err:  # no key, no service
                 stub.Info(pb.InfoRequest(), timeout=10)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # Every service exports its spans where the compose file says, and the routers' metrics
         # endpoints are where Prometheus scrapes them.
         names = {"shardline-router": 2, "shardline-shard": 2}
-        wait_for(lambda: all(len({s.resource["service.instance.id"] for s in receiver.spans()
-                                  if s.resource["service.name"] == n}) == k for n, k in names.items()),
-                 60, "spans from both routers and both shards")
+        wait_for(
+            lambda: all(
+                len({s.resource["service.instance.id"] for s in receiver.spans() if s.resource["service.name"] == n})
+                == k
+                for n, k in names.items()
+            ),
+            60,
+            "spans from both routers and both shards",
+        )
         counted = 0.0
         for router, s in _of_kind(services, "router").items():
             metrics_port = loop.port(router, str(s["environment"]["SHARDLINE_METRICS_PORT"]))
@@ -194,9 +228,11 @@ def test_compose_services_serve_a_request_on_loopback(tmp_path):
         http_port = loop.port(gateway, str(services[gateway]["environment"]["SHARDLINE_HTTP_PORT"]))
         https = httpx.Client(verify=ssl.create_default_context(cafile=str(certs / "ca.crt")), timeout=60)
         with https:
-            answer = https.post(f"https://127.0.0.1:{http_port}/v1/completions", headers=dict(auth),
-                                json={"model": info.model, "prompt": "The capital of France is", "max_tokens": 4,
-                                      "temperature": 0})
+            answer = https.post(
+                f"https://127.0.0.1:{http_port}/v1/completions",
+                headers=dict(auth),
+                json={"model": info.model, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0},
+            )
             assert answer.status_code == 200 and "Paris" in answer.json()["choices"][0]["text"], answer.text
             assert https.get(f"https://127.0.0.1:{http_port}/v1/models").status_code == 401
         assert "8000:8000" in services[gateway]["ports"]  # published where the README says
@@ -209,8 +245,11 @@ def test_compose_services_serve_a_request_on_loopback(tmp_path):
 
 def _collector_address(compose: dict) -> tuple[str, str]:
     """(service, port) of the OTLP endpoint every Shardline service exports to."""
-    endpoints = {s["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] for s in shardline_services(compose).values()
-                 if s["command"][1] != "gateway"}
+    endpoints = {
+        s["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]
+        for s in shardline_services(compose).values()
+        if s["command"][1] != "gateway"
+    }
     assert len(endpoints) == 1, f"the services export to different collectors: {endpoints}"
     host, port = ADDRESS.search(endpoints.pop()).groups()
     return host, port
@@ -271,12 +310,18 @@ def test_the_observability_wiring_points_at_services_that_exist():
 def _served_metric_names() -> set[str]:
     """Every sample name the router's registry can produce (families with their suffixes)."""
     from shardline.router.observers.metrics import Metrics
+
     metrics = Metrics()
     metrics.watch(SimpleNamespace(failures=0, recoveries=0, load=lambda: None, pool=None))
     names = set()
     for family in metrics.registry.collect():
-        names |= {family.name, family.name + "_total", family.name + "_bucket", family.name + "_count",
-                  family.name + "_sum"}
+        names |= {
+            family.name,
+            family.name + "_total",
+            family.name + "_bucket",
+            family.name + "_count",
+            family.name + "_sum",
+        }
     return names
 
 
@@ -285,6 +330,7 @@ def test_no_secret_or_private_key_is_in_the_repo():
     for name, secret in compose.get("secrets", {}).items():
         ignored = subprocess.run(["git", "check-ignore", "-q", secret["file"]], cwd=ROOT)
         assert ignored.returncode == 0, f"secret {name} ({secret['file']}) is not git-ignored"
-    tracked = subprocess.run(["git", "grep", "-l", "-e", "BEGIN [A-Z ]*PRIVATE KEY", "--", "."], cwd=ROOT,
-                             capture_output=True, text=True)
+    tracked = subprocess.run(
+        ["git", "grep", "-l", "-e", "BEGIN [A-Z ]*PRIVATE KEY", "--", "."], cwd=ROOT, capture_output=True, text=True
+    )
     assert tracked.returncode == 1 and not tracked.stdout, f"private keys in the repo: {tracked.stdout}"

@@ -1,6 +1,7 @@
 """Decode graphs (torch.compile on CPU): the same greedy tokens as transformers, with every
 decode step of a batch inside a bucket or on its edge replayed as exactly one graph launch, and
 intermediate prefill chunks launching none. The CUDA-graph path needs a GPU and is not run here."""
+
 import random
 
 import pytest
@@ -47,7 +48,7 @@ def _generate(runner, prompts, chunk: int):
     out = {i: [] for i in range(len(prompts))}
     for i, prompt in enumerate(prompts):  # prefill one by one, in chunks
         for start in range(0, len(prompt), chunk):
-            piece = prompt[start:start + chunk]
+            piece = prompt[start : start + chunk]
             emit = start + len(piece) == len(prompt)
             step = shard_pb2.SequenceStep(seq_id=i, token_ids=piece, start_pos=start, emit=emit)
             if start == 0:
@@ -59,9 +60,12 @@ def _generate(runner, prompts, chunk: int):
                 counts["chunk"][1] += result.eager_decode_steps
             out[i] += result.tokens
     for n in range(1, NEW):
-        plan = shard_pb2.StepPlan(seqs=[shard_pb2.SequenceStep(seq_id=i, token_ids=out[i][-1:], emit=True,
-                                                               start_pos=len(p) + n - 1)
-                                        for i, p in enumerate(prompts)])
+        plan = shard_pb2.StepPlan(
+            seqs=[
+                shard_pb2.SequenceStep(seq_id=i, token_ids=out[i][-1:], emit=True, start_pos=len(p) + n - 1)
+                for i, p in enumerate(prompts)
+            ]
+        )
         result = runner.step(plan)
         assert not result.failures, result.failures
         counts["decode"][0] += result.graph_launches
@@ -98,8 +102,25 @@ def test_a_replica_counts_launches_per_rank_and_pipeline_stages_stay_eager(llama
     assert prompt_chunks(18, 7, llama) == [7, 6, 5]
     prompt = [random.Random(5).randrange(ref.config.vocab_size) for _ in range(18)]
     want, margins = hf_greedy(ref, prompt, 8)
-    server = Server("--model", str(llama), "--page-size", str(PAGE), "--tp", str(tp), "--pp", str(pp),
-                    "--threads", "1", "--max-batch", "2", "--decode-graphs", "on", "--chunk-size", "7", timeout=600)
+    server = Server(
+        "--model",
+        str(llama),
+        "--page-size",
+        str(PAGE),
+        "--tp",
+        str(tp),
+        "--pp",
+        str(pp),
+        "--threads",
+        "1",
+        "--max-batch",
+        "2",
+        "--decode-graphs",
+        "on",
+        "--chunk-size",
+        "7",
+        timeout=600,
+    )
     try:
         info = server.stub.Info(pb.InfoRequest(), timeout=10)
         assert (info.decode_graphs, list(info.decode_graph_buckets)) == ((True, [1, 2]) if pp == 1 else (False, []))
@@ -107,13 +128,18 @@ def test_a_replica_counts_launches_per_rank_and_pipeline_stages_stay_eager(llama
         got, _, _ = server.generate(prompt_token_ids=pb.PromptTokens(ids=prompt), max_new_tokens=8, ignore_eos=True)
         assert_greedy_match(got, want, margins)
         st = server.wait_idle()
-        graphs, eager = st.decode_graph_launches - before.decode_graph_launches, \
-            st.eager_decode_steps - before.eager_decode_steps
+        graphs, eager = (
+            st.decode_graph_launches - before.decode_graph_launches,
+            st.eager_decode_steps - before.eager_decode_steps,
+        )
         # 7 decode steps follow the prompt's chunks.
         assert (graphs, eager) == ((7 * tp, 0) if pp == 1 else (0, 7 * pp))
         # A constrained sequence decodes through the same graphs: its mask applies to their logits.
-        req = pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=prompt), max_new_tokens=12,
-                                 json_schema='{"type": "array", "items": {"type": "integer"}, "maxItems": 3}')
+        req = pb.GenerateRequest(
+            prompt_token_ids=pb.PromptTokens(ids=prompt),
+            max_new_tokens=12,
+            json_schema='{"type": "array", "items": {"type": "integer"}, "maxItems": 3}',
+        )
         got = server.generate(**{f.name: v for f, v in req.ListFields()})[0]
         assert_constrained_match(got, hf_constrained_greedy(ref, prompt, req, 12))
         assert server.wait_idle().decode_graph_launches > st.decode_graph_launches or pp > 1
@@ -126,6 +152,7 @@ def test_graphs_keep_parity_with_chunking_and_the_prefix_cache(llama):
     edges) run as graphs; every answer is transformers' answer, computed cold in chunks of 7 and
     again from the prefix cache (unchunked prompts decode through graphs in test_native_weights)."""
     from concurrent.futures import ThreadPoolExecutor
+
     from shardline.protos import generation_pb2 as pb
     from tests.support import Server
 
@@ -133,13 +160,30 @@ def test_graphs_keep_parity_with_chunking_and_the_prefix_cache(llama):
     rng = random.Random(7)
     prompts = [[rng.randrange(ref.config.vocab_size) for _ in range(n)] for n in (5, 37, 90, 131)]
     wants = [hf_greedy(ref, p, 12) for p in prompts]
-    server = Server("--model", str(llama), "--page-size", "16", "--max-batch", "4", "--decode-graphs", "on",
-                    "--chunk-size", "7", timeout=600)
+    server = Server(
+        "--model",
+        str(llama),
+        "--page-size",
+        "16",
+        "--max-batch",
+        "4",
+        "--decode-graphs",
+        "on",
+        "--chunk-size",
+        "7",
+        timeout=600,
+    )
     try:
         for _ in range(2):  # the second round hits the prefix cache
             with ThreadPoolExecutor(len(prompts)) as pool:
-                results = list(pool.map(lambda p: server.generate(
-                    prompt_token_ids=pb.PromptTokens(ids=p), max_new_tokens=12, ignore_eos=True), prompts))
+                results = list(
+                    pool.map(
+                        lambda p: server.generate(
+                            prompt_token_ids=pb.PromptTokens(ids=p), max_new_tokens=12, ignore_eos=True
+                        ),
+                        prompts,
+                    )
+                )
             for (tokens, _, _), (want, margins) in zip(results, wants):
                 assert_greedy_match(tokens, want, margins)
         st = server.wait_idle()
@@ -155,7 +199,7 @@ def test_a_one_token_final_chunk_takes_the_decode_graph(llama, graph_runner):
     prompt = [random.Random(15).randrange(ref.config.vocab_size) for _ in range(15)]
     launches = []
     for start, n in ((0, 7), (7, 7), (14, 1)):  # chunks of 7: the last is one token
-        step = shard_pb2.SequenceStep(seq_id=99, token_ids=prompt[start:start + n], start_pos=start, emit=start == 14)
+        step = shard_pb2.SequenceStep(seq_id=99, token_ids=prompt[start : start + n], start_pos=start, emit=start == 14)
         if start == 0:
             step.first, step.sampling.top_p = True, 1.0
             step.new_pages.extend([60, 61])

@@ -1,5 +1,6 @@
 """The step loop with stand-in shards (a unit test of one class): deferred release on cancel,
 failures that belong to one request, and failures of the shard group."""
+
 import asyncio
 
 import pytest
@@ -14,7 +15,6 @@ from shardline.router.core.sequence import Failure, FinishReason, Sequence
 from shardline.router.core.shard_client import ShardError
 from shardline.router.observers.stats import StatsCounters
 from tests.support import smollm2_codec
-
 
 
 class GatedShards:
@@ -49,15 +49,21 @@ class GatedShards:
             raise ShardError("shard 0 died")
         ok = [s for s in plan.seqs if s.seq_id not in self.fail_seqs]
         return shard_pb2.StepResult(
-            step_id=plan.step_id, tokens=[self.token] * (sum(s.emit for s in ok) + self.extra_tokens),
-            failures=[shard_pb2.SequenceFailure(seq_id=i, message="page id 999 outside the pool")
-                      for i in sorted(self.fail_seqs & {s.seq_id for s in plan.seqs})])
+            step_id=plan.step_id,
+            tokens=[self.token] * (sum(s.emit for s in ok) + self.extra_tokens),
+            failures=[
+                shard_pb2.SequenceFailure(seq_id=i, message="page id 999 outside the pool")
+                for i in sorted(self.fail_seqs & {s.seq_id for s in plan.seqs})
+            ],
+        )
 
 
 def _setup(num_seqs=1, samples_alone=True):
     pool = PageManager(16, 4)
     shards = GatedShards(samples_alone)
-    engine = Engine(Scheduler(KVManager(pool), 8, 1000), shards, smollm2_codec(), max_position=1000, observers=[StatsCounters()])
+    engine = Engine(
+        Scheduler(KVManager(pool), 8, 1000), shards, smollm2_codec(), max_position=1000, observers=[StatsCounters()]
+    )
     seqs = [Sequence(i, f"r{i}", list(range(10 * i, 10 * i + 10)), 20, Sampling()) for i in range(1, num_seqs + 1)]
     return pool, shards, engine, seqs
 
@@ -100,13 +106,16 @@ def test_a_sequence_the_shard_could_not_serve_fails_alone_and_publishes_nothing(
         engine.submit(b, [])
         shards.fail_seqs = {a.seq_id}
         loop = asyncio.create_task(engine.run())
-        shards.gate.release()                    # the admit step: a fails, b gets its first token
+        shards.gate.release()  # the admit step: a fails, b gets its first token
         out_a = await _drain(a)
-        assert out_a[-1].failure == Failure("INTERNAL", "the shard could not serve this request: "
-                                                        "page id 999 outside the pool")
+        assert out_a[-1].failure == Failure(
+            "INTERNAL", "the shard could not serve this request: page id 999 outside the pool"
+        )
         # Only b's two full prompt pages were published; a's KV was never written.
-        assert sorted(pool.index.values()) == sorted(b.pages.block_table[:2]), "a failed sequence's pages were published"
-        for _ in range(19):                  # b runs to its end, alone
+        assert sorted(pool.index.values()) == sorted(b.pages.block_table[:2]), (
+            "a failed sequence's pages were published"
+        )
+        for _ in range(19):  # b runs to its end, alone
             shards.gate.release()
         out_b = await _drain(b)
         assert [o.token_ids for o in out_b] == [[42]] * 20 and out_b[-1].finish_reason is FinishReason.LENGTH
@@ -169,6 +178,7 @@ def test_plans_name_only_what_changed_and_release_what_they_announced():
     """Prompt of 10 tokens, pages of 4, 7 new tokens: the first step sends the sequence whole;
     a decode step sends one token, plus a page id only when its position starts a page; the
     next plan after the sequence finished releases it."""
+
     async def scenario():
         pool, shards, engine, (a, b) = _setup(2)
         a.max_new_tokens = 7
@@ -182,8 +192,14 @@ def test_plans_name_only_what_changed_and_release_what_they_announced():
         entries = [(plan.released, s) for plan in shards.plans for s in plan.seqs]
         first, *decodes = [s for _, s in entries if s.seq_id == a.seq_id]
         assert first.first and first.HasField("sampling") and len(first.new_pages) == 3
-        assert [(s.start_pos, len(s.new_pages)) for s in decodes] == [(10, 0), (11, 0), (12, 1), (13, 0), (14, 0),
-                                                                      (15, 0)]
+        assert [(s.start_pos, len(s.new_pages)) for s in decodes] == [
+            (10, 0),
+            (11, 0),
+            (12, 1),
+            (13, 0),
+            (14, 0),
+            (15, 0),
+        ]
         assert not any(s.first or s.HasField("sampling") for s in decodes)
         released_with_b = [r for r, s in entries if s.seq_id == b.seq_id and s.first]
         assert list(released_with_b[0]) == [a.seq_id]
@@ -203,7 +219,7 @@ def test_a_lone_shard_is_sent_the_next_decode_step_while_one_runs_with_the_token
         seq.max_new_tokens = 5
         engine.submit(seq, [])
         loop = asyncio.create_task(engine.run())
-        shards.gate.release()                        # the admit step: the first token
+        shards.gate.release()  # the admit step: the first token
         await _until(lambda: len(shards.plans) == 3)
         assert shards.answered == 1, "the second decode step goes out before the first one's answer"
         (decode,), (ahead,) = shards.plans[1].seqs, shards.plans[2].seqs
@@ -229,15 +245,15 @@ def test_a_sequence_that_ends_while_its_step_sent_ahead_runs_drops_that_token_an
         a.stop_token_ids = frozenset({7})
         engine.submit(a, [])
         loop = asyncio.create_task(engine.run())
-        shards.gate.release()                        # the admit step: the first token, 42
+        shards.gate.release()  # the admit step: the first token, 42
         await _until(lambda: len(shards.plans) == 3)  # a decode step and one sent ahead
-        shards.token = 7                             # the decode step samples the end of sequence
+        shards.token = 7  # the decode step samples the end of sequence
         shards.gate.release()
         out = await _drain(a)
         assert [o.token_ids for o in out] == [[42], [7]] and out[-1].finish_reason is FinishReason.EOS
         assert engine.has_work() and not engine.scheduler.has_work(), "a drain waits for the step sent ahead"
         shards.token = 42
-        shards.gate.release()                        # the step sent ahead: its token is a's no more
+        shards.gate.release()  # the step sent ahead: its token is a's no more
         await _until(lambda: not engine.has_work())
         await asyncio.sleep(0.01)
         assert a.outputs.empty() and len(a.output_ids) == 2 and len(shards.plans) == 3
@@ -267,7 +283,7 @@ def test_no_step_is_sent_ahead_to_a_group_of_shards_nor_past_a_request_waiting_t
         loop = asyncio.create_task(engine.run())
         shards.gate.release()
         await _until(lambda: len(shards.plans) == 3)
-        engine.submit(b, [])                         # waits while a decode step and one sent ahead run
+        engine.submit(b, [])  # waits while a decode step and one sent ahead run
         shards.gate.release()
         shards.gate.release()
         await _until(lambda: len(shards.plans) == 4)

@@ -1,4 +1,5 @@
 """Publishing into the shared cache folder: whole files and folders, the first one kept."""
+
 from shardline.common.files import publish
 
 
@@ -16,6 +17,7 @@ def test_a_folder_is_published_whole_and_the_first_copy_is_kept(tmp_path):
     def write(name):
         def into(tmp):
             (tmp / "tokenizer.json").write_text(name)
+
         return into
 
     publish(path, write("first"), folder=True)

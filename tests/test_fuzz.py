@@ -4,28 +4,36 @@ call ends OK or with INVALID_ARGUMENT / RESOURCE_EXHAUSTED / OUT_OF_RANGE and a 
 UNKNOWN or INTERNAL, and never hangs; every HTTP one gets 200, 400, 404, 413 or 429 with an
 OpenAI error body, never a 500 or a dropped connection; afterwards the server is SERVING and holds
 no page."""
+
 import json
 import math
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from shardline.protos import generation_pb2 as pb
 from tests.support import Server, health_status
 
 ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE}
-FUZZ = settings(max_examples=100, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 # Any unicode a protobuf string can carry (valid UTF-8: no lone surrogates), control characters included.
 chars = st.characters(blacklist_categories=("Cs",))
 text = lambda n: st.text(chars, max_size=n)
-floats32 = st.one_of(st.floats(width=32), st.sampled_from(
-    [math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-39, 1.4e-45, -1e-39, 3.4e38, 1.0, 0.5]))
-uint32 = st.one_of(st.integers(0, 24), st.sampled_from([0, 1, 2047, 2048, 2**31, 2**32 - 1]),
-                   st.integers(0, 2**32 - 1))
+floats32 = st.one_of(
+    st.floats(width=32),
+    st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-39, 1.4e-45, -1e-39, 3.4e38, 1.0, 0.5]),
+)
+uint32 = st.one_of(st.integers(0, 24), st.sampled_from([0, 1, 2047, 2048, 2**31, 2**32 - 1]), st.integers(0, 2**32 - 1))
 
 
 def _pick(draw, plausible, wild):
@@ -45,8 +53,11 @@ def requests(draw) -> pb.GenerateRequest:
     elif kind == "long prompt":  # past what can fit the context; past gRPC's 4 MiB limit
         req.prompt = draw(st.sampled_from(["é" * 150_000, "x" * 5_000_000]))
     elif kind == "token ids":
-        ids = _pick(draw, st.lists(st.integers(0, 49151), min_size=1, max_size=300),
-                    st.lists(uint32, max_size=50) | st.lists(st.integers(0, 49151), max_size=3000))
+        ids = _pick(
+            draw,
+            st.lists(st.integers(0, 49151), min_size=1, max_size=300),
+            st.lists(uint32, max_size=50) | st.lists(st.integers(0, 49151), max_size=3000),
+        )
         req.prompt_token_ids.ids.extend(ids)
         req.prompt_token_ids.SetInParent()
     elif kind == "messages":
@@ -66,7 +77,7 @@ def requests(draw) -> pb.GenerateRequest:
     req.stop.extend(_pick(draw, st.lists(text(8).filter(bool), max_size=3), st.lists(text(300), max_size=20)))
     req.ignore_eos = draw(st.booleans())
     req.cache_salt = _pick(draw, text(10), text(300))
-    req.priority = draw(st.integers(-2**31, 2**31 - 1))
+    req.priority = draw(st.integers(-(2**31), 2**31 - 1))
     constraint = draw(st.sampled_from([None, None, "json_schema", "json_object", "regex", "grammar", "choice"]))
     if constraint == "json_schema":
         req.json_schema = _pick(draw, st.sampled_from(['{"type": "integer"}', '{"enum": ["a", "b"]}']), text(60))
@@ -75,16 +86,27 @@ def requests(draw) -> pb.GenerateRequest:
     elif constraint in ("regex", "grammar"):
         setattr(req, constraint, _pick(draw, st.sampled_from(["[ab]{1,3}", 'start: "x" | "y"']), text(60)))
     elif constraint == "choice":
-        req.choice.options.extend(_pick(draw, st.lists(text(6).filter(bool), min_size=1, max_size=3),
-                                        st.lists(text(6), max_size=3)))
+        req.choice.options.extend(
+            _pick(draw, st.lists(text(6).filter(bool), min_size=1, max_size=3), st.lists(text(6), max_size=3))
+        )
         req.choice.SetInParent()
     return req
 
 
 @pytest.fixture(scope="module")
 def server(tiny_models):
-    server = Server("--model", str(tiny_models["llama"]), "--page-size", "16", "--num-pages", "64",
-                    "--max-batch", "4", "--max-waiting", "64")
+    server = Server(
+        "--model",
+        str(tiny_models["llama"]),
+        "--page-size",
+        "16",
+        "--num-pages",
+        "64",
+        "--max-batch",
+        "4",
+        "--max-waiting",
+        "64",
+    )
     yield server
     assert health_status(server.channel) == health_pb2.HealthCheckResponse.SERVING
     st_ = server.wait_idle()
@@ -95,7 +117,7 @@ def server(tiny_models):
 def _ends_well(call) -> None:
     try:
         last = None
-        for last in call:
+        for last in call:  # noqa: B007 - the stream's last message is what is checked
             pass
         assert last is not None and last.finish_reason, "an OK stream must end with a finish reason"
         event(f"OK {last.finish_reason}")
@@ -111,8 +133,14 @@ def test_random_requests_end_ok_or_with_a_client_error(server, req):
     _ends_well(server.stub.Generate(req, timeout=120))
 
 
-MALFORMED = [b"\xff\xff\xff\xff", b"\x12\x02\xff\xfe", b"\x12\x05ab", b"\x28\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",
-             b"\x0b", b"\x2a\x01\x0d"]
+MALFORMED = [
+    b"\xff\xff\xff\xff",
+    b"\x12\x02\xff\xfe",
+    b"\x12\x05ab",
+    b"\x28\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",
+    b"\x0b",
+    b"\x2a\x01\x0d",
+]
 
 
 @FUZZ
@@ -128,20 +156,45 @@ def test_bytes_that_are_not_a_request_end_with_a_client_error(server, data):
 
 
 # -- the OpenAI-compatible HTTP API --------------------------------------------------------------------
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | text(20),
-                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(text(8), inner, max_size=4),
-                           max_leaves=8)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | text(20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(text(8), inner, max_size=4),
+    max_leaves=8,
+)
 HTTP_FIELDS = {  # field -> plausible values; any JSON value one time in four
-    "temperature": st.sampled_from([0, 0.7, 1, 2]), "top_p": st.sampled_from([0.5, 1]),
-    "n": st.integers(1, 3), "seed": st.integers(0, 2**63 - 1), "stop": st.lists(text(5), max_size=3),
-    "stream": st.booleans(), "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5),
-    "top_k": st.integers(-1, 50), "ignore_eos": st.booleans(), "priority": st.integers(-3, 3),
-    "cache_salt": text(10), "request_id": text(10), "user": text(10),
+    "temperature": st.sampled_from([0, 0.7, 1, 2]),
+    "top_p": st.sampled_from([0.5, 1]),
+    "n": st.integers(1, 3),
+    "seed": st.integers(0, 2**63 - 1),
+    "stop": st.lists(text(5), max_size=3),
+    "stream": st.booleans(),
+    "logprobs": st.booleans(),
+    "top_logprobs": st.integers(0, 5),
+    "top_k": st.integers(-1, 50),
+    "ignore_eos": st.booleans(),
+    "priority": st.integers(-3, 3),
+    "cache_salt": text(10),
+    "request_id": text(10),
+    "user": text(10),
     "stream_options": st.just({"include_usage": True}),
-    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"},
-                                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}]),
-    "structured_outputs": st.sampled_from([{"choice": ["a", "b"]}, {"regex": "[0-9]+"}, {"grammar": "start: x"},
-                                           {"json": {"type": "boolean"}}, {}, {"regex": "a", "choice": ["a"]}]),
+    "response_format": st.sampled_from(
+        [
+            {"type": "text"},
+            {"type": "json_object"},
+            {"type": "json_schema"},
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}},
+        ]
+    ),
+    "structured_outputs": st.sampled_from(
+        [
+            {"choice": ["a", "b"]},
+            {"regex": "[0-9]+"},
+            {"grammar": "start: x"},
+            {"json": {"type": "boolean"}},
+            {},
+            {"regex": "a", "choice": ["a"]},
+        ]
+    ),
     "tools": st.just([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
     "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
 }
@@ -153,12 +206,18 @@ def http_bodies(draw, model: str) -> dict:
     body = {"model": _pick(draw, st.just(model), text(10) | json_values)}
     if chat:
         role = _pick(draw, st.sampled_from(["system", "user", "assistant", "developer"]), text(10))
-        content = _pick(draw, text(100), st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text(20)}),
-                                                  max_size=2) | json_values)
+        content = _pick(
+            draw,
+            text(100),
+            st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text(20)}), max_size=2) | json_values,
+        )
         body["messages"] = _pick(draw, st.just([{"role": role, "content": content}]), json_values)
     else:
-        body["prompt"] = _pick(draw, text(100) | st.lists(st.integers(0, 49151), min_size=1, max_size=50),
-                               json_values | st.lists(st.integers(), max_size=5))
+        body["prompt"] = _pick(
+            draw,
+            text(100) | st.lists(st.integers(0, 49151), min_size=1, max_size=50),
+            json_values | st.lists(st.integers(), max_size=5),
+        )
     body["max_tokens"] = _pick(draw, st.integers(1, 8), json_values | st.integers(-5, 2**40))
     if chat and not (isinstance(body["max_tokens"], int) and 1 <= body["max_tokens"] <= 8):
         body["max_completion_tokens"] = 8  # what limits a chat then: open-ended ones run for seconds
@@ -177,8 +236,12 @@ def test_random_http_bodies_get_200_or_a_client_error_in_openais_shape(server, d
     model = server.stub.Info(pb.InfoRequest()).model
     body = data.draw(http_bodies(model))
     path = "/chat/completions" if "messages" in body else "/completions"
-    response = httpx.post(server.http_url + path, content=json.dumps(body), timeout=120,  # NaN and Infinity too
-                          headers={"content-type": "application/json"})
+    response = httpx.post(
+        server.http_url + path,
+        content=json.dumps(body),
+        timeout=120,  # NaN and Infinity too
+        headers={"content-type": "application/json"},
+    )
     event(f"HTTP {response.status_code}")
     assert response.status_code in (200, 400, 404, 413, 429), (response.status_code, body, response.text)
     if response.status_code != 200:
@@ -192,12 +255,15 @@ def test_random_http_bodies_get_200_or_a_client_error_in_openais_shape(server, d
 
 
 @FUZZ
-@given(raw=st.binary(max_size=200) | st.sampled_from([b"", b"{", b"null", b"[]", b'{"model": 1e999}',
-                                                       b'{"prompt": "\\ud800"}', b"\xff\xfe"]))
+@given(
+    raw=st.binary(max_size=200)
+    | st.sampled_from([b"", b"{", b"null", b"[]", b'{"model": 1e999}', b'{"prompt": "\\ud800"}', b"\xff\xfe"])
+)
 def test_bytes_that_are_not_json_get_400_in_openais_shape(server, raw):
     import httpx
 
-    response = httpx.post(server.http_url + "/completions", content=raw,
-                          headers={"content-type": "application/json"}, timeout=60)
+    response = httpx.post(
+        server.http_url + "/completions", content=raw, headers={"content-type": "application/json"}, timeout=60
+    )
     assert response.status_code == 400, (raw, response.text)
     assert response.json()["error"]["message"]

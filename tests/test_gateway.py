@@ -1,5 +1,6 @@
 """The gateway end to end: `shardline serve --replicas 2` (two tiny-model replicas, each a router
 and its shard, behind a gateway), driven over gRPC with API keys of two tenants."""
+
 import os
 import random
 import signal
@@ -14,7 +15,8 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+from shardline.protos import generation_pb2 as pb
+from shardline.protos import generation_pb2_grpc as pb_grpc
 from tests.support import Server, wait_for
 
 KEYS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-0123456789abcdef"}
@@ -46,8 +48,20 @@ def _free_run(n: int) -> int:
 def fleet(tiny_models, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys"
     keys.write_text("".join(f"{k} {t}\n" for t, k in KEYS.items()))
-    server = Server("--model", str(tiny_models["llama"]), "--page-size", str(PAGE), "--replicas", "2",
-                    "--api-keys-file", str(keys), "--num-pages", "512", "--metrics-port", str(_free_run(3)))
+    server = Server(
+        "--model",
+        str(tiny_models["llama"]),
+        "--page-size",
+        str(PAGE),
+        "--replicas",
+        "2",
+        "--api-keys-file",
+        str(keys),
+        "--num-pages",
+        "512",
+        "--metrics-port",
+        str(_free_run(3)),
+    )
     server.metadata = _auth("alice")
     wait_for(lambda: sum(r.serving for r in server.stats().replicas) == 2, 30, "both replicas to be routable")
     yield server
@@ -55,8 +69,13 @@ def fleet(tiny_models, tmp_path_factory):
 
 
 def _generate(fleet, ids, tenant="alice", **kw) -> pb.GenerateResponse:
-    replies = list(fleet.stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=2,
-                                                          ignore_eos=True, **kw), metadata=_auth(tenant), timeout=60))
+    replies = list(
+        fleet.stub.Generate(
+            pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=ids), max_new_tokens=2, ignore_eos=True, **kw),
+            metadata=_auth(tenant),
+            timeout=60,
+        )
+    )
     return replies[-1]
 
 
@@ -114,8 +133,11 @@ def test_tenants_never_meet_in_the_gateways_index(fleet):
 
 
 def test_cancel_through_the_gateway_reaches_the_replica_that_runs_it(fleet):
-    stream = fleet.stub.Generate(pb.GenerateRequest(request_id="long-one", prompt="hello", max_new_tokens=2000,
-                                                    ignore_eos=True), metadata=_auth("alice"), timeout=60)
+    stream = fleet.stub.Generate(
+        pb.GenerateRequest(request_id="long-one", prompt="hello", max_new_tokens=2000, ignore_eos=True),
+        metadata=_auth("alice"),
+        timeout=60,
+    )
     next(stream)
     fleet.stub.Cancel(pb.CancelRequest(request_id="long-one"), metadata=_auth("alice"), timeout=10)
     assert list(stream)[-1].finish_reason == "cancelled"
@@ -129,16 +151,22 @@ def test_the_openai_api_through_the_gateway_routes_by_prefix_too(fleet):
     system = "You are a terse assistant who answers in one word. " * 8
     before, cached_before = _routed(fleet), _cached(fleet)
     for question in ("Hi?", "Why?", "How?"):
-        chat = client.chat.completions.create(model="llama", max_tokens=2, temperature=0,
-                                              messages=[{"role": "system", "content": system},
-                                                        {"role": "user", "content": question}])
+        chat = client.chat.completions.create(
+            model="llama",
+            max_tokens=2,
+            temperature=0,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        )
         assert chat.choices[0].finish_reason == "length"
         time.sleep(0.1)
     after = _routed(fleet)
     assert sorted(after[a] - before[a] for a in after) == [0, 3]  # all three on the replica that cached it
     assert chat.usage.prompt_tokens_details.cached_tokens > 0
-    (predicted, reported), = [(p - cached_before[a][0], r - cached_before[a][1])
-                              for a, (p, r) in _cached(fleet).items() if after[a] > before[a]]
+    ((predicted, reported),) = [
+        (p - cached_before[a][0], r - cached_before[a][1])
+        for a, (p, r) in _cached(fleet).items()
+        if after[a] > before[a]
+    ]
     assert predicted == reported > 0  # the gateway hashed the chat template's text as the router did
     stream = client.completions.create(model="llama", prompt="Once upon a time", max_tokens=3, stream=True)
     assert sum(len(c.choices[0].text) > 0 for c in stream if c.choices) >= 1
@@ -146,27 +174,40 @@ def test_the_openai_api_through_the_gateway_routes_by_prefix_too(fleet):
         openai.OpenAI(base_url=fleet.http_url, api_key="wrong-key-0123456789", max_retries=0).models.list()
     assert httpx.get(fleet.http_url.removesuffix("/v1") + "/health", timeout=10).status_code == 200
     # A client that leaves mid-stream: the gateway closes its side, and nothing stays open.
-    with httpx.stream("POST", fleet.http_url + "/completions", headers={"authorization": f"Bearer {KEYS['bob']}"},
-                      json={"model": "llama", "prompt": "Tell me", "max_tokens": 1500, "stream": True},
-                      timeout=30) as response:
+    with httpx.stream(
+        "POST",
+        fleet.http_url + "/completions",
+        headers={"authorization": f"Bearer {KEYS['bob']}"},
+        json={"model": "llama", "prompt": "Tell me", "max_tokens": 1500, "stream": True},
+        timeout=30,
+    ) as response:
         assert response.status_code == 200
         next(response.iter_raw())
+
     def running_anywhere():  # asked of the routers themselves, not of the gateway's view of them
         count = fleet.stats().requests_running
         for address in (r.address for r in fleet.stats().replicas):
             with grpc.insecure_channel(address) as channel:
-                count += pb_grpc.GenerationStub(channel).Stats(pb.StatsRequest(), metadata=_auth("bob"),
-                                                               timeout=10).requests_running
+                count += (
+                    pb_grpc.GenerationStub(channel)
+                    .Stats(pb.StatsRequest(), metadata=_auth("bob"), timeout=10)
+                    .requests_running
+                )
         return count
+
     wait_for(lambda: running_anywhere() == 0, 2, "every stream to be closed, the router's too")
 
 
 def _scrape(port: int) -> dict[tuple[str, str], float]:
     """(metric name, its labels as text) -> value, from a Prometheus endpoint on loopback."""
     from prometheus_client.parser import text_string_to_metric_families
+
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return {(s.name, ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_the_gateways_metrics_say_what_its_stats_say_per_replica(fleet):
@@ -179,8 +220,11 @@ def test_the_gateways_metrics_say_what_its_stats_say_per_replica(fleet):
     def agreed():  # the gateway hears of the new pages within the routers' publishing period
         nonlocal stats, got
         stats, got = fleet.stats(), _scrape(port)
-        return all(got[("shardline:gateway_replica_cached_pages", f"replica={r.address}")] == r.pages_cached
-                   for r in stats.replicas)
+        return all(
+            got[("shardline:gateway_replica_cached_pages", f"replica={r.address}")] == r.pages_cached
+            for r in stats.replicas
+        )
+
     stats = got = None
     wait_for(agreed, 5, "a scrape and Stats taken together")
     assert got[("shardline:gateway_serving", "")] == 1
@@ -200,8 +244,9 @@ def test_the_gateways_metrics_say_what_its_stats_say_per_replica(fleet):
 
 def _replica_pid(fleet, address: str) -> int:
     port = address.rpartition(":")[2]
-    return next(p.pid for p in psutil.Process(fleet.proc.pid).children()
-                if "serve" in p.cmdline() and port in p.cmdline())
+    return next(
+        p.pid for p in psutil.Process(fleet.proc.pid).children() if "serve" in p.cmdline() and port in p.cmdline()
+    )
 
 
 def test_a_replica_killed_gets_no_requests_and_comes_back_resynced(fleet):

@@ -1,5 +1,6 @@
 """The kernels built for a lower instruction set than the host's (SHARDLINE_CPU_ISA): an AVX-512
 host builds and runs the AVX2 paths too, and they compute what the weights say."""
+
 import os
 import platform
 import subprocess
@@ -62,6 +63,12 @@ def test_a_lower_isa_build_computes_the_weights(level):
 
 def test_an_unknown_isa_level_is_refused():
     env = {**os.environ, "SHARDLINE_CPU_ISA": "avx9"}
-    done = subprocess.run([sys.executable, "-c", "from shardline.kernels import native; native.available()"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", "from shardline.kernels import native; native.available()"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode != 0 and "SHARDLINE_CPU_ISA must be one of" in done.stderr

@@ -3,6 +3,7 @@
 the command line: each container's command parses with its environment as `shardline` parses
 it, every SHARDLINE_* variable is a flag of that command, probes and Services point at the ports
 the processes listen on, and the gateway, routers and shards find each other."""
+
 import os
 from pathlib import Path
 from unittest import mock
@@ -106,7 +107,10 @@ def test_the_manifests_wire_what_the_command_line_serves():
     assert gateway.model == router.model and gateway.http_port and gateway.router_tls_ca_file
     gateway_ports = _ports(gateway_container)
     assert (gateway_ports["grpc"], gateway_ports["http"], gateway_ports["metrics"]) == (
-        gateway.port, gateway.http_port, gateway.metrics_port)
+        gateway.port,
+        gateway.http_port,
+        gateway.metrics_port,
+    )
     front = services["shardline-gateway"]
     assert front["spec"]["selector"].items() <= gateway_deployment["spec"]["template"]["metadata"]["labels"].items()
     assert {p["targetPort"] for p in front["spec"]["ports"]} <= set(gateway_ports)

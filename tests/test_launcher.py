@@ -1,5 +1,6 @@
 """`shardline serve` as a user runs it: ready line, clean shutdown, no orphans. (Failing shards
 and drains: test_recovery.py.)"""
+
 import os
 import signal
 import time
@@ -53,6 +54,7 @@ def test_free_ports_never_hands_out_a_port_twice():
     """A test picks a port for a flag, then starts a server that picks its own: the kernel reuses
     closed ephemeral ports, and the two once collided (a router's HTTP API and metrics)."""
     from shardline.processes import RECENT_PORTS, _handed_out, free_ports
+
     ports = [p for _ in range(1500) for p in free_ports(1)] + free_ports(3)
     assert len(set(ports)) == len(ports)
     # and it remembers a bounded number: the launcher calls it at every restart of its group

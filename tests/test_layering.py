@@ -2,6 +2,7 @@
 function) of every part runs one way, the router's rooms too, and its core imports no server
 code and no public API; no two modules import each other (directly or through others); the
 router process imports no torch; and the wheel installs one top-level package."""
+
 import ast
 import shutil
 import subprocess
@@ -43,10 +44,20 @@ ROOM_MAY_IMPORT = {
     "router": {f"router.{room}" for room in ROOMS},
 }
 # What the engine core never imports: server code, HTTP frameworks, the public APIs' messages.
-NOT_IN_CORE = ("fastapi", "starlette", "uvicorn", "pydantic", "grpc_reflection", "grpc_health.v1.health",
-               "shardline.protos.generation_pb2", "shardline.protos.generation_pb2_grpc",
-               "shardline.protos.fleet_pb2", "shardline.protos.fleet_pb2_grpc",
-               "shardline.common.generation_service", "shardline.common.http_server")
+NOT_IN_CORE = (
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "pydantic",
+    "grpc_reflection",
+    "grpc_health.v1.health",
+    "shardline.protos.generation_pb2",
+    "shardline.protos.generation_pb2_grpc",
+    "shardline.protos.fleet_pb2",
+    "shardline.protos.fleet_pb2_grpc",
+    "shardline.common.generation_service",
+    "shardline.common.http_server",
+)
 
 
 def part_of(module: str) -> str:
@@ -90,8 +101,9 @@ def _imports(path: Path, when_loaded: bool = False) -> set[str]:
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.add(node.module)
-            out.update(f"{node.module}.{alias.name}" for alias in node.names
-                       if f"{node.module}.{alias.name}" in MODULES)
+            out.update(
+                f"{node.module}.{alias.name}" for alias in node.names if f"{node.module}.{alias.name}" in MODULES
+            )
         if not (when_loaded and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))):
             for child in ast.iter_child_nodes(node):
                 visit(child)
@@ -124,7 +136,7 @@ def test_no_two_modules_import_each_other():
 
     def visit(module):
         if module in path:
-            cycles.append(" -> ".join(path[path.index(module):] + [module]))
+            cycles.append(" -> ".join(path[path.index(module) :] + [module]))
             return
         if module in done:
             return
@@ -185,8 +197,12 @@ def _names(path: Path) -> set[str]:
 def test_the_router_core_imports_no_server_code_and_no_public_api():
     core = [m for m in GRAPH if room_of(m) == "router.core"]
     assert len(core) > 8  # the walk found the core
-    wrong = [f"{module} imports {name}" for module in core for name in _names(MODULES[module])
-             if any(name == banned or name.startswith(banned + ".") for banned in NOT_IN_CORE)]
+    wrong = [
+        f"{module} imports {name}"
+        for module in core
+        for name in _names(MODULES[module])
+        if any(name == banned or name.startswith(banned + ".") for banned in NOT_IN_CORE)
+    ]
     assert not wrong, "\n".join(wrong)
 
 
@@ -198,8 +214,22 @@ def test_the_wheel_installs_one_top_level_package(tmp_path):
         if (ROOT / name).is_file():
             (source / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, source / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}

@@ -1,4 +1,5 @@
 """oneDNN linears: the same fp32 results as nn.Linear, hooks kept, tied weights left alone."""
+
 import torch
 from torch import nn
 

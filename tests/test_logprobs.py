@@ -1,6 +1,7 @@
 """Log-probabilities in the API: the sampled tokens' and the prompt's (teacher-forced), with the
 best alternatives, equal to transformers' log-softmax over the same weights, whether the prompt
 runs whole or in chunks over two pipeline stages, or a second time where the prefix cache holds it."""
+
 import random
 
 import grpc
@@ -32,9 +33,18 @@ def assert_matches(got: pb.TokenLogprob, row: torch.Tensor, token: int):
 
 
 def check_request(server: Server, ref, prompt: list[int], new_tokens: int = 6, cached: bool = False):
-    responses = list(server.stub.Generate(pb.GenerateRequest(
-        prompt_token_ids=pb.PromptTokens(ids=prompt), max_new_tokens=new_tokens, ignore_eos=True,
-        logprobs=TOP, prompt_logprobs=TOP), timeout=120))
+    responses = list(
+        server.stub.Generate(
+            pb.GenerateRequest(
+                prompt_token_ids=pb.PromptTokens(ids=prompt),
+                max_new_tokens=new_tokens,
+                ignore_eos=True,
+                logprobs=TOP,
+                prompt_logprobs=TOP,
+            ),
+            timeout=120,
+        )
+    )
     tokens = [t for r in responses for t in r.token_ids]
     assert len(tokens) == new_tokens
     assert all(len(r.logprobs) == len(r.token_ids) for r in responses)

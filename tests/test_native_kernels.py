@@ -1,6 +1,7 @@
 """Shardline's CPU kernels (kernels/*.cpp) against the torch code they stand in for: decode
 attention over pages (with q/k norms and rotation), the MLP's silu-and-multiply. The quantized
 linear kernel is checked with the layers in test_quantized.py."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,7 @@ def two_threads():
 
 def _torch_decode(qkv, cos_sin, norms, k_pages, v_pages, batch, heads, kv_heads, d, scale):
     x = qkv.view(-1, heads + 2 * kv_heads, d)
-    q, k, v = x[:, :heads], x[:, heads:heads + kv_heads], x[:, heads + kv_heads:]
+    q, k, v = x[:, :heads], x[:, heads : heads + kv_heads], x[:, heads + kv_heads :]
     if norms is not None:
         q, k = norms[0](q), norms[1](k)
     q, k = Rotary.apply(q, cos_sin), Rotary.apply(k, cos_sin)
@@ -52,7 +53,7 @@ def test_paged_decode_matches_the_torch_path(heads, kv_heads, qk_norm, kv_dtype,
     page_size, num_pages = 4, 48
     lens = torch.tensor(lens)
     B = len(lens)
-    tables = torch.randperm(num_pages - 1)[:B * 8].view(B, 8)  # scattered pages, wider than needed
+    tables = torch.randperm(num_pages - 1)[: B * 8].view(B, 8)  # scattered pages, wider than needed
     rotary = Rotary(d, 10000.0, 64)
     cos_sin = rotary.at(lens - 1, torch.float32)
     norms = None
@@ -67,9 +68,20 @@ def test_paged_decode_matches_the_torch_path(heads, kv_heads, qk_norm, kv_dtype,
     k_ref, v_ref = (p.clone() for p in pools)
     with torch.inference_mode():
         norm_args = (norms[0].weight, norms[1].weight, 1e-6) if qk_norm else (None, None, 0.0)
-        got = native.ops().paged_decode(qkv, cos_sin[0], cos_sin[1], *norm_args, k_mine, v_mine, batch.slots,
-                                        tables, batch.context_lens, heads, d ** -0.5)
-        want = _torch_decode(qkv, cos_sin, norms, k_ref, v_ref, batch, heads, kv_heads, d, d ** -0.5)
+        got = native.ops().paged_decode(
+            qkv,
+            cos_sin[0],
+            cos_sin[1],
+            *norm_args,
+            k_mine,
+            v_mine,
+            batch.slots,
+            tables,
+            batch.context_lens,
+            heads,
+            d**-0.5,
+        )
+        want = _torch_decode(qkv, cos_sin, norms, k_ref, v_ref, batch, heads, kv_heads, d, d**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # the new K/V written, only there; rotated K may differ by rounding, within one step of the pages' dtype
     tol = dict(rtol=1e-5, atol=1e-6) if kv_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
@@ -82,18 +94,42 @@ def test_paged_decode_matches_the_torch_path(heads, kv_heads, qk_norm, kv_dtype,
 def test_paged_decode_rejects_a_qkv_width_that_disagrees_with_the_heads():
     k_pages = torch.zeros(4, 4, 2, 16)
     with pytest.raises(RuntimeError, match="qkv width"):
-        native.ops().paged_decode(torch.zeros(1, 100), torch.zeros(1, 16), torch.zeros(1, 16), None, None, 0.0,
-                                  k_pages, k_pages.clone(), torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]),
-                                  4, 0.25)
+        native.ops().paged_decode(
+            torch.zeros(1, 100),
+            torch.zeros(1, 16),
+            torch.zeros(1, 16),
+            None,
+            None,
+            0.0,
+            k_pages,
+            k_pages.clone(),
+            torch.tensor([0]),
+            torch.tensor([[0]]),
+            torch.tensor([1]),
+            4,
+            0.25,
+        )
 
 
 def test_paged_decode_of_no_rows_is_empty():
     """(It split each sequence's context by the thread count over the batch: a division by zero,
     SIGFPE, the process gone.)"""
     k_pages = torch.zeros(4, 4, 2, 16)
-    out = native.ops().paged_decode(torch.zeros(0, 128), torch.zeros(0, 16), torch.zeros(0, 16), None, None, 0.0,
-                                    k_pages, k_pages.clone(), torch.zeros(0, dtype=torch.long),
-                                    torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long), 4, 0.25)
+    out = native.ops().paged_decode(
+        torch.zeros(0, 128),
+        torch.zeros(0, 16),
+        torch.zeros(0, 16),
+        None,
+        None,
+        0.0,
+        k_pages,
+        k_pages.clone(),
+        torch.zeros(0, dtype=torch.long),
+        torch.zeros(0, 1, dtype=torch.long),
+        torch.zeros(0, dtype=torch.long),
+        4,
+        0.25,
+    )
     assert out.shape == (0, 64)
 
 
@@ -107,8 +143,9 @@ def test_silu_mul_is_silu_of_the_gate_times_up(rows):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_the_kernels_reject_records_of_another_width_or_shape(bits):
     from shardline.kernels.operands import native_operands
-    records, = native_operands(torch.zeros(8, 64, dtype=torch.int32), torch.zeros(8, 2), torch.zeros(8, 2), bits)
-    other, = native_operands(torch.zeros(8, 64, dtype=torch.int32), torch.zeros(8, 2), torch.zeros(8, 2), 12 - bits)
+
+    (records,) = native_operands(torch.zeros(8, 64, dtype=torch.int32), torch.zeros(8, 2), torch.zeros(8, 2), bits)
+    (other,) = native_operands(torch.zeros(8, 64, dtype=torch.int32), torch.zeros(8, 2), torch.zeros(8, 2), 12 - bits)
     linear = (lambda x, r: native.ops().int4_linear(x, r, 1 << 30)) if bits == 4 else native.ops().int8_linear
     assert linear(torch.ones(1, 64), records).shape == (1, 8)
     for x, held in ((torch.zeros(1, 96), records), (torch.zeros(1, 64), other)):  # K of 96, or 8-bit records for 4
@@ -130,16 +167,33 @@ def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_
     monkeypatch.setattr("shardline.kernels.quantized.kernel_for", lambda b: Kernel(kernel.removesuffix("+torch")))
     if kernel.startswith("native"):  # not whatever this machine's timing says: torch's int4 kernel measured
         from shardline.kernels import quantized  # faster from 2 rows on (the batch's 3 take it), or never, and our
+
         measured = quantized.crossover  # direct kernel (int16 activations) for every batch of the test
         pinned = {"int4-torch": 1 if kernel == "native+torch" else 1 << 30, "int4-direct": 1 << 30}
+
         def crossover(name, *args, **kw):
             rows = next((rows for prefix, rows in pinned.items() if name.startswith(prefix)), None)
             return measured(name, *args, **kw) if rows is None else rows
+
         monkeypatch.setattr(quantized, "crossover", crossover)
     torch.manual_seed(bits)
-    cfg = ModelConfig(architecture="qwen3", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
-                      max_position=64, tie_word_embeddings=False, eos_token_ids=[0], qkv_bias=True, qk_norm=True)
+    cfg = ModelConfig(
+        architecture="qwen3",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position=64,
+        tie_word_embeddings=False,
+        eos_token_ids=[0],
+        qkv_bias=True,
+        qk_norm=True,
+    )
     model = Transformer(cfg).eval().requires_grad_(False)
     for p in model.parameters():
         p.data = torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0)
@@ -171,13 +225,16 @@ def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_
             # the K/V it writes after one.
             close = 1e-3 if (kernel, bits) == ("native", 4) else 1e-4
             if kernel == "native+torch":
-                assert all(layer.torch_rows == 1 and layer.torch_operands for layer in
-                           (block.attn.wqkv, block.attn.wo, block.mlp.w13, block.mlp.w2))
+                assert all(
+                    layer.torch_rows == 1 and layer.torch_operands
+                    for layer in (block.attn.wqkv, block.attn.wo, block.mlp.w13, block.mlp.w2)
+                )
             torch.testing.assert_close(got, want, rtol=close, atol=close * want.abs().max().item())
             for p, w in zip(pages, written):
                 kv_close = close if (kernel, bits) == ("native", 4) else 1e-5
                 torch.testing.assert_close(p, w, rtol=kv_close, atol=kv_close * w.abs().max().item())
         fused = model.layers[0]
         fused.max_rows = 2  # above the crossover: the block itself, bit for bit
-        torch.testing.assert_close(fused(x, cos_sin, *kv.layers[0], batch),
-                                   blocks[0](x, cos_sin, *kv.layers[0], batch), rtol=0, atol=0)
+        torch.testing.assert_close(
+            fused(x, cos_sin, *kv.layers[0], batch), blocks[0](x, cos_sin, *kv.layers[0], batch), rtol=0, atol=0
+        )

@@ -11,6 +11,7 @@ the whole-prompt run's best token leads its second by more than 0.25 (four bf16 
 that computes something else disagrees far beyond that. A repeat on a prefix-cache hit must
 give exactly the same tokens as the first run of the same server.
 """
+
 import random
 
 import pytest
@@ -31,14 +32,23 @@ def serve_and_score(model, prompts, *flags):
         assert info.kv_dtype == "float16"  # auto: quantized weights keep their KV pages in fp16
         scores, tokens = [], []
         for prompt in prompts:
-            responses = list(server.stub.Generate(pb.GenerateRequest(
-                prompt_token_ids=pb.PromptTokens(ids=prompt), max_new_tokens=8, ignore_eos=True,
-                prompt_logprobs=20), timeout=120))
+            responses = list(
+                server.stub.Generate(
+                    pb.GenerateRequest(
+                        prompt_token_ids=pb.PromptTokens(ids=prompt),
+                        max_new_tokens=8,
+                        ignore_eos=True,
+                        prompt_logprobs=20,
+                    ),
+                    timeout=120,
+                )
+            )
             scores += list(responses[0].prompt_logprobs)
             tokens.append([t for r in responses for t in r.token_ids])
         for prompt, first in zip(prompts, tokens):  # again, now from the prefix cache
-            again, _, last = server.generate(prompt_token_ids=pb.PromptTokens(ids=prompt), max_new_tokens=8,
-                                             ignore_eos=True)
+            again, _, last = server.generate(
+                prompt_token_ids=pb.PromptTokens(ids=prompt), max_new_tokens=8, ignore_eos=True
+            )
             assert again == first
         assert last.usage.cached_prompt_tokens > 0
         assert server.wait_idle().pages_referenced == 0
@@ -54,16 +64,20 @@ def whole(tiny_models):
     return prompts, serve_and_score(tiny_models["llama"], prompts)
 
 
-@pytest.mark.parametrize("flags", [["--chunk-size", "7"], ["--tp", "2"], ["--pp", "2", "--chunk-size", "64"]],
-                         ids=["chunks-of-7", "tp2", "pp2-chunks-of-64"])
+@pytest.mark.parametrize(
+    "flags",
+    [["--chunk-size", "7"], ["--tp", "2"], ["--pp", "2", "--chunk-size", "64"]],
+    ids=["chunks-of-7", "tp2", "pp2-chunks-of-64"],
+)
 def test_quantized_serving_paths_agree_with_the_whole_prompt_run(tiny_models, whole, flags):
     prompts, (want, _) = whole
     got, _ = serve_and_score(tiny_models["llama"], prompts, *flags)
     result = compare(want, got)
     print(result)
     assert result["perplexity_ratio"] <= 1.01, result
-    clear = [(w.top[0].token_id, g.top[0].token_id) for w, g in zip(want, got)
-             if w.top[0].logprob - w.top[1].logprob > 0.25]
+    clear = [
+        (w.top[0].token_id, g.top[0].token_id) for w, g in zip(want, got) if w.top[0].logprob - w.top[1].logprob > 0.25
+    ]
     assert len(clear) > len(want) / 2  # most positions are clear-cut, so this checks something
     assert all(a == b for a, b in clear), [i for i, (a, b) in enumerate(clear) if a != b]
 
@@ -102,9 +116,22 @@ def test_quantized_decode_graphs_agree_with_eager_decode(tiny_models):
         server = Server("--model", str(tiny_models["llama"]), *QUANT, "--max-batch", "2", *flags, timeout=600)
         try:
             with ThreadPoolExecutor(2) as pool:
-                out = list(pool.map(lambda p: list(server.stub.Generate(pb.GenerateRequest(
-                    prompt_token_ids=pb.PromptTokens(ids=p), max_new_tokens=10, ignore_eos=True, logprobs=5),
-                    timeout=120)), prompts))
+                out = list(
+                    pool.map(
+                        lambda p: list(
+                            server.stub.Generate(
+                                pb.GenerateRequest(
+                                    prompt_token_ids=pb.PromptTokens(ids=p),
+                                    max_new_tokens=10,
+                                    ignore_eos=True,
+                                    logprobs=5,
+                                ),
+                                timeout=120,
+                            )
+                        ),
+                        prompts,
+                    )
+                )
             return [[lp for r in responses for lp in r.logprobs] for responses in out], server.wait_idle()
         finally:
             assert server.stop() == 0

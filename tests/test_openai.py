@@ -2,6 +2,7 @@
 and async) and raw HTTP: the same answers as the gRPC API, streaming, usage, log-probabilities,
 n choices over one computed prompt, disconnects, every error status in OpenAI's shape, keys and
 tenants, traces and metrics, and a drain."""
+
 import asyncio
 import json
 import os
@@ -9,7 +10,6 @@ import random
 import secrets
 import signal
 import subprocess
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,14 +19,17 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.otlp_receiver import OtlpReceiver
-from shardline.protos import generation_pb2 as pb
 from shardline.processes import spawn_service
+from shardline.protos import generation_pb2 as pb
 from tests.support import ROOT, Server, free_port, smollm2_codec, wait_for
 
 POISON_SEED = 666  # tests/faults: sampling raises inside the shard for this seed
-FAULTS = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "faults"), os.environ.get("PYTHONPATH", "")]),
-          "SHARDLINE_TEST_POISON_SEED": str(POISON_SEED),
-          "OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_TRACES_SAMPLER": "always_on"}
+FAULTS = {
+    "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "faults"), os.environ.get("PYTHONPATH", "")]),
+    "SHARDLINE_TEST_POISON_SEED": str(POISON_SEED),
+    "OTEL_BSP_SCHEDULE_DELAY": "50",
+    "OTEL_TRACES_SAMPLER": "always_on",
+}
 PAGE = 16
 GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
 
@@ -39,8 +42,17 @@ def receiver():
 
 @pytest.fixture(scope="module")
 def server(tiny_models, receiver):
-    server = Server("--model", str(tiny_models["llama"]), "--page-size", str(PAGE), "--otlp-endpoint",
-                    receiver.endpoint, "--metrics-port", str(free_port()), env=FAULTS)
+    server = Server(
+        "--model",
+        str(tiny_models["llama"]),
+        "--page-size",
+        str(PAGE),
+        "--otlp-endpoint",
+        receiver.endpoint,
+        "--metrics-port",
+        str(free_port()),
+        env=FAULTS,
+    )
     server.model = server.stub.Info(pb.InfoRequest()).model
     yield server
     assert server.stop() == 0
@@ -76,11 +88,14 @@ def test_models_lists_the_served_model(server, client):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_chat_greedy_text_equals_the_grpc_apis(server, client, stream):
-    _, text, last, _ = grpc_answer(server, messages=grpc_chat("Name three colors."), max_new_tokens=12,
-                                   ignore_eos=True)
-    answer = client.chat.completions.create(model=server.model, messages=chat("Name three colors."),
-                                            stream=stream, stream_options={"include_usage": True} if stream else None,
-                                            **GREEDY)
+    _, text, last, _ = grpc_answer(server, messages=grpc_chat("Name three colors."), max_new_tokens=12, ignore_eos=True)
+    answer = client.chat.completions.create(
+        model=server.model,
+        messages=chat("Name three colors."),
+        stream=stream,
+        stream_options={"include_usage": True} if stream else None,
+        **GREEDY,
+    )
     if stream:
         chunks = list(answer)
         assert chunks[0].choices[0].delta.role == "assistant"
@@ -101,9 +116,12 @@ def test_chat_greedy_text_equals_the_grpc_apis(server, client, stream):
 @pytest.mark.parametrize("prompt", ["The capital of France is", [5, 6, 7, 300, 301, 302]], ids=["text", "token-ids"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_completions_greedy_text_equals_the_grpc_apis(server, client, prompt, stream):
-    tokens, text, _, _ = grpc_answer(server, **({"prompt": prompt} if isinstance(prompt, str) else
-                                                {"prompt_token_ids": pb.PromptTokens(ids=prompt)}),
-                                     max_new_tokens=12, ignore_eos=True)
+    tokens, text, _, _ = grpc_answer(
+        server,
+        **({"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": pb.PromptTokens(ids=prompt)}),
+        max_new_tokens=12,
+        ignore_eos=True,
+    )
     answer = client.completions.create(model=server.model, prompt=prompt, stream=stream, **GREEDY)
     got = "".join(c.choices[0].text for c in answer if c.choices) if stream else answer.choices[0].text
     assert got == text and len(tokens) == 12
@@ -116,11 +134,18 @@ def cold() -> str:
 
 def test_chat_logprobs_equal_the_grpc_apis(server, client):
     codec = smollm2_codec()
-    tokens, _, _, want = grpc_answer(server, messages=grpc_chat("Count to five."), max_new_tokens=6, ignore_eos=True,
-                                     logprobs=3, cache_salt=cold())
-    answer = client.chat.completions.create(model=server.model, messages=chat("Count to five."), temperature=0,
-                                            max_tokens=6, logprobs=True, top_logprobs=3,
-                                            extra_body={"ignore_eos": True, "cache_salt": cold()})
+    tokens, _, _, want = grpc_answer(
+        server, messages=grpc_chat("Count to five."), max_new_tokens=6, ignore_eos=True, logprobs=3, cache_salt=cold()
+    )
+    answer = client.chat.completions.create(
+        model=server.model,
+        messages=chat("Count to five."),
+        temperature=0,
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True, "cache_salt": cold()},
+    )
     got = answer.choices[0].logprobs.content
     assert [g.token for g in got] == [codec.token_text(t) for t in tokens]
     assert [bytes(g.bytes) for g in got] == [codec.token_bytes(t) for t in tokens]
@@ -132,10 +157,21 @@ def test_chat_logprobs_equal_the_grpc_apis(server, client):
 
 def test_completion_logprobs_are_the_legacy_format_of_the_same_numbers(server, client):
     codec = smollm2_codec()
-    tokens, text, _, want = grpc_answer(server, prompt="Once upon a time", max_new_tokens=6, ignore_eos=True,
-                                        logprobs=2, cache_salt=cold())
-    lp = client.completions.create(model=server.model, prompt="Once upon a time", temperature=0, max_tokens=6,
-                                   logprobs=2, extra_body={"ignore_eos": True, "cache_salt": cold()}).choices[0].logprobs
+    tokens, text, _, want = grpc_answer(
+        server, prompt="Once upon a time", max_new_tokens=6, ignore_eos=True, logprobs=2, cache_salt=cold()
+    )
+    lp = (
+        client.completions.create(
+            model=server.model,
+            prompt="Once upon a time",
+            temperature=0,
+            max_tokens=6,
+            logprobs=2,
+            extra_body={"ignore_eos": True, "cache_salt": cold()},
+        )
+        .choices[0]
+        .logprobs
+    )
     assert lp.tokens == [codec.token_text(t) for t in tokens]
     assert lp.token_logprobs == pytest.approx([w.logprob for w in want], abs=1e-6)
     for top, w in zip(lp.top_logprobs, want):
@@ -149,8 +185,15 @@ def test_n_choices_compute_the_prompt_once_and_a_seed_reproduces_them(server, cl
     before = server.stats().prompt_tokens_computed
 
     def four():
-        return client.completions.create(model=server.model, prompt=ids, n=4, temperature=1.0, seed=7, max_tokens=8,
-                                         extra_body={"ignore_eos": True, "cache_salt": salt})
+        return client.completions.create(
+            model=server.model,
+            prompt=ids,
+            n=4,
+            temperature=1.0,
+            seed=7,
+            max_tokens=8,
+            extra_body={"ignore_eos": True, "cache_salt": salt},
+        )
 
     first = four()
     # The first choice computes the prompt; the others only what lies past its last full page.
@@ -166,32 +209,51 @@ def test_n_choices_compute_the_prompt_once_and_a_seed_reproduces_them(server, cl
 def test_stop_strings_and_limits_as_openai_defines_them(server, client):
     _, text, _, _ = grpc_answer(server, prompt="The capital of France is", max_new_tokens=12, ignore_eos=True)
     stop = text[3:6]  # somewhere in the greedy answer
-    _, stopped, last, _ = grpc_answer(server, prompt="The capital of France is", max_new_tokens=12, ignore_eos=True,
-                                      stop=[stop])
+    _, stopped, last, _ = grpc_answer(
+        server, prompt="The capital of France is", max_new_tokens=12, ignore_eos=True, stop=[stop]
+    )
     answer = client.completions.create(model=server.model, prompt="The capital of France is", stop=stop, **GREEDY)
     assert answer.choices[0].text == stopped and answer.choices[0].finish_reason == "stop" == last.finish_reason
     default = client.completions.create(model=server.model, prompt="Hi", extra_body={"ignore_eos": True})
     assert default.usage.completion_tokens == 16  # OpenAI's default for text completions
-    chat_ = client.chat.completions.create(model=server.model, messages=chat("Hi"), max_completion_tokens=3,
-                                           max_tokens=9, extra_body={"ignore_eos": True})
+    chat_ = client.chat.completions.create(
+        model=server.model, messages=chat("Hi"), max_completion_tokens=3, max_tokens=9, extra_body={"ignore_eos": True}
+    )
     assert chat_.usage.completion_tokens == 3  # max_completion_tokens wins, as OpenAI's
 
 
 def test_streamed_choices_come_with_their_index(server, client):
-    chunks = list(client.chat.completions.create(model=server.model, messages=chat("Hi"), n=3, stream=True,
-                                                 max_tokens=5, seed=1, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=server.model,
+            messages=chat("Hi"),
+            n=3,
+            stream=True,
+            max_tokens=5,
+            seed=1,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     ended = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
     assert ended == [0, 1, 2]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3 * 5  # every choice's
 
 
+async def _all(stream) -> list:
+    return [c async for c in stream]
+
+
 def test_the_async_client_streams_too(server):
     async def main():
         async with openai.AsyncOpenAI(base_url=server.http_url, api_key="unused", max_retries=0) as client:
-            streams = await asyncio.gather(*(client.completions.create(
-                model=server.model, prompt=f"Story {i}:", stream=True, **GREEDY) for i in range(4)))
-            return [[c async for c in s] for s in streams]
+            streams = await asyncio.gather(
+                *(
+                    client.completions.create(model=server.model, prompt=f"Story {i}:", stream=True, **GREEDY)
+                    for i in range(4)
+                )
+            )
+            return [await _all(s) for s in streams]
 
     for chunks in asyncio.run(main()):
         assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 1
@@ -242,8 +304,12 @@ def test_a_stream_whose_client_left_before_its_first_event_is_released():
 
 # -- errors in OpenAI's shape -----------------------------------------------------------------------
 def post(server, path: str, body, headers: dict | None = None, raw: bytes | None = None) -> httpx.Response:
-    return httpx.post(server.http_url + path, content=raw if raw is not None else json.dumps(body),
-                      headers={"content-type": "application/json", **(headers or {})}, timeout=60)
+    return httpx.post(
+        server.http_url + path,
+        content=raw if raw is not None else json.dumps(body),
+        headers={"content-type": "application/json", **(headers or {})},
+        timeout=60,
+    )
 
 
 def assert_error(response: httpx.Response, status: int, phrase: str, param: str | None = None):
@@ -257,19 +323,45 @@ def assert_error(response: httpx.Response, status: int, phrase: str, param: str 
 DROP = object()  # a field left out
 
 
-@pytest.mark.parametrize("body,phrase,param", [
-    ({"model": DROP, "messages": [{"role": "user", "content": "hi"}]}, "model: Field required", "model"),
-    ({"messages": []}, "at least 1 item", "messages"),
-    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "must be a number", "temperature"),
-    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "greater than or equal to 0", "temperature"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 99}, "less than or equal to 16", "n"),
-    ({"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, "Extra inputs are not permitted", "frobnicate"),
-    ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, "not supported", "presence_penalty"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "messages.0.role"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, "exceeds the model's context", None),
-    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["x"] * 17}, "at most 16 stop strings", None),
-], ids=["no model", "no messages", "wrong type", "out of range", "too many choices", "unknown field",
-        "unsupported", "unknown role", "over the context", "too many stops"])
+@pytest.mark.parametrize(
+    "body,phrase,param",
+    [
+        ({"model": DROP, "messages": [{"role": "user", "content": "hi"}]}, "model: Field required", "model"),
+        ({"messages": []}, "at least 1 item", "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "must be a number", "temperature"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
+            "greater than or equal to 0",
+            "temperature",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 99}, "less than or equal to 16", "n"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1},
+            "Extra inputs are not permitted",
+            "frobnicate",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5},
+            "not supported",
+            "presence_penalty",
+        ),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "messages.0.role"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, "exceeds the model's context", None),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["x"] * 17}, "at most 16 stop strings", None),
+    ],
+    ids=[
+        "no model",
+        "no messages",
+        "wrong type",
+        "out of range",
+        "too many choices",
+        "unknown field",
+        "unsupported",
+        "unknown role",
+        "over the context",
+        "too many stops",
+    ],
+)
 def test_bad_requests_are_400_with_a_message(server, body, phrase, param):
     body = {k: v for k, v in {"model": server.model, **body}.items() if v is not DROP}
     assert_error(post(server, "/chat/completions", body), 400, phrase, param)
@@ -283,13 +375,19 @@ def test_every_other_error_status_has_openais_shape(server):
     assert_error(httpx.get(server.http_url + "/nowhere"), 404, "Not Found")
     poisoned = {"model": server.model, "prompt": "hi", "max_tokens": 4, "temperature": 1.0, "seed": POISON_SEED}
     assert_error(post(server, "/completions", poisoned), 500, "injected fault: poisoned request")
-    events = [line for line in httpx.post(server.http_url + "/completions", json={**poisoned, "stream": True},
-                                          timeout=60).text.splitlines() if line.startswith("data: ")]
-    assert "injected fault" in json.loads(events[-2][len("data: "):])["error"]["message"]
+    events = [
+        line
+        for line in httpx.post(
+            server.http_url + "/completions", json={**poisoned, "stream": True}, timeout=60
+        ).text.splitlines()
+        if line.startswith("data: ")
+    ]
+    assert "injected fault" in json.loads(events[-2][len("data: ") :])["error"]["message"]
     assert events[-1] == "data: [DONE]"
     # one failing choice of two fails the request, and frees the other
-    assert_error(post(server, "/completions", {**poisoned, "n": 2, "ignore_eos": True, "max_tokens": 50}), 500,
-                 "injected fault")
+    assert_error(
+        post(server, "/completions", {**poisoned, "n": 2, "ignore_eos": True, "max_tokens": 50}), 500, "injected fault"
+    )
     assert httpx.get(server.http_url.removesuffix("/v1") + "/health").status_code == 200
     assert server.wait_idle().pages_referenced == 0
 
@@ -300,8 +398,22 @@ def guarded(tiny_models, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text("key-of-tenant-a-0123456789 a\nkey-of-tenant-b-0123456789 b\n")
     # One sequence at a time, prompts a token per step: a long prompt stays in flight for seconds.
-    server = Server("--model", str(tiny_models["llama"]), "--page-size", str(PAGE), "--num-pages", "16",
-                    "--api-keys-file", str(keys), "--tenant-max-requests", "1", "--max-batch", "1", "--chunk-size", "1")
+    server = Server(
+        "--model",
+        str(tiny_models["llama"]),
+        "--page-size",
+        str(PAGE),
+        "--num-pages",
+        "16",
+        "--api-keys-file",
+        str(keys),
+        "--tenant-max-requests",
+        "1",
+        "--max-batch",
+        "1",
+        "--chunk-size",
+        "1",
+    )
     server.metadata = [("authorization", "Bearer key-of-tenant-a-0123456789")]
     yield server
     assert server.stop() == 0
@@ -314,8 +426,9 @@ def test_keys_are_required_and_a_tenants_limits_apply(guarded):
         assert_error(post(guarded, "/completions", body, headers), 401, "API key")
     assert_error(httpx.get(guarded.http_url + "/models"), 401, "API key")
     assert post(guarded, "/completions", body, a).status_code == 200
-    assert_error(post(guarded, "/completions", {**body, "prompt": list(range(100, 400))}, a), 429,
-                 "whole page pool holds 256")
+    assert_error(
+        post(guarded, "/completions", {**body, "prompt": list(range(100, 400))}, a), 429, "whole page pool holds 256"
+    )
     # A chat without max_tokens: up to what the context and the pool (256 tokens) leave.
     open_ended = post(guarded, "/chat/completions", {"model": "llama", "messages": chat("Hi"), "ignore_eos": True}, a)
     assert open_ended.status_code == 200 and open_ended.json()["choices"][0]["finish_reason"] == "length"
@@ -332,8 +445,12 @@ def test_keys_are_required_and_a_tenants_limits_apply(guarded):
 # -- traces and metrics ------------------------------------------------------------------------------
 def test_a_traceparent_header_continues_the_clients_trace(server, receiver, client):
     trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
-    client.chat.completions.create(model=server.model, messages=chat("Hi"), max_tokens=3,
-                                   extra_headers={"traceparent": f"00-{trace_id}-{parent_id}-01"})
+    client.chat.completions.create(
+        model=server.model,
+        messages=chat("Hi"),
+        max_tokens=3,
+        extra_headers={"traceparent": f"00-{trace_id}-{parent_id}-01"},
+    )
     span = wait_for(lambda: next((s for s in receiver.spans() if s.trace_id == trace_id), None), 30, "the request span")
     assert span.parent_span_id == parent_id and span.name == f"chat {server.model}"
     assert span.attributes["gen_ai.usage.output_tokens"] == 3
@@ -356,9 +473,24 @@ def finished(server, reason: str) -> float:
 
 def test_a_router_without_its_shards_answers_503(tmp_path, tiny_models):
     port, http_port = free_port(), free_port()
-    router = spawn_service(["router", "--model", str(tiny_models["llama"]), "--page-size", str(PAGE), "--port", str(port),
-                            "--http-port", str(http_port), "--shards", f"unix:{tmp_path}/nobody.sock"],
-                           cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    router = spawn_service(
+        [
+            "router",
+            "--model",
+            str(tiny_models["llama"]),
+            "--page-size",
+            str(PAGE),
+            "--port",
+            str(port),
+            "--http-port",
+            str(http_port),
+            "--shards",
+            f"unix:{tmp_path}/nobody.sock",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         url = f"http://127.0.0.1:{http_port}"
         wait_for(lambda: _answers(url + "/health") == 503, 60, "the router's HTTP API")
@@ -392,7 +524,7 @@ def test_sigterm_drains_http_streams(tiny_models):
                 assert_error(refused, 503, "shutting down")
                 rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]"
-        assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+        assert json.loads(rest[-2][len("data: ") :])["choices"][0]["finish_reason"] == "length"
         assert server.proc.wait(60) == 0
     finally:
         server.stop()

@@ -1,6 +1,7 @@
 """The page manager against every invariant of DESIGN.md "Page lifecycle", after every operation."""
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardline.router.core.page_manager import LRU, SLRU, PageManager
 
@@ -8,8 +9,18 @@ PS = 2  # tokens per page
 
 
 def snapshot(m: PageManager):
-    return (list(m.ref), list(m._free), list(m.probation), list(m.protected), dict(m.index),
-            m.reserved, bytes(m.protected_flag), m.hit_tokens, m.query_tokens, list(m.hash))
+    return (
+        list(m.ref),
+        list(m._free),
+        list(m.probation),
+        list(m.protected),
+        dict(m.index),
+        m.reserved,
+        bytes(m.protected_flag),
+        m.hit_tokens,
+        m.query_tokens,
+        list(m.hash),
+    )
 
 
 class Request:
@@ -32,7 +43,7 @@ class Request:
         total = self.m.pages_for(self.limit)
         if not self.m.admit(hits, total, len(self.tokens)):
             return False
-        self.pages, self.hashes = list(hits), hashes[:len(hits)]
+        self.pages, self.hashes = list(hits), hashes[: len(hits)]
         self.computed, self.reserved = len(hits) * PS, total - len(hits)
         return True
 
@@ -56,7 +67,7 @@ class Request:
         while len(self.hashes) < self.computed // PS:
             i = len(self.hashes)
             parent = self.hashes[-1] if self.hashes else self.m.root_hash(self.salt)
-            h = self.m.chain(parent, self.tokens[i * PS:(i + 1) * PS])
+            h = self.m.chain(parent, self.tokens[i * PS : (i + 1) * PS])
             self.m.publish(self.pages[i], h, self.pages[i - 1] if i else None)
             self.hashes.append(h)
 
@@ -90,9 +101,12 @@ OPS = ["new"] * 3 + ["admit"] * 3 + ["step"] * 4 + ["complete"] * 4 + ["release"
 
 
 @settings(max_examples=300, deadline=None)
-@given(policy=st.sampled_from([LRU, SLRU]), pool=st.integers(3, 9), ratio=st.sampled_from([0.0, 0.25, 0.5, 1.0]),
-       ops=st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 99), st.integers(1, 6)),
-                    min_size=40, max_size=150))
+@given(
+    policy=st.sampled_from([LRU, SLRU]),
+    pool=st.integers(3, 9),
+    ratio=st.sampled_from([0.0, 0.25, 0.5, 1.0]),
+    ops=st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 99), st.integers(1, 6)), min_size=40, max_size=150),
+)
 def test_random_operations_keep_every_invariant(policy, pool, ratio, ops):
     m = PageManager(pool, PS, policy=policy, protected_ratio=ratio, model_key="tiny")
     waiting, running, done = [], [], []
@@ -119,8 +133,13 @@ def test_random_operations_keep_every_invariant(policy, pool, ratio, ops):
             if r.in_flight:
                 r.complete_step()
         elif op in ("release", "release_again") and (running or done):
-            pick = (running + done)[a % len(running + done)] if op == "release_again" else \
-                running[a % len(running)] if running else done[0]
+            pick = (
+                (running + done)[a % len(running + done)]
+                if op == "release_again"
+                else running[a % len(running)]
+                if running
+                else done[0]
+            )
             pages_before = list(pick.pages)
             pick.release()
             if pick.cancel_pending and pick.in_flight:
@@ -148,7 +167,7 @@ def test_random_operations_keep_every_invariant(policy, pool, ratio, ops):
 def test_reclaim_order_after_tail_first_release():
     m = PageManager(6, PS)
     r = prefilled(m, [1, 2, 3, 4, 5, 6, 7])
-    chain = list(r.pages)              # 4 pages; the first three are full and published
+    chain = list(r.pages)  # 4 pages; the first three are full and published
     r.release()
     assert list(m.probation) == [chain[2], chain[1], chain[0]]  # tail first
     m.check()
@@ -159,8 +178,8 @@ def test_reclaim_takes_free_pages_first_then_the_chain_tail_first():
     r = prefilled(m, [1, 2, 3, 4, 5, 6, 7])
     chain = list(r.pages)  # pages 0..3: 0,1,2 full and indexed, 3 partial
     r.release()
-    assert m.free == 2 and m.evictable == 3   # partial page 3 went straight back to free
-    big = Request(m, [8] * 9, max_new=1)      # 5 pages: 2 free + 3 reclaimed
+    assert m.free == 2 and m.evictable == 3  # partial page 3 went straight back to free
+    big = Request(m, [8] * 9, max_new=1)  # 5 pages: 2 free + 3 reclaimed
     assert big.admit()
     big.start_step(10)
     got = big.pages
@@ -172,9 +191,9 @@ def test_reclaim_takes_free_pages_first_then_the_chain_tail_first():
 def test_refused_admission_pins_nothing_and_moves_nothing():
     m = PageManager(4, PS, policy=SLRU)
     a = prefilled(m, [1, 2, 3, 4, 5])
-    a.release()                          # pages of [1,2] [3,4] evictable
+    a.release()  # pages of [1,2] [3,4] evictable
     holder = Request(m, [7, 7, 7], max_new=1)
-    assert holder.admit()                # holds 2 pages' reservation
+    assert holder.admit()  # holds 2 pages' reservation
     before = snapshot(m)
     greedy = Request(m, [1, 2, 3, 4, 5, 6, 7, 8, 9], max_new=3)  # hits 2 pages, needs 4 more
     assert not greedy.admit()

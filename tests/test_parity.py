@@ -1,4 +1,5 @@
 """Greedy output of the real gRPC server equals Hugging Face `generate` for the same weights."""
+
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,9 +26,14 @@ def test_tiny_models_match_transformers(arch, tiny_models):
     try:
         # All at once: the server batches them; each must still match its solo reference.
         with ThreadPoolExecutor(len(prompts)) as pool:
-            results = list(pool.map(lambda p: server.generate(
-                prompt_token_ids=pb.PromptTokens(ids=p), max_new_tokens=NEW_TOKENS, ignore_eos=True),
-                prompts))
+            results = list(
+                pool.map(
+                    lambda p: server.generate(
+                        prompt_token_ids=pb.PromptTokens(ids=p), max_new_tokens=NEW_TOKENS, ignore_eos=True
+                    ),
+                    prompts,
+                )
+            )
         for prompt, (tokens, _, last) in zip(prompts, results):
             want, margins = hf_greedy(ref, prompt, NEW_TOKENS)
             assert_greedy_match(tokens, want, margins)
@@ -44,8 +50,9 @@ def test_tiny_models_match_transformers(arch, tiny_models):
 def test_smollm2_matches_transformers(smollm2_server):
     tok = smollm2_tokenizer()
     ref = smollm2_hf_model()
-    long_text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones."
-                         for i in range(60))
+    long_text = " ".join(
+        f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones." for i in range(60)
+    )
     cases = [
         dict(prompt="The capital of France is"),
         dict(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Name three colors.")])),
@@ -55,8 +62,14 @@ def test_smollm2_matches_transformers(smollm2_server):
         if "prompt" in case:
             ids = tok.encode(case["prompt"], add_special_tokens=False)
         else:
-            ids = list(tok.apply_chat_template([{"role": "user", "content": "Name three colors."}],
-                                               tokenize=True, add_generation_prompt=True, return_dict=False))
+            ids = list(
+                tok.apply_chat_template(
+                    [{"role": "user", "content": "Name three colors."}],
+                    tokenize=True,
+                    add_generation_prompt=True,
+                    return_dict=False,
+                )
+            )
         tokens, text, last = smollm2_server.generate(max_new_tokens=NEW_TOKENS, ignore_eos=True, **case)
         assert last.usage.prompt_tokens == len(ids)
         want, margins = hf_greedy(ref, ids, NEW_TOKENS)

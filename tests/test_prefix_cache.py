@@ -1,4 +1,5 @@
 """Prefix caching end to end: hits skip recomputation and never change the greedy tokens."""
+
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -84,8 +85,9 @@ def test_prefix_cache_off_never_hits(tiny_models):
 
 def test_a_small_pool_reclaims_cached_pages_for_new_requests(tiny_models):
     """8 pages: every new prompt must reclaim what earlier ones left cached."""
-    server = Server("--model", str(tiny_models["llama"]), "--page-size", str(PAGE), "--num-pages", "8",
-                    "--eviction", "slru")
+    server = Server(
+        "--model", str(tiny_models["llama"]), "--page-size", str(PAGE), "--num-pages", "8", "--eviction", "slru"
+    )
     try:
         for i in range(6):
             prompt = [2000 + i] * (5 * PAGE)

@@ -1,6 +1,7 @@
 """Quantized linear layers: GGUF blocks are recovered exactly, the int4 and int8 layers compute
 what their (dequantized) weights say at every batch size, and `quantize` swaps tagged layers of a
 model in place, keeping TP hooks and a tied embedding."""
+
 import time
 
 import numpy as np
@@ -8,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quantize as gguf_quantize
+from gguf.quants import dequantize
+from gguf.quants import quantize as gguf_quantize
 
 from shardline.kernels import choice, native
 from shardline.kernels.grid import GROUP, grid_groups, grid_weights
@@ -26,8 +28,11 @@ def _gguf_roundtrip(w: torch.Tensor, qtype) -> torch.Tensor:
     return torch.from_numpy(dequantize(blocks, qtype).astype(np.float32).reshape(w.shape))
 
 
-@pytest.mark.parametrize("qtype,levels", [(GGMLQuantizationType.Q4_0, 16), (GGMLQuantizationType.Q4_1, 16),
-                                          (GGMLQuantizationType.Q8_0, 255)], ids=["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize(
+    "qtype,levels",
+    [(GGMLQuantizationType.Q4_0, 16), (GGMLQuantizationType.Q4_1, 16), (GGMLQuantizationType.Q8_0, 255)],
+    ids=["Q4_0", "Q4_1", "Q8_0"],
+)
 def test_gguf_blocks_are_recovered_exactly(qtype, levels):
     w = _gguf_roundtrip(torch.randn(96, 256) * torch.rand(96, 1), qtype)
     codes, scale, lo, exact = grid_groups(w, levels)
@@ -70,24 +75,34 @@ def test_quantized_layers_compute_their_weights(rows):
     q4 = _gguf_roundtrip(dense.weight.detach(), GGMLQuantizationType.Q4_1)
     q8 = _gguf_roundtrip(dense.weight.detach(), GGMLQuantizationType.Q8_0)
     x = torch.randn(1, rows, 256)
-    for layer, w in [(QuantizedLinear(nn_linear(256, 96, weight=q4, bias=dense.bias), 4), q4),
-                     (QuantizedLinear(nn_linear(256, 96, weight=q4, bias=dense.bias), 4, dense_copy=True), q4),
-                     (QuantizedLinear(nn_linear(256, 96, weight=q8, bias=dense.bias), 8), q8)]:
+    for layer, w in [
+        (QuantizedLinear(nn_linear(256, 96, weight=q4, bias=dense.bias), 4), q4),
+        (QuantizedLinear(nn_linear(256, 96, weight=q4, bias=dense.bias), 4, dense_copy=True), q4),
+        (QuantizedLinear(nn_linear(256, 96, weight=q8, bias=dense.bias), 8), q8),
+    ]:
         codes, scale, lo, _ = grid_groups(w, 16 if layer.bits == 4 else 255)
-        kernels = {Kernel.TORCH: torch_operands(codes, scale, lo, layer.bits),
-                   Kernel.NATIVE: native_operands(codes, scale, lo, layer.bits)}
+        kernels = {
+            Kernel.TORCH: torch_operands(codes, scale, lo, layer.bits),
+            Kernel.NATIVE: native_operands(codes, scale, lo, layer.bits),
+        }
         for layer.kernel, layer.operands in kernels.items():  # whichever measured faster here, and the other
-            for layer.max_rows in [0, 1 << 30] if layer.dense is not None else [1 << 30]:  # the dense copy too
+            # the dense copy too (each loop sets an attribute of the layer)
+            for layer.max_rows in [0, 1 << 30] if layer.dense is not None else [1 << 30]:  # noqa: B020
                 for layer.direct_rows in [0, 1 << 30]:  # native int4: many rows through the GEMM, or straight
                     got = layer(x)
                     assert got.shape == (1, rows, 96) and got.dtype == torch.float32
                     want = _reference(w, x, dense.bias)
                     # bf16 (torch) or int16 (native) activations, bf16/fp16 scales: parts in a thousand.
-                    assert (got - want).abs().max() <= 1e-2 * want.abs().max(), (layer.bits, layer.kernel, layer.max_rows)
+                    assert (got - want).abs().max() <= 1e-2 * want.abs().max(), (
+                        layer.bits,
+                        layer.kernel,
+                        layer.max_rows,
+                    )
 
 
-@pytest.mark.parametrize("qtype, bits", [(GGMLQuantizationType.Q4_1, 4), (GGMLQuantizationType.Q4_0, 4),
-                                         (GGMLQuantizationType.Q8_0, 8)])
+@pytest.mark.parametrize(
+    "qtype, bits", [(GGMLQuantizationType.Q4_1, 4), (GGMLQuantizationType.Q4_0, 4), (GGMLQuantizationType.Q8_0, 8)]
+)
 def test_the_native_records_hold_ggufs_blocks_exactly(qtype, bits):
     """The records keep scales and los in fp16, as GGUF's blocks keep theirs, so Q4_0, Q4_1 and
     Q8_0 weights come back bit for bit: an 8-bit group's codes count from the code of zero, so its
@@ -132,15 +147,20 @@ def test_a_native_int8_layer_of_outputs_not_whole_blocks_of_8_drops_the_padding(
 
 def test_a_native_int4_layer_hands_batch_rows_to_torchs_kernel_where_that_measured_faster(monkeypatch):
     measured = choice.crossover
-    monkeypatch.setattr("shardline.kernels.quantized.crossover",
-                        lambda name, *a, **kw: 2 if name.startswith("int4-torch") else measured(name, *a, **kw))
+    monkeypatch.setattr(
+        "shardline.kernels.quantized.crossover",
+        lambda name, *a, **kw: 2 if name.startswith("int4-torch") else measured(name, *a, **kw),
+    )
     monkeypatch.setattr("shardline.kernels.quantized.kernel_for", lambda bits: Kernel.NATIVE)
     layer = QuantizedLinear(nn_linear(256, 96, weight=torch.randn(96, 256) / 10, bias=None), 4)
     assert layer.torch_rows == 2 and layer.torch_operands is not None
     for rows in (1, 2, 3, 8):
         x = torch.randn(rows, 256)
-        want = (multiply(Kernel.TORCH, layer.torch_operands, x) if rows > 2 else
-                multiply(Kernel.NATIVE, layer.operands, x, layer.direct_rows))
+        want = (
+            multiply(Kernel.TORCH, layer.torch_operands, x)
+            if rows > 2
+            else multiply(Kernel.NATIVE, layer.operands, x, layer.direct_rows)
+        )
         torch.testing.assert_close(layer(x), want, rtol=0, atol=0)
 
 
@@ -174,6 +194,7 @@ def test_the_crossover_is_the_last_row_count_before_the_dense_kernel_measures_fa
     # no slower than the 1 ms one (a loaded machine oversleeps by a millisecond or more).
     def slow_above(n):  # quantized: free up to n rows, then slower than dense
         return lambda x: time.sleep(0.02 if x.shape[0] > n else 0)
+
     dense = lambda x: time.sleep(0.01)  # noqa: E731
     assert choice.crossover("test-1", slow_above(4), dense, 8) == 4
     assert choice.crossover("test-2", slow_above(0), dense, 8) == 0
@@ -191,8 +212,10 @@ def test_the_crossover_keeps_the_quantized_kernel_unless_dense_wins_by_the_margi
 def test_the_crossover_is_measured_once_per_machine(own_machine_choices):
     """Two processes (or two starts of one server) compute a batch with the same kernel: the
     second reads the first one's answer, whatever its own timing would say."""
+
     def slow_above(n):
         return lambda x: time.sleep(0.002 if x.shape[0] > n else 0)
+
     assert choice.crossover("layer", slow_above(4), lambda x: time.sleep(0.001), 8) == 4
     assert choice.crossover("layer", slow_above(0), lambda x: time.sleep(0.001), 8) == 4
     assert (own_machine_choices / f"crossover-layer-torch-{choice.torch_level()}.txt").read_text() == "4"
@@ -201,8 +224,10 @@ def test_the_crossover_is_measured_once_per_machine(own_machine_choices):
 def test_choices_are_kept_per_torch_level(own_machine_choices, monkeypatch):
     """torch capped to AVX2 on an AVX-512 host (README) measures its own answers: a choice made
     with torch at full speed would hand forced-AVX2 runs torch's kernels where ours are faster."""
+
     def slow_above(n):
         return lambda x: time.sleep(0.002 if x.shape[0] > n else 0)
+
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
     assert choice.crossover("level", slow_above(4), lambda x: time.sleep(0.001), 8) == 4
@@ -230,9 +255,21 @@ def test_input_dimension_must_hold_whole_groups():
 @pytest.mark.parametrize("kernel", list(Kernel), ids=[k.value for k in Kernel])
 def test_quantize_swaps_tagged_layers_keeps_hooks_and_feeds_a_tied_embedding(kernel, monkeypatch):
     monkeypatch.setattr("shardline.kernels.quantized.kernel_for", lambda bits: kernel if bits == 8 else Kernel.TORCH)
-    cfg = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
-                      rms_norm_eps=1e-5, max_position=64, tie_word_embeddings=True, eos_token_ids=[0])
+    cfg = ModelConfig(
+        architecture="llama",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_position=64,
+        tie_word_embeddings=True,
+        eos_token_ids=[0],
+    )
     model = Transformer(cfg).eval().requires_grad_(False)
     model.lm_head.weight = model.embed.weight
     calls = []
@@ -247,7 +284,9 @@ def test_quantize_swaps_tagged_layers_keeps_hooks_and_feeds_a_tied_embedding(ker
     assert model.lm_head.bits == 8 and isinstance(model.embed, Int8Embedding) and model.lm_head.kernel == kernel
     # what each layer holds is in its buffers (the shard's Info counts weight bytes from them)
     layers = [model.lm_head, *(b.attn.wqkv for b in model.layers)]
-    held = {id(t): t.numel() * t.element_size() for layer in layers for t in layer._buffers.values()}  # own, not the copy's
+    held = {
+        id(t): t.numel() * t.element_size() for layer in layers for t in layer._buffers.values()
+    }  # own, not the copy's
     codes = 128 * 64 + sum(b.attn.wqkv.out_features * 64 // 2 for b in model.layers)  # int8 head + int4 qkv
     assert sum(held.values()) >= codes
     model.layers[0].mlp.w2(torch.randn(3, 128))

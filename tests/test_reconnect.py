@@ -5,14 +5,17 @@ fails on one shard closes the step streams the others opened.
 The race they close: an abandoned shard lives on for half a second before it exits; a router
 that reconnected at once got its Info, warmed its peer up (which then waited in a collective for
 a minute), and every later attempt found a step stream still open."""
+
 import asyncio
 
 import grpc
 import pytest
 
+import shardline.shard.server as shard_server
 from shardline.protos import shard_pb2
 from shardline.router.core.shard_client import ShardError, ShardGroup
-import shardline.shard.server as shard_server
+
+
 class Aborted(Exception):
     def __init__(self, code, details):
         super().__init__(details)
@@ -26,13 +29,16 @@ class Context:
 
 def test_a_shard_leaving_its_group_takes_no_new_work(monkeypatch):
     monkeypatch.setattr(shard_server, "exit_soon", lambda seconds: None)  # not this test process
-    service = shard_server.ShardService(runner=None, info=shard_pb2.ShardInfo(model="tiny"), grouped=True,
-                                        decode_graphs=False, work=None)
+    service = shard_server.ShardService(
+        runner=None, info=shard_pb2.ShardInfo(model="tiny"), grouped=True, decode_graphs=False, work=None
+    )
     assert service.Info(shard_pb2.InfoRequest(), Context()).model == "tiny"
     service._leave_group_soon("the router abandoned the step stream")
-    for call in (lambda: service.Info(shard_pb2.InfoRequest(), Context()),
-                 lambda: service.Warmup(shard_pb2.WarmupRequest(num_pages=1, max_batch=1), Context()),
-                 lambda: next(iter(service.Steps(iter([]), Context())))):
+    for call in (
+        lambda: service.Info(shard_pb2.InfoRequest(), Context()),
+        lambda: service.Warmup(shard_pb2.WarmupRequest(num_pages=1, max_batch=1), Context()),
+        lambda: next(iter(service.Steps(iter([]), Context()))),
+    ):
         with pytest.raises(Aborted) as refused:
             call()
         assert refused.value.code == grpc.StatusCode.UNAVAILABLE and "leaving its group" in str(refused.value)
@@ -47,8 +53,9 @@ class Warming:
     async def warmup(self, num_pages, max_batch):
         await asyncio.sleep(0.05 if self.fails else 0.01)  # one warms up before the other fails
         if self.fails:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       details="connect failed")
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details="connect failed"
+            )
         self.open = True
         return shard_pb2.WarmupResponse()
 
@@ -69,8 +76,9 @@ class Answering:
     """Stands in for a ShardClient: answers Info as rank `rank` of the group start `group_id`."""
 
     def __init__(self, rank: int, group_id: str):
-        self.reply = shard_pb2.ShardInfo(model="tiny", page_size=16, dtype="float32", tp_size=2, pp_size=1,
-                                         tp_rank=rank, group_id=group_id)
+        self.reply = shard_pb2.ShardInfo(
+            model="tiny", page_size=16, dtype="float32", tp_size=2, pp_size=1, tp_rank=rank, group_id=group_id
+        )
 
     async def info(self, timeout):
         return self.reply
@@ -100,7 +108,8 @@ def test_a_router_does_not_reconnect_to_the_group_it_abandoned():
     group.shards = [Answering(0, "failed"), Answering(1, "failed")]
     asyncio.run(group.info(1))  # it served, then failed: its streams are abandoned
     asyncio.run(group.close_streams(abandon=True))
-    replica = Replica(ReplicaConfig(page_size=16, dtype="float32", shard_timeout_s=1), "tiny", group, codec=None,
-                      on_serving=None)
+    replica = Replica(
+        ReplicaConfig(page_size=16, dtype="float32", shard_timeout_s=1), "tiny", group, codec=None, on_serving=None
+    )
     with pytest.raises(ShardError, match="has not restarted yet"):
         asyncio.run(replica._connect())

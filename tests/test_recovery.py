@@ -1,5 +1,6 @@
 """A shard that dies, hangs or loses its stream fails only what was in flight; its group is
 restarted as a whole and the same router serves correct answers again. SIGTERM drains."""
+
 import os
 import random
 import signal
@@ -14,9 +15,19 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from shardline.processes import spawn_service
-from shardline.protos import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
-from tests.support import (ROOT, Server, alive, assert_greedy_match, free_ports, health_status, hf_greedy, hf_model,
-                           wait_for)
+from shardline.protos import generation_pb2 as pb
+from shardline.protos import generation_pb2_grpc as pb_grpc
+from tests.support import (
+    ROOT,
+    Server,
+    alive,
+    assert_greedy_match,
+    free_ports,
+    health_status,
+    hf_greedy,
+    hf_model,
+    wait_for,
+)
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 LONG = pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=[5, 6, 7]), max_new_tokens=1500, ignore_eos=True)
@@ -54,8 +65,9 @@ def _answers_correctly_again(server: Server, reference) -> None:
 
 @pytest.mark.parametrize("tp,pp,victim", [(1, 1, 0), (2, 1, 1), (1, 2, 1)], ids=["TP1", "TP2", "PP2"])
 def test_kill_9_of_a_shard_mid_stream_then_the_same_router_answers_correctly(tiny_models, reference, tp, pp, victim):
-    server = Server("--model", str(tiny_models["llama"]), "--page-size", "16", "--tp", str(tp), "--pp", str(pp),
-                    "--threads", "1")
+    server = Server(
+        "--model", str(tiny_models["llama"]), "--page-size", "16", "--tp", str(tp), "--pp", str(pp), "--threads", "1"
+    )
     try:
         router, shards = server.router_pid(), server.shard_pids()
         stream = server.stub.Generate(LONG, timeout=120)
@@ -88,14 +100,22 @@ def test_a_sigstopped_shard_is_detected_and_its_group_restarted(tiny_models, ref
 
 
 def test_a_step_whose_compute_hangs_while_the_shard_answers_health_fails_the_replica(tiny_models, reference):
-    hang = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "faults"), os.environ.get("PYTHONPATH", "")]),
-            "SHARDLINE_TEST_HANG_SEED": "777", "SHARDLINE_TEST_HANG_S": "6"}
+    hang = {
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "faults"), os.environ.get("PYTHONPATH", "")]),
+        "SHARDLINE_TEST_HANG_SEED": "777",
+        "SHARDLINE_TEST_HANG_S": "6",
+    }
     server = Server("--model", str(tiny_models["llama"]), "--page-size", "16", "--step-timeout-s", "1", env=hang)
     try:
         (shard,) = server.shard_pids()
-        stream = server.stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=[5, 6, 7]),
-                                                         max_new_tokens=5, sampling=pb.SamplingParams(
-                                                             temperature=1.0, seed=777)), timeout=120)
+        stream = server.stub.Generate(
+            pb.GenerateRequest(
+                prompt_token_ids=pb.PromptTokens(ids=[5, 6, 7]),
+                max_new_tokens=5,
+                sampling=pb.SamplingParams(temperature=1.0, seed=777),
+            ),
+            timeout=120,
+        )
         err = _fails_unavailable_soon(stream, time.monotonic())
         assert "still answer health checks: their compute hangs" in err.details()
         _answers_correctly_again(server, reference)
@@ -119,8 +139,9 @@ def test_the_launcher_gives_up_after_its_restart_limit(tiny_models):
 def test_sigterm_drains_in_flight_streams(tiny_models, drain_s, completes):
     server = Server("--model", str(tiny_models["llama"]), "--page-size", "16", "--drain-timeout-s", str(drain_s))
     new_tokens = 200 if completes else 1500
-    req = pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=[5, 6, 7]), max_new_tokens=new_tokens,
-                             ignore_eos=True)
+    req = pb.GenerateRequest(
+        prompt_token_ids=pb.PromptTokens(ids=[5, 6, 7]), max_new_tokens=new_tokens, ignore_eos=True
+    )
     try:
         stream = server.stub.Generate(req, timeout=120)
         tokens = list(next(stream).token_ids)
@@ -154,16 +175,40 @@ def test_separately_run_shards_restarted_by_their_supervisor_are_taken_back(tiny
     compose's restart policy does), the same router serves again."""
     model, logs = str(tiny_models["llama"]), Path(tempfile.mkdtemp())
     dist_port, port = free_ports(2)
-    common = ["--model", model, "--page-size", "16", "--pp", "2", "--threads", "1",
-              "--dist-init", f"tcp://127.0.0.1:{dist_port}"]
+    common = [
+        "--model",
+        model,
+        "--page-size",
+        "16",
+        "--pp",
+        "2",
+        "--threads",
+        "1",
+        "--dist-init",
+        f"tcp://127.0.0.1:{dist_port}",
+    ]
 
     def start_shards():
-        return [_spawn(logs / f"shard{s}.log", "shard", *common, "--pp-stage", str(s), "--listen",
-                       f"unix:{logs}/s{s}.sock") for s in range(2)]
+        return [
+            _spawn(logs / f"shard{s}.log", "shard", *common, "--pp-stage", str(s), "--listen", f"unix:{logs}/s{s}.sock")
+            for s in range(2)
+        ]
 
     shards = start_shards()
-    router = _spawn(logs / "router.log", "router", "--model", model, "--page-size", "16", "--port", str(port), "--http-port", "0",
-                    "--shards", f"unix:{logs}/s0.sock,unix:{logs}/s1.sock")
+    router = _spawn(
+        logs / "router.log",
+        "router",
+        "--model",
+        model,
+        "--page-size",
+        "16",
+        "--port",
+        str(port),
+        "--http-port",
+        "0",
+        "--shards",
+        f"unix:{logs}/s0.sock,unix:{logs}/s1.sock",
+    )
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         stub = pb_grpc.GenerationStub(channel)
@@ -179,9 +224,14 @@ def test_separately_run_shards_restarted_by_their_supervisor_are_taken_back(tiny
         shards = start_shards()
         wait_for(lambda: health_status(channel) == SERVING, 90, "the router to take the group back")
         prompt, (want, margins) = reference
-        tokens = [t for m in stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=prompt),
-                                                              max_new_tokens=10, ignore_eos=True), timeout=60)
-                  for t in m.token_ids]
+        tokens = [
+            t
+            for m in stub.Generate(
+                pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=prompt), max_new_tokens=10, ignore_eos=True),
+                timeout=60,
+            )
+            for t in m.token_ids
+        ]
         assert_greedy_match(tokens, want, margins)
         assert router.poll() is None
     except BaseException:

@@ -1,5 +1,6 @@
 """The gateway's parts one at a time: the choice, its view of a replica's cache stream, the
 router's side of that stream, and failover before the first token."""
+
 import asyncio
 import random
 from types import SimpleNamespace
@@ -11,7 +12,8 @@ from shardline.common.prefix_hash import prompt_hashes
 from shardline.gateway.choice import LEAST_LOAD, PREFIX, ROUND_ROBIN, Candidate, Weights, rank
 from shardline.gateway.replicas import Replica, Resync
 from shardline.gateway.service import GatewayService
-from shardline.protos import fleet_pb2 as fpb, generation_pb2 as pb
+from shardline.protos import fleet_pb2 as fpb
+from shardline.protos import generation_pb2 as pb
 from shardline.router.api.fleet import CacheWatchers
 from shardline.router.core.engine import Load
 from shardline.router.core.page_manager import PageManager
@@ -87,8 +89,12 @@ def test_a_replicas_view_follows_its_stream_and_a_gap_asks_for_a_resync():
 
 def test_the_router_streams_its_index_changes_and_a_new_pool_starts_a_new_epoch():
     pages = PageManager(4, 2, model_key="m")
-    replica = SimpleNamespace(pool=pages, load=lambda: Load(waiting=0, prefilling=0, decoding=0, prompt_tokens_queued=0),
-                              serving=True, accepting=True)
+    replica = SimpleNamespace(
+        pool=pages,
+        load=lambda: Load(waiting=0, prefilling=0, decoding=0, prompt_tokens_queued=0),
+        serving=True,
+        accepting=True,
+    )
     watchers = CacheWatchers(replica, tenants_share_cache=False)
     queue: asyncio.Queue = asyncio.Queue()
     watchers._queues.add(queue)
@@ -193,8 +199,9 @@ def test_a_failure_after_the_first_token_reaches_the_client():
     got = []
 
     async def run():
-        async for m in service.Generate(pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=[1]),
-                                                           max_new_tokens=2), _Context()):
+        async for m in service.Generate(
+            pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=[1]), max_new_tokens=2), _Context()
+        ):
             got.append(m)
 
     with pytest.raises(_Aborted) as err:
@@ -228,8 +235,12 @@ def test_a_watcher_that_falls_behind_gets_a_snapshot_instead_of_its_backlog(monk
     from shardline.router.api import fleet
 
     pages = PageManager(4, 2, model_key="m")
-    replica = SimpleNamespace(pool=pages, load=lambda: Load(waiting=0, prefilling=0, decoding=0, prompt_tokens_queued=0),
-                              serving=True, accepting=True)
+    replica = SimpleNamespace(
+        pool=pages,
+        load=lambda: Load(waiting=0, prefilling=0, decoding=0, prompt_tokens_queued=0),
+        serving=True,
+        accepting=True,
+    )
     watchers = CacheWatchers(replica, tenants_share_cache=True)
     watchers.tick()
     queue: asyncio.Queue = asyncio.Queue()
@@ -253,7 +264,9 @@ def test_the_replica_set_follows_what_its_entries_resolve_to():
         changes = []
         fleet = Replicas(["localhost:1"], 5.0, lambda: changes.append(1))
         fleet._update({"127.0.0.1:1": "localhost", "127.0.0.2:1": "localhost"})
-        assert sorted(fleet.by_address) == ["127.0.0.1:1", "127.0.0.2:1"] and fleet.host_of("127.0.0.2:1") == "localhost"
+        assert (
+            sorted(fleet.by_address) == ["127.0.0.1:1", "127.0.0.2:1"] and fleet.host_of("127.0.0.2:1") == "localhost"
+        )
         first = fleet.by_address["127.0.0.1:1"]
         fleet._update({"127.0.0.2:1": "localhost"})  # a pod gone from the headless Service
         assert list(fleet.by_address) == ["127.0.0.2:1"] and changes

@@ -1,12 +1,13 @@
 """The shard's model runner on a tiny model, in process: prefill pieces, chunks, and the
 sequence state it holds between steps (the plan names only what changed)."""
+
 import pytest
 import torch
 
 import shardline.shard.runner as runner_module
 from shardline.common.model_source import resolve_model
-from shardline.protos import shard_pb2
 from shardline.kernels.token_mask import mask_bytes
+from shardline.protos import shard_pb2
 from shardline.shard.runner import ModelRunner, Span, pieces
 from shardline.shard.transforms import use_native_ops
 from shardline.shard.weights import build_model
@@ -28,8 +29,15 @@ def _runner(model, num_pages=16, max_seqs=8):
 
 
 def _first(seq_id, tokens, pages, start=0, emit=True):
-    return shard_pb2.SequenceStep(seq_id=seq_id, first=True, token_ids=tokens, start_pos=start, new_pages=pages,
-                                  emit=emit, sampling=shard_pb2.Sampling(top_p=1.0))
+    return shard_pb2.SequenceStep(
+        seq_id=seq_id,
+        first=True,
+        token_ids=tokens,
+        start_pos=start,
+        new_pages=pages,
+        emit=emit,
+        sampling=shard_pb2.Sampling(top_p=1.0),
+    )
 
 
 def _next(seq_id, tokens, start, pages=(), emit=True):
@@ -49,8 +57,11 @@ def test_intermediate_chunks_compute_no_logits_and_write_the_same_kv(model):
         try:
             for i, n in enumerate(chunks):
                 emit = pos + n == len(prompt)
-                step = (_first(1, prompt[:n], list(range(6)), emit=emit) if i == 0 else
-                        _next(1, prompt[pos:pos + n], pos, emit=emit))
+                step = (
+                    _first(1, prompt[:n], list(range(6)), emit=emit)
+                    if i == 0
+                    else _next(1, prompt[pos : pos + n], pos, emit=emit)
+                )
                 tokens += runner.step(_plan(step)).tokens
                 pos += n
         finally:
@@ -66,8 +77,11 @@ def test_intermediate_chunks_compute_no_logits_and_write_the_same_kv(model):
 
 
 def test_a_long_prefill_step_runs_in_pieces_with_the_same_tokens_and_kv(model, monkeypatch):
-    steps = [_first(1, list(range(300, 341)), list(range(6))), _first(2, list(range(500, 503)), [6]),
-             _first(3, list(range(700, 720)), [7, 8, 9], emit=False)]
+    steps = [
+        _first(1, list(range(300, 341)), list(range(6))),
+        _first(2, list(range(500, 503)), [6]),
+        _first(3, list(range(700, 720)), [7, 8, 9], emit=False),
+    ]
 
     def run(limit):
         monkeypatch.setattr(runner_module, "PREFILL_PIECE_TOKENS", limit)
@@ -77,7 +91,11 @@ def test_a_long_prefill_step_runs_in_pieces_with_the_same_tokens_and_kv(model, m
 
     spans = [Span(list(s.token_ids), s.start_pos, torch.tensor(list(s.new_pages))) for s in steps]
     assert [[(i, len(s.token_ids), s.start_pos) for i, s in p] for p in pieces(spans, 16)] == [
-        [(0, 16, 0)], [(0, 16, 16)], [(0, 9, 32), (1, 3, 0), (2, 4, 0)], [(2, 16, 4)]]
+        [(0, 16, 0)],
+        [(0, 16, 16)],
+        [(0, 9, 32), (1, 3, 0), (2, 4, 0)],
+        [(2, 16, 4)],
+    ]
     whole_tokens, whole_kv = run(4096)
     piece_tokens, piece_kv = run(16)
     assert piece_tokens == whole_tokens and len(whole_tokens) == 2
@@ -89,6 +107,7 @@ def test_a_small_prefill_runs_as_decode_rows_and_computes_what_the_prefill_path_
     sequence's cache up to itself; prompts, a chunk after cached context and a mix of sequences
     give the prefill path's tokens, log-probabilities and K/V."""
     import shardline.kernels.attention as attention
+
     prompt = list(range(300, 341))
 
     def run(limit):
@@ -140,8 +159,8 @@ def test_a_plan_that_disagrees_with_what_the_shard_holds_fails_that_sequence_alo
     runner = _runner(model)
     runner.step(_plan(_first(1, prompt, [0, 1]), _first(2, prompt, [3, 4])))
     wrong = {
-        3: (_next(3, [5], 0), "does not hold"),                       # never announced
-        2: (_first(2, [5], [5], start=11), "already holds it"),         # announced twice
+        3: (_next(3, [5], 0), "does not hold"),  # never announced
+        2: (_first(2, [5], [5], start=11), "already holds it"),  # announced twice
     }
     out = runner.step(_plan(_next(1, [first[0]], len(prompt)), *(s for s, _ in wrong.values())))
     assert set(out.failures) == {2, 3}
@@ -172,7 +191,7 @@ def test_a_token_mask_constrains_the_sampled_token_and_one_of_the_wrong_size_fai
     free = _runner(model).step(_plan(_first(1, prompt, [0, 1]))).tokens[0]
     vocab = model.cfg.vocab_size
     mask = bytearray(mask_bytes(vocab))
-    mask[5] = 1 << 3   # token 43 only
+    mask[5] = 1 << 3  # token 43 only
     runner = _runner(model)
     masked, wrong = _first(1, prompt, [0, 1]), _first(2, prompt, [3, 4])
     masked.allowed_tokens, wrong.allowed_tokens = bytes(mask), bytes(mask[:-4])
@@ -220,7 +239,7 @@ def test_a_chunk_run_in_layer_groups_computes_what_it_computes_whole(model):
         decoded = []
         for i, (start, end) in enumerate(groups):
             last = end == num_layers
-            entry = (_first(1, prompt, list(range(6)), emit=last) if i == 0 else _next(1, prompt, 0, emit=last))
+            entry = _first(1, prompt, list(range(6)), emit=last) if i == 0 else _next(1, prompt, 0, emit=last)
             entry.prompt_logprobs = 2
             plan = _plan(entry)
             plan.layer_start, plan.layer_end = start, 0 if last else end
@@ -229,7 +248,9 @@ def test_a_chunk_run_in_layer_groups_computes_what_it_computes_whole(model):
             assert runner.table.held[1].next_pos == (len(prompt) if last else 0)
             assert bool(out.tokens) == last and bool(out.logprobs) == last
             if not last:  # the other sequence decodes between the groups
-                decoded += _decode(runner, 2, (decoded or first)[-1], len(other) + len(decoded), 1, page_of=lambda pos: 8)
+                decoded += _decode(
+                    runner, 2, (decoded or first)[-1], len(other) + len(decoded), 1, page_of=lambda pos: 8
+                )
         kv = torch.stack([k[:6] for k, _ in runner.kv.layers])
         return out, decoded, kv
 

@@ -46,8 +46,10 @@ def test_every_value_validation_accepts_samples_safely():
     best = logits.argmax(-1).tolist()
     tiny = [1e-39, 1.4e-45, 1e-30, 1e-6]  # float32 denormals included: greedy, exactly
     assert tokens(logits, [SamplingParams(temperature=t, seed=2**64 - 1) for t in tiny], [0, 1, 2, 3]) == best
-    tiny_p = [SamplingParams(temperature=1.0, top_p=p, top_k=2**32 - 1, seed=s)
-              for s, p in enumerate([1.4e-45, 1e-30, 1e-6, 1e-3])]
+    tiny_p = [
+        SamplingParams(temperature=1.0, top_p=p, top_k=2**32 - 1, seed=s)
+        for s, p in enumerate([1.4e-45, 1e-30, 1e-6, 1e-3])
+    ]
     assert tokens(logits, tiny_p, [0, 1, 2, 3]) == best
     huge = {tokens(logits[:1], [SamplingParams(temperature=3.4e38, seed=s)], [0])[0] for s in range(50)}
     assert len(huge) > 40  # a huge temperature is uniform over the vocabulary
@@ -94,7 +96,9 @@ def test_a_packed_mask_unpacks_bit_by_bit_and_masks_the_same_in_torch_and_the_ke
     masks = unpack(packed, 100)
     assert masks.shape == (3, 100) and set(masks[0].nonzero().flatten().tolist()) == allowed
     # llguidance's rows have a word more than the vocabulary needs: it is not read
-    longer = packed_masks([_packed(allowed, 100) + b"\xff" * 4, _packed({5}, 100), _packed(set(range(100)), 100)], 100, CPU)
+    longer = packed_masks(
+        [_packed(allowed, 100) + b"\xff" * 4, _packed({5}, 100), _packed(set(range(100)), 100)], 100, CPU
+    )
     assert torch.equal(longer, packed)
     assert masks[1].nonzero().flatten().tolist() == [5] and bool(masks[2].all())
     logits = torch.randn(3, 100)

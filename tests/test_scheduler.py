@@ -1,8 +1,10 @@
 """Scheduler over the page manager: admission is all or nothing, phases alternate, prefixes are
 reused, nothing leaks."""
+
 from collections import Counter
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardline.protos.shard_pb2 import Sampling
 from shardline.router.core.kv_manager import KVManager
@@ -12,8 +14,9 @@ from shardline.router.core.sequence import Sequence, Status
 
 
 def _seq(i, prompt_len, max_new):
-    return Sequence(seq_id=i, request_id=str(i), prompt_ids=list(range(prompt_len)),
-                    max_new_tokens=max_new, sampling=Sampling())
+    return Sequence(
+        seq_id=i, request_id=str(i), prompt_ids=list(range(prompt_len)), max_new_tokens=max_new, sampling=Sampling()
+    )
 
 
 def _check(pool: PageManager, sched: Scheduler):
@@ -42,7 +45,7 @@ def test_admission_waits_at_the_head_without_changing_anything():
     sched.add(small)
     sched.add(big)
     step = _run_step(sched)
-    assert step.is_prefill and step.seqs == [small]   # big does not fit beside small: it waits
+    assert step.is_prefill and step.seqs == [small]  # big does not fit beside small: it waits
     assert list(sched.waiting) == [big] and big.pages.block_table == [] and big.pages.reserved == 0
     _check(pool, sched)
     sched.finish(small)
@@ -66,8 +69,14 @@ def test_prefill_and_decode_alternate_while_both_have_work():
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["add", "step", "finish_one", "cancel_waiting"]),
-                          st.integers(1, 30), st.integers(1, 30)), max_size=60))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "step", "finish_one", "cancel_waiting"]), st.integers(1, 30), st.integers(1, 30)
+        ),
+        max_size=60,
+    )
+)
 def test_random_workloads_never_leak_or_overcommit(ops):
     pool = PageManager(num_pages=12, page_size=4)
     sched = Scheduler(KVManager(pool), max_batch=4, max_batch_tokens=40)

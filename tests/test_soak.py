@@ -1,6 +1,7 @@
 """A short soak (bench/soak.py's workload, 8 s on a tiny model): many streams with random
 cancels, deadlines, dropped connections and three SIGKILLed clients lose nothing and leave
 nothing behind."""
+
 import asyncio
 
 from harness.soak import SoakArgs, run_soak
@@ -8,8 +9,18 @@ from tests.support import Server
 
 
 def test_a_short_soak_loses_nothing(tiny_models):
-    server = Server("--model", str(tiny_models["llama"]), "--page-size", "16", "--num-pages", "512",
-                    "--max-batch", "16", "--max-waiting", "128")
+    server = Server(
+        "--model",
+        str(tiny_models["llama"]),
+        "--page-size",
+        "16",
+        "--num-pages",
+        "512",
+        "--max-batch",
+        "16",
+        "--max-waiting",
+        "128",
+    )
     try:
         args = SoakArgs(streams=40, duration_s=8, silent_s=10, kill_every_s=2.5, request_timeout_s=60)
         result = asyncio.run(run_soak(server.target, args))

@@ -3,6 +3,7 @@ APIs; greedy constrained tokens equal transformers' with the same llguidance mas
 logits (chunked and not, prefix cache hit); a constraint costs its own request only (neighbours'
 tokens unchanged, a bad or slow one refused alone); tool calls in the OpenAI API, in the generic
 JSON format and in a template's <tool_call> blocks, whole and streamed."""
+
 import asyncio
 import json
 import re
@@ -14,20 +15,34 @@ import openai
 import pytest
 
 from harness.client import concurrently, token_request
-from shardline.protos import generation_pb2 as pb
 from harness.schemas import SCHEMAS, prompt
+from shardline.protos import generation_pb2 as pb
 from tests.support import Server, assert_constrained_match, hf_constrained_greedy, hf_model
 
 PAGE = 16
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 8},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3}},
-    "required": ["name", "age", "tags"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
 # 2,000 properties of alternatives: compiles in well over a second, past the test servers' limit.
-SLOW_SCHEMA = {"type": "object", "properties": {f"p{i}": {"anyOf": [
-    {"type": "integer", "minimum": i, "maximum": i * 1000 + 7}, {"type": "string", "format": "date-time"}]}
-    for i in range(2000)}}
+SLOW_SCHEMA = {
+    "type": "object",
+    "properties": {
+        f"p{i}": {
+            "anyOf": [
+                {"type": "integer", "minimum": i, "maximum": i * 1000 + 7},
+                {"type": "string", "format": "date-time"},
+            ]
+        }
+        for i in range(2000)
+    },
+}
 HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
 You may call these tools:
 <tools>
@@ -56,20 +71,46 @@ Call one as <tool_call>
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
-WEATHER = {"type": "function", "function": {"name": "weather", "description": "The weather in a city", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
-    "required": ["zone"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "clock",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
 def chunked(tiny_models):
     """Tiny llama (SmolLM2's chat template: no tool-call format), prompts in chunks of 7."""
-    server = Server("--model", str(tiny_models["llama"]), "--page-size", str(PAGE), "--chunk-size", "7",
-                    "--constraint-timeout-s", "0.4")
+    server = Server(
+        "--model",
+        str(tiny_models["llama"]),
+        "--page-size",
+        str(PAGE),
+        "--chunk-size",
+        "7",
+        "--constraint-timeout-s",
+        "0.4",
+    )
     yield server
     assert server.stop() == 0
 
@@ -95,8 +136,15 @@ def model_of(server) -> str:
 
 def sampled(server, seeds, **constraint) -> list[tuple[str, str]]:
     """(text, finish reason) of one temperature-1 request per seed."""
-    reqs = [pb.GenerateRequest(prompt="Describe a person:", max_new_tokens=48,
-                               sampling=pb.SamplingParams(temperature=1.0, seed=s), **constraint) for s in seeds]
+    reqs = [
+        pb.GenerateRequest(
+            prompt="Describe a person:",
+            max_new_tokens=48,
+            sampling=pb.SamplingParams(temperature=1.0, seed=s),
+            **constraint,
+        )
+        for s in seeds
+    ]
     _, streams = asyncio.run(concurrently(server.target, reqs, timeout=120))
     assert all(s.error is None for s in streams), [s.error for s in streams]
     return [(s.text, s.finish_reason) for s in streams]
@@ -106,14 +154,22 @@ def sampled(server, seeds, **constraint) -> list[tuple[str, str]]:
 CHECKS = {
     "json_schema": (dict(json_schema=json.dumps(SCHEMA)), lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
     "json_object": (dict(json_object=True), lambda t: isinstance(json.loads(t), dict) or pytest.fail(t)),
-    "regex": (dict(regex=r"[0-9]{3}-[a-z]{2,4}( ok)?"), lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}( ok)?", t)
-              or pytest.fail(t)),
-    "grammar": (dict(grammar='start: "(" item ")" | "(" item "," item ")"\nitem: "x" | "y" | "(" ("x" | "y") ")"'),
-                lambda t: re.fullmatch(r"[()xy,]+", t) and t.count("(") == t.count(")") or pytest.fail(t)),
-    "gbnf": (dict(grammar='root ::= "yes" | "no" | "maybe " [0-9]'),
-             lambda t: re.fullmatch(r"yes|no|maybe [0-9]", t) or pytest.fail(t)),
-    "choice": (dict(choice=pb.Choice(options=["red", "green", "blue sky"])),
-               lambda t: t in ("red", "green", "blue sky") or pytest.fail(t)),
+    "regex": (
+        dict(regex=r"[0-9]{3}-[a-z]{2,4}( ok)?"),
+        lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}( ok)?", t) or pytest.fail(t),
+    ),
+    "grammar": (
+        dict(grammar='start: "(" item ")" | "(" item "," item ")"\nitem: "x" | "y" | "(" ("x" | "y") ")"'),
+        lambda t: re.fullmatch(r"[()xy,]+", t) and t.count("(") == t.count(")") or pytest.fail(t),
+    ),
+    "gbnf": (
+        dict(grammar='root ::= "yes" | "no" | "maybe " [0-9]'),
+        lambda t: re.fullmatch(r"yes|no|maybe [0-9]", t) or pytest.fail(t),
+    ),
+    "choice": (
+        dict(choice=pb.Choice(options=["red", "green", "blue sky"])),
+        lambda t: t in ("red", "green", "blue sky") or pytest.fail(t),
+    ),
 }
 
 
@@ -143,7 +199,7 @@ def test_greedy_constrained_tokens_equal_transformers_with_the_same_mask(request
     prompt = list(range(200, 241))  # 41 tokens: two full pages to find cached the second time
     req = token_request(prompt, 40, **CHECKS[kind][0])
     want = reference(prompt, req, 40)
-    for attempt in range(2):
+    for _ in range(2):
         got, _, last = server.generate(**{f.name: v for f, v in req.ListFields()})
         assert_constrained_match(got, want)
         assert last.finish_reason in ("stop", "length") and (last.finish_reason == "length") == (len(got) == 40)
@@ -154,23 +210,32 @@ def test_greedy_constrained_tokens_equal_transformers_with_the_same_mask(request
 def test_a_constrained_request_leaves_seven_greedy_neighbours_unchanged(chunked):
     prompts = [list(range(300 + 9 * i, 320 + 9 * i)) for i in range(7)]
     alone = [chunked.generate(**{f.name: v for f, v in token_request(p, 24).ListFields()})[0] for p in prompts]
-    constrained = pb.GenerateRequest(prompt="Tell me about yourself", max_new_tokens=48, json_schema=json.dumps(SCHEMA),
-                                     sampling=pb.SamplingParams(temperature=1.0, seed=3))
+    constrained = pb.GenerateRequest(
+        prompt="Tell me about yourself",
+        max_new_tokens=48,
+        json_schema=json.dumps(SCHEMA),
+        sampling=pb.SamplingParams(temperature=1.0, seed=3),
+    )
     _, streams = asyncio.run(concurrently(chunked.target, [constrained] + [token_request(p, 24) for p in prompts]))
     assert [s.ids for s in streams[1:]] == alone
     assert streams[0].error is None
 
 
 def test_a_constraint_that_fails_to_compile_or_takes_too_long_is_refused_alone(chunked):
-    bad = {"json_schema": "{not json", "regex": "[0-9", "grammar": "start: missing_rule",
-           "json_schema ": json.dumps({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}),
-           "slow": json.dumps(SLOW_SCHEMA)}
+    bad = {
+        "json_schema": "{not json",
+        "regex": "[0-9",
+        "grammar": "start: missing_rule",
+        "json_schema ": json.dumps({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}),
+        "slow": json.dumps(SLOW_SCHEMA),
+    }
     beside = token_request(list(range(400, 420)), 60)
     alone = chunked.generate(**{f.name: v for f, v in beside.ListFields()})[0]
 
     async def run():
         async with grpc.aio.insecure_channel(chunked.target) as channel:
             from shardline.protos import generation_pb2_grpc
+
             stub = generation_pb2_grpc.GenerationStub(channel)
             neighbour = asyncio.ensure_future(_collect(stub.Generate(beside)))
             errors = {}
@@ -181,6 +246,7 @@ def test_a_constraint_that_fails_to_compile_or_takes_too_long_is_refused_alone(c
                 except grpc.aio.AioRpcError as e:
                     errors[name] = (e.code(), e.details())
             return await neighbour, errors
+
     tokens, errors = asyncio.run(run())
     assert tokens == alone
     assert set(errors) == set(bad) and all(code == grpc.StatusCode.INVALID_ARGUMENT for code, _ in errors.values())
@@ -202,6 +268,7 @@ def test_the_compile_timeout_counts_from_the_compile_not_from_the_wait_for_a_wor
     end): an ordinary schema queued behind them still compiles, and the slow ones are refused."""
     from shardline.router.requests.constraints import Grammars
     from shardline.router.requests.validation import InvalidRequest
+
     tokenizer = (tiny_models["llama"] / "tokenizer.json").read_text()
     grammars = Grammars(tokenizer, 49152, [0], timeout_s=0.4)
     slow = [dict(SLOW_SCHEMA, title=f"slow {i}") for i in range(2)]
@@ -210,6 +277,7 @@ def test_the_compile_timeout_counts_from_the_compile_not_from_the_wait_for_a_wor
         await grammars.constrained(pb.GenerateRequest(regex="warm"))  # the tokenizer's build is not timed
         asks = [grammars.constrained(pb.GenerateRequest(json_schema=json.dumps(s))) for s in slow + [SCHEMA]]
         return await asyncio.gather(*asks, return_exceptions=True)
+
     *refused, ordinary = asyncio.run(run())
     assert all(isinstance(r, InvalidRequest) and "took over 0.4 s" in str(r) for r in refused), refused
     assert not isinstance(ordinary, BaseException), ordinary
@@ -223,9 +291,15 @@ async def _collect(call) -> list[int]:
 def test_response_format_and_structured_outputs_with_n_seeds_and_logprobs(chunked):
     client, model = client_of(chunked), model_of(chunked)
     answer = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "A person, as JSON"}], n=4, seed=11, temperature=1.0,
-        max_tokens=96, logprobs=True, response_format={"type": "json_schema", "json_schema": {
-            "name": "person", "schema": SCHEMA, "strict": True}})
+        model=model,
+        messages=[{"role": "user", "content": "A person, as JSON"}],
+        n=4,
+        seed=11,
+        temperature=1.0,
+        max_tokens=96,
+        logprobs=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}},
+    )
     finished = [c for c in answer.choices if c.finish_reason == "stop"]
     assert finished and len({c.message.content for c in answer.choices}) > 1
     for c in finished:
@@ -233,33 +307,61 @@ def test_response_format_and_structured_outputs_with_n_seeds_and_logprobs(chunke
     assert sum(len(c.logprobs.content) for c in answer.choices) == answer.usage.completion_tokens
     assert all(lp.logprob <= 0 for c in answer.choices for lp in c.logprobs.content)
     again = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "A person, as JSON"}], n=4, seed=11, temperature=1.0,
-        max_tokens=96, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+        model=model,
+        messages=[{"role": "user", "content": "A person, as JSON"}],
+        n=4,
+        seed=11,
+        temperature=1.0,
+        max_tokens=96,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
+    )
     assert [c.message.content for c in again.choices] == [c.message.content for c in answer.choices]
-    choice = client.completions.create(model=model, prompt="Pick:", max_tokens=8, temperature=1.0, seed=1,
-                                       extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    choice = client.completions.create(
+        model=model,
+        prompt="Pick:",
+        max_tokens=8,
+        temperature=1.0,
+        seed=1,
+        extra_body={"structured_outputs": {"choice": ["left", "right"]}},
+    )
     assert choice.choices[0].text in ("left", "right") and choice.choices[0].finish_reason == "stop"
-    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Code?"}], max_tokens=12, stream=True,
-        extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{4}"}}) if chunk.choices)
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Code?"}],
+            max_tokens=12,
+            stream=True,
+            extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{4}"}},
+        )
+        if chunk.choices
+    )
     assert re.fullmatch(r"[A-Z]{2}-[0-9]{4}", streamed)
-    obj = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "JSON"}], max_tokens=40,
-                                         temperature=0, response_format={"type": "json_object"})
+    obj = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "JSON"}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
     assert obj.choices[0].finish_reason == "length" or isinstance(json.loads(obj.choices[0].message.content), dict)
 
 
 def test_bad_constraints_over_http_are_400_in_openai_shape(chunked):
     client, model = client_of(chunked), model_of(chunked)
-    cases = [{"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/no"}}}},
-             {"response_format": {"type": "json_schema"}},
-             {"extra_body": {"structured_outputs": {"regex": "(", "choice": ["a"]}}},
-             {"extra_body": {"structured_outputs": {"grammar": "start: nope"}}},
-             {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nosuch"}}},
-             {"tool_choice": "required"}]
+    cases = [
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/no"}}}},
+        {"response_format": {"type": "json_schema"}},
+        {"extra_body": {"structured_outputs": {"regex": "(", "choice": ["a"]}}},
+        {"extra_body": {"structured_outputs": {"grammar": "start: nope"}}},
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nosuch"}}},
+        {"tool_choice": "required"},
+    ]
     for case in cases:
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                           **case)
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, **case
+            )
         assert e.value.body["type"] == "invalid_request_error", case
     assert chunked.wait_idle().pages_referenced == 0
 
@@ -278,25 +380,45 @@ def test_required_and_named_tool_choices_answer_valid_calls(request, which):
     client, model = client_of(server), model_of(server)
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     for seed in range(3):
-        answer = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, CLOCK],
-                                                tool_choice="required", temperature=1.0, seed=seed, max_tokens=80)
+        answer = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            tools=[WEATHER, CLOCK],
+            tool_choice="required",
+            temperature=1.0,
+            seed=seed,
+            max_tokens=80,
+        )
         choice = answer.choices[0]
         if choice.finish_reason == "tool_calls":
             assert choice.message.content is None and choice.message.tool_calls
             _tools_ok(choice.message.tool_calls)
         else:
             assert choice.finish_reason == "length"
-    named = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, CLOCK], max_tokens=80,
-                                           tool_choice={"type": "function", "function": {"name": "clock"}},
-                                           temperature=0)
+    named = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=[WEATHER, CLOCK],
+        max_tokens=80,
+        tool_choice={"type": "function", "function": {"name": "clock"}},
+        temperature=0,
+    )
     assert named.choices[0].finish_reason == "tool_calls"
     calls = named.choices[0].message.tool_calls
     assert [c.function.name for c in calls] == ["clock"]
     _tools_ok(calls)
     # The call goes back into the conversation, and the answer to it: the template renders both.
-    follow = client.chat.completions.create(model=model, max_tokens=4, temperature=0, tools=[WEATHER, CLOCK], messages=messages + [
-        {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
-        {"role": "tool", "tool_call_id": calls[0].id, "content": "12:00"}])
+    follow = client.chat.completions.create(
+        model=model,
+        max_tokens=4,
+        temperature=0,
+        tools=[WEATHER, CLOCK],
+        messages=messages
+        + [
+            {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
+            {"role": "tool", "tool_call_id": calls[0].id, "content": "12:00"},
+        ],
+    )
     assert follow.usage.prompt_tokens > named.usage.prompt_tokens
 
 
@@ -304,13 +426,22 @@ def test_tool_call_blocks_stream_as_tool_call_deltas_and_auto_allows_text_or_cal
     client, model = client_of(hermes), model_of(hermes)
     messages = [{"role": "user", "content": "What time is it in zone 3?"}]
     without = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
-    with_tools = client.chat.completions.create(model=model, messages=messages, max_tokens=1, tools=[CLOCK],
-                                                tool_choice="none")
+    with_tools = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=1, tools=[CLOCK], tool_choice="none"
+    )
     assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens, "the template renders the tools"
     calls, content, finish = {}, "", None
-    for chunk in client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, CLOCK], stream=True,
-                                                tool_choice="required", parallel_tool_calls=False, temperature=1.0,
-                                                seed=4, max_tokens=160):
+    for chunk in client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=[WEATHER, CLOCK],
+        stream=True,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=1.0,
+        seed=4,
+        max_tokens=160,
+    ):
         for c in chunk.choices:
             content += c.delta.content or ""
             for d in c.delta.tool_calls or []:
@@ -323,8 +454,15 @@ def test_tool_call_blocks_stream_as_tool_call_deltas_and_auto_allows_text_or_cal
         jsonschema.validate(json.loads(entry["arguments"]), schema)
     kinds = set()
     for seed in range(12):
-        answer = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, CLOCK],
-                                                tool_choice="auto", temperature=1.0, seed=seed, max_tokens=60)
+        answer = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            tools=[WEATHER, CLOCK],
+            tool_choice="auto",
+            temperature=1.0,
+            seed=seed,
+            max_tokens=60,
+        )
         choice = answer.choices[0]
         if choice.message.tool_calls:
             assert choice.finish_reason == "tool_calls"
@@ -347,12 +485,18 @@ def test_smollm2_sampled_answers_to_every_schema_validate(smollm2_server):
 
     def ask(i):
         what, schema = SCHEMAS[i]
-        answer = client.chat.completions.create(model=model, messages=prompt(what), temperature=1.0, seed=i,
-                                                max_tokens=96, response_format={"type": "json_schema", "json_schema": {
-                                                    "name": "answer", "schema": schema}})
+        answer = client.chat.completions.create(
+            model=model,
+            messages=prompt(what),
+            temperature=1.0,
+            seed=i,
+            max_tokens=96,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+        )
         return schema, answer.choices[0]
 
     from concurrent.futures import ThreadPoolExecutor
+
     with ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(ask, range(len(SCHEMAS))))
     finished = [(schema, c.message.content) for schema, c in answers if c.finish_reason == "stop"]

@@ -1,5 +1,6 @@
 """Traces and metrics, end to end: real `shardline serve` processes exporting to a real OTLP/gRPC
 receiver, and the router's Prometheus endpoint scraped over HTTP."""
+
 import secrets
 import urllib.request
 
@@ -7,11 +8,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.otlp_receiver import OtlpReceiver
-from shardline.protos import generation_pb2 as pb
 from harness.serve import free_port
+from shardline.protos import generation_pb2 as pb
 from tests.support import Server, wait_for
 
-PROMPT = list(range(5, 15))   # 10 tokens: chunks of 4, 4 and 2
+PROMPT = list(range(5, 15))  # 10 tokens: chunks of 4, 4 and 2
 NEW_TOKENS = 5
 # Batches leave every 50 ms, so spans arrive while the test waits for them.
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_TRACES_SAMPLER": "always_on"}
@@ -19,23 +20,37 @@ FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_TRACES_SAMPLER": "always_o
 
 def traced_server(tiny_models, receiver, *layout: str, metrics_port: int | None = None) -> Server:
     extra = ["--metrics-port", str(metrics_port)] if metrics_port else []
-    return Server("--model", str(tiny_models["llama"]), "--page-size", "16", "--chunk-size", "4",
-                  "--otlp-endpoint", receiver.endpoint, *layout, *extra, env=FAST_EXPORT)
+    return Server(
+        "--model",
+        str(tiny_models["llama"]),
+        "--page-size",
+        "16",
+        "--chunk-size",
+        "4",
+        "--otlp-endpoint",
+        receiver.endpoint,
+        *layout,
+        *extra,
+        env=FAST_EXPORT,
+    )
 
 
 def generate_traced(server: Server) -> tuple[str, str, list[int], pb.GenerateResponse]:
     trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
     tokens, last = [], None
-    for msg in server.stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=PROMPT),
-                                                       max_new_tokens=NEW_TOKENS, ignore_eos=True),
-                                    metadata=[("traceparent", f"00-{trace_id}-{parent_id}-01")], timeout=120):
+    for msg in server.stub.Generate(
+        pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=PROMPT), max_new_tokens=NEW_TOKENS, ignore_eos=True),
+        metadata=[("traceparent", f"00-{trace_id}-{parent_id}-01")],
+        timeout=120,
+    ):
         tokens += msg.token_ids
         last = msg
     return trace_id, parent_id, tokens, last
 
 
-@pytest.mark.parametrize("layout,ranks", [(("--tp", "2"), {(0, 0), (1, 0)}), (("--pp", "2"), {(0, 0), (0, 1)})],
-                         ids=["tp2", "pp2"])
+@pytest.mark.parametrize(
+    "layout,ranks", [(("--tp", "2"), {(0, 0), (1, 0)}), (("--pp", "2"), {(0, 0), (0, 1)})], ids=["tp2", "pp2"]
+)
 def test_a_request_trace_reaches_every_step_and_every_shard_rank(tiny_models, layout, ranks):
     with OtlpReceiver() as receiver:
         server = traced_server(tiny_models, receiver, *layout)
@@ -52,9 +67,11 @@ def test_a_request_trace_reaches_every_step_and_every_shard_rank(tiny_models, la
                 spans = receiver.spans()
                 out = {}
                 for step in steps:
-                    out[step.span_id] = {(c.attributes["shardline.tp_rank"], c.attributes["shardline.pp_stage"])
-                                         for c in spans if c.parent_span_id == step.span_id
-                                         and c.trace_id == step.trace_id and c.name == "shard step"}
+                    out[step.span_id] = {
+                        (c.attributes["shardline.tp_rank"], c.attributes["shardline.pp_stage"])
+                        for c in spans
+                        if c.parent_span_id == step.span_id and c.trace_id == step.trace_id and c.name == "shard step"
+                    }
                 return out if all(v == ranks for v in out.values()) else None
 
             children = wait_for(shard_children, 30, "a shard span per rank under every step")
@@ -74,8 +91,15 @@ def test_a_request_trace_reaches_every_step_and_every_shard_rank(tiny_models, la
     assert a["gen_ai.request.max_tokens"] == NEW_TOKENS
     assert a["shardline.request.cache_salt_present"] is False
     events = [name for name, _ in request.events]
-    assert events == ["queued", "admitted", "prefill_chunk", "prefill_chunk", "prefill_chunk", "first_token",
-                      "finished"]
+    assert events == [
+        "queued",
+        "admitted",
+        "prefill_chunk",
+        "prefill_chunk",
+        "prefill_chunk",
+        "first_token",
+        "finished",
+    ]
     # Every step that served it: three prefill chunks, then a decode step per token after the first.
     phases = sorted(s.attributes["shardline.step.phase"] for s in steps)
     assert phases == ["admit", "continue", "continue"] + ["decode"] * (NEW_TOKENS - 1)
@@ -105,8 +129,9 @@ def test_metrics_move_by_exactly_what_was_served(tiny_models):
         before = scrape(port)
         usages = []
         for _ in range(2):  # the second request finds the first one's full pages cached
-            _, _, last = server.generate(prompt_token_ids=pb.PromptTokens(ids=PROMPT), max_new_tokens=NEW_TOKENS,
-                                         ignore_eos=True)
+            _, _, last = server.generate(
+                prompt_token_ids=pb.PromptTokens(ids=PROMPT), max_new_tokens=NEW_TOKENS, ignore_eos=True
+            )
             usages.append(last.usage)
         server.wait_idle()
         after = scrape(port)
@@ -123,8 +148,13 @@ def test_metrics_move_by_exactly_what_was_served(tiny_models):
     assert moved(p + "prefix_cache_queries_total") == 2 * len(PROMPT)
     assert moved(p + "prefix_cache_hits_total") == sum(u.cached_prompt_tokens for u in usages)
     assert moved(p + 'request_finished_total{finished_reason="length"}') == 2
-    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-                 "request_prefill_time_seconds", "request_decode_time_seconds"):
+    for name in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+    ):
         assert moved(p + name + "_count") == 2, name
     assert moved(p + "inter_token_latency_seconds_count") == 2 * (NEW_TOKENS - 1)
     assert moved(p + 'step_duration_seconds_count{phase="decode"}') == 2 * (NEW_TOKENS - 1)

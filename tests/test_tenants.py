@@ -1,5 +1,6 @@
 """API keys, tenants and their isolation, end to end against a real server (and the key check
 as a unit)."""
+
 import hmac
 from unittest import mock
 
@@ -7,8 +8,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shardline.protos import generation_pb2 as pb
 from shardline.common.auth import ApiKeys, cache_namespace
+from shardline.protos import generation_pb2 as pb
 from tests.support import Server
 
 KEYS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-0123456789abcdef0"}
@@ -24,29 +25,49 @@ def _auth(key: str) -> list[tuple[str, str]]:
 def keyed_server(tiny_models, tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "keys"
     path.write_text("# tenants\n" + "".join(f"{k} {t}\n" for t, k in KEYS.items()) + f"\n{LONE}\n")
-    server = Server("--model", str(tiny_models["llama"]), "--page-size", "4", "--api-keys-file", str(path),
-                    "--tenant-max-requests", "2")
+    server = Server(
+        "--model",
+        str(tiny_models["llama"]),
+        "--page-size",
+        "4",
+        "--api-keys-file",
+        str(path),
+        "--tenant-max-requests",
+        "2",
+    )
     yield server
     assert server.stop() == 0
 
 
 def _generate(server, key, n=2, **kw):
-    replies = list(server.stub.Generate(pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=n, ignore_eos=True,
-                                                           **kw), metadata=_auth(key), timeout=60))
+    replies = list(
+        server.stub.Generate(
+            pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=n, ignore_eos=True, **kw),
+            metadata=_auth(key),
+            timeout=60,
+        )
+    )
     return replies[-1]
 
 
 def test_every_call_but_health_needs_a_valid_key(keyed_server):
     stub = keyed_server.stub
-    calls = {"Generate": lambda md: list(stub.Generate(pb.GenerateRequest(prompt="hi", max_new_tokens=1),
-                                                        metadata=md, timeout=30)),
-             "Cancel": lambda md: stub.Cancel(pb.CancelRequest(request_id="x"), metadata=md, timeout=10),
-             "Stats": lambda md: stub.Stats(pb.StatsRequest(), metadata=md, timeout=10),
-             "Info": lambda md: stub.Info(pb.InfoRequest(), metadata=md, timeout=10)}
+    calls = {
+        "Generate": lambda md: list(
+            stub.Generate(pb.GenerateRequest(prompt="hi", max_new_tokens=1), metadata=md, timeout=30)
+        ),
+        "Cancel": lambda md: stub.Cancel(pb.CancelRequest(request_id="x"), metadata=md, timeout=10),
+        "Stats": lambda md: stub.Stats(pb.StatsRequest(), metadata=md, timeout=10),
+        "Info": lambda md: stub.Info(pb.InfoRequest(), metadata=md, timeout=10),
+    }
     messages = set()
     for name, call in calls.items():
-        for md in (None, _auth("wrong-key-0123456789abcdef"), _auth(KEYS["alice"][:-1]),
-                   [("authorization", KEYS["alice"])]):  # no "Bearer": not a key
+        for md in (
+            None,
+            _auth("wrong-key-0123456789abcdef"),
+            _auth(KEYS["alice"][:-1]),
+            [("authorization", KEYS["alice"])],
+        ):  # no "Bearer": not a key
             with pytest.raises(grpc.RpcError) as err:
                 call(md)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
@@ -61,7 +82,7 @@ def test_tenants_never_share_cached_pages_but_hit_their_own(keyed_server):
     alice, bob = KEYS["alice"], KEYS["bob"]
     assert _generate(keyed_server, alice).usage.cached_prompt_tokens == 0
     assert _generate(keyed_server, alice).usage.cached_prompt_tokens == 16
-    assert _generate(keyed_server, bob).usage.cached_prompt_tokens == 0      # identical prompt and salt
+    assert _generate(keyed_server, bob).usage.cached_prompt_tokens == 0  # identical prompt and salt
     assert _generate(keyed_server, LONE).usage.cached_prompt_tokens == 0
     assert _generate(keyed_server, bob).usage.cached_prompt_tokens == 16
     assert _generate(keyed_server, bob, cache_salt="s").usage.cached_prompt_tokens == 0  # salt within a tenant
@@ -69,8 +90,14 @@ def test_tenants_never_share_cached_pages_but_hit_their_own(keyed_server):
 
 def test_a_tenant_at_its_limit_is_refused_while_others_are_served(keyed_server):
     stub, alice = keyed_server.stub, KEYS["alice"]
-    long = [stub.Generate(pb.GenerateRequest(request_id=f"long{i}", prompt="go", max_new_tokens=2000, ignore_eos=True),
-                          metadata=_auth(alice), timeout=120) for i in range(2)]
+    long = [
+        stub.Generate(
+            pb.GenerateRequest(request_id=f"long{i}", prompt="go", max_new_tokens=2000, ignore_eos=True),
+            metadata=_auth(alice),
+            timeout=120,
+        )
+        for i in range(2)
+    ]
     try:
         for call in long:
             next(call)
@@ -92,8 +119,16 @@ def test_a_tenant_at_its_limit_is_refused_while_others_are_served(keyed_server):
 def test_sharing_across_tenants_is_an_operator_choice(tiny_models, tmp_path):
     path = tmp_path / "keys"
     path.write_text("".join(f"{k} {t}\n" for t, k in KEYS.items()))
-    server = Server("--model", str(tiny_models["llama"]), "--page-size", "4", "--api-keys-file", str(path),
-                    "--prefix-cache-sharing", "all")
+    server = Server(
+        "--model",
+        str(tiny_models["llama"]),
+        "--page-size",
+        "4",
+        "--api-keys-file",
+        str(path),
+        "--prefix-cache-sharing",
+        "all",
+    )
     try:
         assert _generate(server, KEYS["alice"]).usage.cached_prompt_tokens == 0
         assert _generate(server, KEYS["bob"]).usage.cached_prompt_tokens == 16

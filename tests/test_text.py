@@ -1,12 +1,14 @@
 """Tokenizer, chat template and streamed text of the router, against `transformers`; stop strings."""
+
 import json
 import shutil
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from shardline.router.core.stop_strings import StopMatcher
 from shardline.common.tokenizer import TemplateError, TextCodec
+from shardline.router.core.stop_strings import StopMatcher
 from tests.support import smollm2_codec, smollm2_tokenizer
 
 TEXT = "Grüße aus Köln 🚀🚀 — naïve café, 東京タワー!\n  indented <|im_end|> \x00\x07 tab\tend"
@@ -19,11 +21,18 @@ def test_encode_equals_transformers():
     assert codec.vocab_size == len(tok)
 
 
-@pytest.mark.parametrize("messages", [
-    [{"role": "user", "content": "Name three colors."}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXT},
-     {"role": "assistant", "content": "Red."}, {"role": "user", "content": ""}],
-])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "Name three colors."}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": TEXT},
+            {"role": "assistant", "content": "Red."},
+            {"role": "user", "content": ""},
+        ],
+    ],
+)
 def test_chat_template_renders_like_transformers(messages):
     tok, codec = smollm2_tokenizer(), smollm2_codec()
     want = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
@@ -35,7 +44,8 @@ def test_template_errors_are_template_errors(tmp_path):
     shutil.copytree(CODEC_FOLDER(), folder)
     (folder / "chat_template.jinja").write_text(
         "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first message must be from the user') }}"
-        "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+        "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
     codec = TextCodec(folder)
     assert codec.render_chat([{"role": "user", "content": "hi"}]) == "hi"
     with pytest.raises(TemplateError, match="first message must be from the user"):
@@ -51,6 +61,7 @@ def test_template_errors_are_template_errors(tmp_path):
 def CODEC_FOLDER():
     from shardline.common.model_source import resolve_model
     from shardline.common.tokenizer_files import tokenizer_folder
+
     return tokenizer_folder(resolve_model(None))
 
 
@@ -61,7 +72,7 @@ def test_detokenizer_streams_the_same_text_as_one_decode():
     deltas = [detok.push(i) for i in ids]
     assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True)
     assert all("\ufffd" not in d for d in deltas)  # half a UTF-8 character is never sent
-    assert any(d == "" for d in deltas[:-1])        # ... the emoji's first bytes were held back
+    assert any(d == "" for d in deltas[:-1])  # ... the emoji's first bytes were held back
 
 
 def _stream(stops, pieces):
@@ -84,16 +95,19 @@ def test_stop_string_split_across_deltas_is_never_sent():
     assert _stream(["abcd", "bc"], ["xab", "c"]) == ("xa", True)  # ends while abcd is pending
 
 
-@given(st.text(alphabet="ab#\n", max_size=60), st.lists(st.integers(1, 5), max_size=30),
-       st.lists(st.text(alphabet="ab#\n", min_size=1, max_size=6), min_size=0, max_size=4))
+@given(
+    st.text(alphabet="ab#\n", max_size=60),
+    st.lists(st.integers(1, 5), max_size=30),
+    st.lists(st.text(alphabet="ab#\n", min_size=1, max_size=6), min_size=0, max_size=4),
+)
 def test_stop_matching_equals_cutting_at_the_first_match(text, cuts, stops):
     pieces, i = [], 0
     for c in cuts:
-        pieces.append(text[i:i + c])
+        pieces.append(text[i : i + c])
         i += c
     pieces.append(text[i:])
     hits = [text.find(s) for s in stops if s in text]
-    want = text[:min(hits)] if hits else text
+    want = text[: min(hits)] if hits else text
     assert _stream(stops, pieces) == (want, bool(hits))
 
 
@@ -114,7 +128,7 @@ def test_encoding_a_long_prompt_lets_other_threads_run():
     import threading
     import time
 
-    text = "every stream keeps streaming while this is tokenized. " * 40_000   # 2 MB
+    text = "every stream keeps streaming while this is tokenized. " * 40_000  # 2 MB
     gaps, done = [], threading.Event()
 
     def ticker():

@@ -9,6 +9,7 @@ comparisons have one length), and every comparison runs whatever matched before:
 check takes says nothing about which keys exist or how close a guess came. A missing and a wrong
 key get the same answer.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,7 +32,7 @@ class ApiKeys:
         self._keys = [(_digest(key), tenant) for key, tenant in entries]
 
     @classmethod
-    def load(cls, path: str) -> "ApiKeys":
+    def load(cls, path: str) -> ApiKeys:
         entries = []
         for n, line in enumerate(Path(path).read_text().splitlines(), 1):
             line = line.strip()
@@ -64,13 +65,14 @@ def cache_namespace(tenant: str | None, salt: str) -> str:
     return f"{len(tenant)}:{tenant}:{salt}"
 
 
-async def caller_tenant(keys: "ApiKeys | None", context) -> str:
+async def caller_tenant(keys: ApiKeys | None, context) -> str:
     """The gRPC caller's tenant (NO_TENANT when the service takes no keys); aborts the call
     UNAUTHENTICATED without a valid key, with one message for a missing and a wrong key."""
     if keys is None:
         return NO_TENANT
     tenant = keys.tenant(context.invocation_metadata())
     if tenant is None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                            "a valid API key is required: send 'authorization: Bearer <key>'")
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED, "a valid API key is required: send 'authorization: Bearer <key>'"
+        )
     return tenant

@@ -6,13 +6,14 @@ cache volume). Each writes its own temporary sibling and publishes it in one ato
 first to publish wins and the others keep its copy, so a reader never sees half a file (or
 folder), and every process reads the same answer.
 """
+
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def cache_root() -> Path:

@@ -3,6 +3,7 @@
 Runs as a child process of the router (common/tokenizer_files.py), never inside it: importing
 `transformers` maps torch, which the router process does not load.
 """
+
 from __future__ import annotations
 
 import sys

@@ -3,6 +3,7 @@ service's own event loop (a router's engine, admission and gRPC server run there
 from the service's certificate flags. Its socket is bound when the service starts, so a port in
 use stops it at once with a message. The service owns the signals: uvicorn installs no handlers
 of its own, and is told to stop after the drain."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,12 +26,19 @@ class _Server(uvicorn.Server):
 class HttpServer:
     def __init__(self, app, host: str, port: int, ssl_context: ssl.SSLContext | None = None):
         try:
-            self.socket = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                               reuse_port=False, backlog=2048)
+            self.socket = socket.create_server(
+                (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, reuse_port=False, backlog=2048
+            )
         except OSError as e:
             raise SystemExit(f"the HTTP API cannot listen on {host}:{port}: {e.strerror}") from None
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5, timeout_keep_alive=30)
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=30,
+        )
         config.load()
         config.ssl = ssl_context
         self.server, self._task = _Server(config), None

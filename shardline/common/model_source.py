@@ -2,6 +2,7 @@
 
 Torch-free: the router reads the tokenizer through it, the shard the weights.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -17,8 +18,8 @@ _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass(frozen=True)
 class ModelSource:
-    path: Path              # the .gguf file or the Hugging Face folder
-    kind: str               # "gguf" | "hf"
+    path: Path  # the .gguf file or the Hugging Face folder
+    kind: str  # "gguf" | "hf"
     name: str
 
     @property
@@ -43,5 +44,6 @@ def resolve_model(spec: str | None) -> ModelSource:
         return ModelSource(path, "gguf", path.stem)
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource(path, "hf", path.name)
-    raise FileNotFoundError(f"--model {spec!r}: expected 'smollm2', a .gguf file or a Hugging Face "
-                            "folder with config.json")
+    raise FileNotFoundError(
+        f"--model {spec!r}: expected 'smollm2', a .gguf file or a Hugging Face folder with config.json"
+    )

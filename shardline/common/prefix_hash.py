@@ -7,6 +7,7 @@ and the request's cache namespace (common/auth.py's `cache_namespace`: the salt,
 unless tenants share the cache). A cryptographic hash makes a collision, which would hand one
 request another's KV, practically impossible without storing and comparing every page's tokens.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,6 +29,6 @@ def prompt_hashes(prompt: list[int], page_size: int, model_key: str, namespace: 
     token to compute so that its logits exist."""
     hashes, h = [], root_hash(model_key, namespace)
     for i in range((len(prompt) - 1) // page_size):
-        h = chain(h, prompt[i * page_size:(i + 1) * page_size])
+        h = chain(h, prompt[i * page_size : (i + 1) * page_size])
         hashes.append(h)
     return hashes

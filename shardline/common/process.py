@@ -1,5 +1,6 @@
 """Process plumbing that router, shard and launcher share: a bounded exit, how long a silent
 shard is waited for, how fast a lost peer is reconnected to, and whether the parent is gone."""
+
 from __future__ import annotations
 
 import os
@@ -39,5 +40,8 @@ def hang_detection_s(step_timeout_s: float) -> tuple[float, float]:
 # minutes while the peer is away. With a 1 s cap, a router that started before its shards
 # listened waited 0.3-0.7 s more per start (a tiny model's whole start is 2.5 s); a connection
 # attempt every 250 ms to a local or in-cluster peer costs nothing.
-FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                  ("grpc.max_reconnect_backoff_ms", 250)]
+FAST_RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 250),
+]

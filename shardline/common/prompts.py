@@ -1,5 +1,6 @@
 """A GenerateRequest's prompt as token ids: the router admits them, and a gateway hashes them
 to find the replica that caches their prefix, so both compute exactly the same ids."""
+
 from __future__ import annotations
 
 import json

@@ -8,6 +8,7 @@ services create no spans at all. The SDK reads the other standard variables itse
 ...). `service.name` is `shardline-router` or `shardline-shard` unless `OTEL_SERVICE_NAME` says
 otherwise; `service.instance.id` names the process (and a shard's TP rank and PP stage).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -22,8 +23,9 @@ def tracing_endpoint(flag: str) -> str | None:
     """The collector spans go to, or None when tracing is off."""
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return None
-    endpoint = flag or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
-        "OTEL_EXPORTER_OTLP_ENDPOINT")
+    endpoint = (
+        flag or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    )
     if not endpoint:
         return None
     return endpoint if "://" in endpoint else "http://" + endpoint  # host:port: plaintext gRPC
@@ -55,8 +57,11 @@ class TraceIds(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         ctx = trace.get_current_span().get_span_context()
-        record.trace_ids = (f" [trace={trace.format_trace_id(ctx.trace_id)} span={trace.format_span_id(ctx.span_id)}]"
-                            if ctx.is_valid else "")
+        record.trace_ids = (
+            f" [trace={trace.format_trace_id(ctx.trace_id)} span={trace.format_span_id(ctx.span_id)}]"
+            if ctx.is_valid
+            else ""
+        )
         return True
 
 

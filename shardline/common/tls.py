@@ -5,6 +5,7 @@ Server credentials are dynamic: at each handshake the files are checked, and re-
 file's modification time or size changed, so certificates rotate without a restart (a file
 caught half-written keeps the previous configuration until it parses).
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,7 +38,8 @@ def server_credentials(cert_file: str, key_file: str, client_ca_file: str = "") 
 
     def load() -> grpc.ServerCertificateConfiguration:
         return grpc.ssl_server_certificate_configuration(
-            [(_read(key_file), _read(cert_file))], root_certificates=_read(client_ca_file) if client_ca_file else None)
+            [(_read(key_file), _read(cert_file))], root_certificates=_read(client_ca_file) if client_ca_file else None
+        )
 
     state = {"stamp": _stamp(paths)}
 
@@ -89,9 +91,11 @@ def http_ssl_context(cert_file: str, key_file: str, client_ca_file: str = "") ->
 
 def channel_credentials(ca_file: str, cert_file: str = "", key_file: str = "") -> grpc.ChannelCredentials:
     """A client that trusts `ca_file` and, for mutual TLS, presents `cert_file`/`key_file`."""
-    return grpc.ssl_channel_credentials(root_certificates=_read(ca_file),
-                                        private_key=_read(key_file) if key_file else None,
-                                        certificate_chain=_read(cert_file) if cert_file else None)
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(ca_file),
+        private_key=_read(key_file) if key_file else None,
+        certificate_chain=_read(cert_file) if cert_file else None,
+    )
 
 
 def client_credentials(args) -> grpc.ChannelCredentials | None:
@@ -109,7 +113,7 @@ class ShardTls:
     key_file: str = ""
 
     @classmethod
-    def from_args(cls, args) -> "ShardTls | None":
+    def from_args(cls, args) -> ShardTls | None:
         files = cls(args.shard_tls_ca_file, args.shard_tls_cert_file, args.shard_tls_key_file)
         given = [bool(f) for f in (files.ca_file, files.cert_file, files.key_file)]
         if not any(given):
@@ -131,8 +135,12 @@ def listen(server: grpc.aio.Server, address: str, args) -> None:
     message on inconsistent flags or a port it cannot bind."""
     if bool(args.tls_cert_file) != bool(args.tls_key_file) or (args.tls_client_ca_file and not args.tls_cert_file):
         raise SystemExit("--tls-cert-file and --tls-key-file go together (and --tls-client-ca-file needs them)")
-    port = (server.add_secure_port(address, server_credentials(args.tls_cert_file, args.tls_key_file,
-                                                                args.tls_client_ca_file))
-            if args.tls_cert_file else server.add_insecure_port(address))
+    port = (
+        server.add_secure_port(
+            address, server_credentials(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
+        )
+        if args.tls_cert_file
+        else server.add_insecure_port(address)
+    )
     if port == 0:
         raise SystemExit(f"cannot listen on {address}")

@@ -4,6 +4,7 @@
 sandbox, trim_blocks and lstrip_blocks, `raise_exception`, a `tojson` that keeps non-ASCII);
 `tokenizers.decoders.DecodeStream` turns sampled tokens into text deltas.
 """
+
 from __future__ import annotations
 
 import json
@@ -71,20 +72,22 @@ class TextCodec:
         self._template = None
         self.template_source: str | None = template or None
         if template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
             env.filters["tojson"] = _tojson
-            env.globals.update(raise_exception=_raise_exception,
-                               strftime_now=lambda fmt: datetime.now().strftime(fmt))
+            env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
             self._template = env.from_string(template)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         # The most characters one token stands for: a prompt longer than context x this cannot fit.
         vocab = self.tokenizer.get_vocab(with_added_tokens=True)
-        self.max_token_chars = max(len(self.tokenizer.decode([i], skip_special_tokens=False))
-                                   for i in vocab.values())
+        self.max_token_chars = max(len(self.tokenizer.decode([i], skip_special_tokens=False)) for i in vocab.values())
         self._byte_level = json.loads(self.tokenizer.to_str()).get("decoder", {}).get("type") == "ByteLevel"
-        self._special_ids = {self.tokenizer.token_to_id(t.content) for t in
-                             self.tokenizer.get_added_tokens_decoder().values() if t.special}
+        self._special_ids = {
+            self.tokenizer.token_to_id(t.content)
+            for t in self.tokenizer.get_added_tokens_decoder().values()
+            if t.special
+        }
 
     def encode(self, text: str) -> list[int]:
         # encode_batch releases the GIL (plain encode holds it for the whole text), so a long
@@ -122,7 +125,7 @@ class TextCodec:
         """One token's text as the OpenAI API shows it (half a character as U+FFFD)."""
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
-    def stream(self) -> "Detokenizer":
+    def stream(self) -> Detokenizer:
         return Detokenizer(self.tokenizer)
 
 

@@ -5,6 +5,7 @@ A GGUF carries its tokenizer as metadata. `transformers` converts it once into t
 in a child process (common/gguf_tokenizer.py): `transformers` maps torch, and the router process
 stays free of it.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -19,8 +20,11 @@ def tokenizer_folder(source: ModelSource) -> Path:
         return source.path
     folder = source.cache_dir / "tokenizer"
     if not (folder / "tokenizer.json").is_file():
-        done = subprocess.run([sys.executable, "-m", "shardline.common.gguf_tokenizer", str(source.path), str(folder)],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "shardline.common.gguf_tokenizer", str(source.path), str(folder)],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"converting the tokenizer of {source.path} failed:\n{done.stderr[-2000:]}")
     return folder

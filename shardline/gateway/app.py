@@ -5,6 +5,7 @@ It listens at once. Its health is SERVING while at least one replica is routable
 draining. SIGTERM drains as a router does: NOT_SERVING at once, new requests UNAVAILABLE, the
 streams it has open run to completion for up to `--drain-timeout-s`, then the process exits 0.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -46,13 +47,18 @@ async def serve_gateway(args) -> int:
         nonlocal serving_now
         if service.serving != serving_now:
             serving_now = service.serving
-            status = health_pb2.HealthCheckResponse.SERVING if serving_now else health_pb2.HealthCheckResponse.NOT_SERVING
+            status = (
+                health_pb2.HealthCheckResponse.SERVING if serving_now else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
             for name in ("", SERVICE):
                 asyncio.ensure_future(health_servicer.set(name, status))
             log.info("gateway %s", "SERVING" if serving_now else "NOT_SERVING")
 
-    router_tls = (channel_credentials(args.router_tls_ca_file, args.router_tls_cert_file, args.router_tls_key_file)
-                  if args.router_tls_ca_file else None)
+    router_tls = (
+        channel_credentials(args.router_tls_ca_file, args.router_tls_cert_file, args.router_tls_key_file)
+        if args.router_tls_ca_file
+        else None
+    )
     entries = [e for e in args.routers.split(",") if e]
     replicas = Replicas(entries, args.resolve_interval_s, lambda: on_change(), router_tls)
     weights = Weights(args.load_weight, args.balance_abs_threshold, args.balance_rel_threshold)
@@ -71,9 +77,17 @@ async def serve_gateway(args) -> int:
         print(f"gateway metrics http://{args.host}:{args.metrics_port}/metrics", flush=True)
     http = proxy = None
     if args.http_port:
-        tls = http_ssl_context(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file) if args.tls_cert_file else None
-        proxy = HttpProxy(service, (args.router_tls_ca_file, args.router_tls_cert_file, args.router_tls_key_file)
-                          if args.router_tls_ca_file else None)
+        tls = (
+            http_ssl_context(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
+            if args.tls_cert_file
+            else None
+        )
+        proxy = HttpProxy(
+            service,
+            (args.router_tls_ca_file, args.router_tls_cert_file, args.router_tls_key_file)
+            if args.router_tls_ca_file
+            else None,
+        )
         http = HttpServer(proxy.app, args.host, args.http_port, tls)
         await http.start()
         print(f"gateway HTTP API {http.address}/v1", flush=True)

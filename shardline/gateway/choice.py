@@ -17,6 +17,7 @@ than `balance_abs` requests above the least loaded one, and more than `balance_r
 requests, is ranked after every other one, by load, whatever it caches. The rest of the order
 is where a request goes when its first choice fails before its first token.
 """
+
 from __future__ import annotations
 
 import random
@@ -29,11 +30,11 @@ POLICIES = (PREFIX, LEAST_LOAD, ROUND_ROBIN)
 
 @dataclass(frozen=True)
 class Candidate:
-    key: str                 # the replica's address
-    cached_tokens: int       # of this prompt, in the replica's prefix index
-    requests: int            # running and waiting there
-    queued_tokens: int       # prompt tokens still to compute there
-    unused_tokens: int = 1 << 62   # tokens of pages that hold no cached prefix there
+    key: str  # the replica's address
+    cached_tokens: int  # of this prompt, in the replica's prefix index
+    requests: int  # running and waiting there
+    queued_tokens: int  # prompt tokens still to compute there
+    unused_tokens: int = 1 << 62  # tokens of pages that hold no cached prefix there
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,9 @@ def overloaded(c: Candidate, least: int, w: Weights) -> bool:
     return c.requests - least > w.balance_abs and c.requests > w.balance_rel * least
 
 
-def rank(candidates: list[Candidate], prompt_tokens: int, w: Weights, rng: random.Random,
-         policy: str = PREFIX, turn: int = 0) -> list[Candidate]:
+def rank(
+    candidates: list[Candidate], prompt_tokens: int, w: Weights, rng: random.Random, policy: str = PREFIX, turn: int = 0
+) -> list[Candidate]:
     """The candidates, best first. `turn`: the request's number, for round-robin."""
     if not candidates:
         return []
@@ -68,5 +70,4 @@ def rank(candidates: list[Candidate], prompt_tokens: int, w: Weights, rng: rando
         evicted = max(0, uncached - c.unused_tokens)
         return uncached + evicted + w.load_weight * (c.queued_tokens + REQUEST_TOKENS * c.requests)
 
-    return (sorted(fit, key=lambda c: (cost(c), noise[c.key]))
-            + sorted(hot, key=lambda c: (c.requests, noise[c.key])))
+    return sorted(fit, key=lambda c: (cost(c), noise[c.key])) + sorted(hot, key=lambda c: (c.requests, noise[c.key]))

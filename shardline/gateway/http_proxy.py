@@ -9,6 +9,7 @@ A body the gateway cannot read is still passed on, routed by load alone: the rou
 with its own error. A replica that cannot be reached, or answers 503, before anything was sent
 back is left for the next one, once. The routers check API keys themselves.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,9 +51,15 @@ def routing_request(path: str, body: bytes) -> pb.GenerateRequest | None:
                 content = m.get("content") or ""
                 text = content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
                 calls = json.dumps(m["tool_calls"]) if m.get("tool_calls") else ""
-                req.messages.messages.append(pb.ChatMessage(
-                    role="system" if m["role"] == "developer" else m["role"], content=text, tool_calls_json=calls,
-                    tool_call_id=m.get("tool_call_id") or "", name=m.get("name") or ""))
+                req.messages.messages.append(
+                    pb.ChatMessage(
+                        role="system" if m["role"] == "developer" else m["role"],
+                        content=text,
+                        tool_calls_json=calls,
+                        tool_call_id=m.get("tool_call_id") or "",
+                        name=m.get("name") or "",
+                    )
+                )
             if data.get("tools"):
                 req.messages.tools_json = json.dumps(data["tools"])
         else:
@@ -82,9 +89,11 @@ class _Relayed(StreamingResponse):
     gone, even before its first byte) the replica's response is closed and `end` runs, once."""
 
     def __init__(self, upstream: httpx.Response, content, end):
-        super().__init__(content, status_code=upstream.status_code,
-                         headers={k: v for k, v in upstream.headers.items()
-                                  if k.lower() in ("content-type", "cache-control")})
+        super().__init__(
+            content,
+            status_code=upstream.status_code,
+            headers={k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "cache-control")},
+        )
         self.upstream, self.end = upstream, end
 
     async def __call__(self, scope, receive, send) -> None:
@@ -102,8 +111,9 @@ class HttpProxy:
     def __init__(self, service: GatewayService, tls: tuple[str, str, str] | None = None):
         self.service, self.tls = service, tls
         self._clients: dict[str, httpx.AsyncClient] = {}
-        self.app = Starlette(routes=[Route("/health", self.health),
-                                     Route("/v1/{path:path}", self.proxy, methods=["GET", "POST"])])
+        self.app = Starlette(
+            routes=[Route("/health", self.health), Route("/v1/{path:path}", self.proxy, methods=["GET", "POST"])]
+        )
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200 if self.service.serving else 503)
@@ -119,8 +129,9 @@ class HttpProxy:
                 verify = ssl.create_default_context(cafile=ca)
                 if cert:
                     verify.load_cert_chain(cert, key)
-            client = self._clients[base] = httpx.AsyncClient(base_url=base, verify=verify, timeout=httpx.Timeout(
-                None, connect=5.0))
+            client = self._clients[base] = httpx.AsyncClient(
+                base_url=base, verify=verify, timeout=httpx.Timeout(None, connect=5.0)
+            )
         return client
 
     async def proxy(self, request: Request) -> Response:
@@ -131,13 +142,15 @@ class HttpProxy:
         if service.keys is not None:
             tenant = service.keys.tenant([("authorization", request.headers.get("authorization", ""))])
             if tenant is None:
-                return _error(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                              "authentication_error")
+                return _error(
+                    401, "a valid API key is required: send 'Authorization: Bearer <key>'", "authentication_error"
+                )
         path, body = request.path_params["path"], await request.body()
         gen = routing_request(path, body) if request.method == "POST" else None
         prompt = await service.prompt(gen) if gen is not None else None
-        order = [route for route in service.order(prompt, tenant, gen.cache_salt if gen else "")
-                 if route.replica.http_port]
+        order = [
+            route for route in service.order(prompt, tenant, gen.cache_salt if gen else "") if route.replica.http_port
+        ]
         if not order:
             return _error(503, "no replica is serving the HTTP API", "server_error")
         headers = {k: v for k, v in request.headers.items() if k.lower() in PASSED_ON}
@@ -149,9 +162,12 @@ class HttpProxy:
             replica.open(route.hashes, route.uncached)  # from now on its prefix counts as coming here
             service.in_flight += 1
             try:
-                upstream = await client.send(client.build_request(request.method, f"/v1/{path}", headers=headers,
-                                                                  content=body,
-                                                                  extensions=self._sni(replica)), stream=True)
+                upstream = await client.send(
+                    client.build_request(
+                        request.method, f"/v1/{path}", headers=headers, content=body, extensions=self._sni(replica)
+                    ),
+                    stream=True,
+                )
             except httpx.TransportError as e:
                 self._closed(route, False)
                 if not last:
@@ -167,8 +183,9 @@ class HttpProxy:
                 replica.counters.failovers += 1
                 continue
             replica.first_token(route.uncached)  # the answer has begun
-            return _Relayed(upstream, self._relay(upstream, route, gen is not None),
-                            lambda route=route: self._closed(route, True))
+            return _Relayed(
+                upstream, self._relay(upstream, route, gen is not None), lambda route=route: self._closed(route, True)
+            )
         raise AssertionError("unreachable: the last attempt returns")
 
     def _closed(self, route: Placement, answered: bool) -> None:

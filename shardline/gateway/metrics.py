@@ -6,6 +6,7 @@ replicas' counters and views of their caches), so the two never disagree and not
 between scrapes. A replica that DNS no longer resolves drops out with its series; one that comes
 back starts its counters from zero, which Prometheus reads as a counter reset.
 """
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -17,19 +18,43 @@ P = "shardline:gateway_"
 # Per replica: (kind, name, help, value of a gateway/replicas.py Replica).
 PER_REPLICA = [
     (GaugeMetricFamily, "replica_serving", "1 while the replica is routable", lambda r: int(r.serving)),
-    (GaugeMetricFamily, "replica_cached_pages", "Page hashes the gateway knows the replica holds",
-     lambda r: len(r.index)),
-    (GaugeMetricFamily, "replica_requests_running", "Requests running, as the replica reported",
-     lambda r: r.load.requests_running),
-    (GaugeMetricFamily, "replica_requests_waiting", "Requests waiting, as the replica reported",
-     lambda r: r.load.requests_waiting),
+    (
+        GaugeMetricFamily,
+        "replica_cached_pages",
+        "Page hashes the gateway knows the replica holds",
+        lambda r: len(r.index),
+    ),
+    (
+        GaugeMetricFamily,
+        "replica_requests_running",
+        "Requests running, as the replica reported",
+        lambda r: r.load.requests_running,
+    ),
+    (
+        GaugeMetricFamily,
+        "replica_requests_waiting",
+        "Requests waiting, as the replica reported",
+        lambda r: r.load.requests_waiting,
+    ),
     (CounterMetricFamily, "requests_routed", "Requests sent to the replica", lambda r: r.counters.requests_routed),
-    (CounterMetricFamily, "predicted_cached_tokens", "Prompt tokens the gateway predicted the replica caches, "
-     "summed over the requests sent there", lambda r: r.counters.predicted_cached_tokens),
-    (CounterMetricFamily, "reported_cached_tokens", "Prompt tokens the replica reported it served from its cache",
-     lambda r: r.counters.reported_cached_tokens),
-    (CounterMetricFamily, "failovers", "Requests that failed on the replica before their first token and were "
-     "sent to another", lambda r: r.counters.failovers),
+    (
+        CounterMetricFamily,
+        "predicted_cached_tokens",
+        "Prompt tokens the gateway predicted the replica caches, summed over the requests sent there",
+        lambda r: r.counters.predicted_cached_tokens,
+    ),
+    (
+        CounterMetricFamily,
+        "reported_cached_tokens",
+        "Prompt tokens the replica reported it served from its cache",
+        lambda r: r.counters.reported_cached_tokens,
+    ),
+    (
+        CounterMetricFamily,
+        "failovers",
+        "Requests that failed on the replica before their first token and were sent to another",
+        lambda r: r.counters.failovers,
+    ),
 ]
 
 
@@ -39,10 +64,12 @@ class GatewayMetrics(Collector):
 
     def collect(self):
         service = self.service
-        yield GaugeMetricFamily(P + "serving", "1 while the gateway takes requests (a replica is routable)",
-                                value=int(service.serving))
-        yield GaugeMetricFamily(P + "requests_in_flight", "Requests the gateway has open on the replicas",
-                                value=service.in_flight)
+        yield GaugeMetricFamily(
+            P + "serving", "1 while the gateway takes requests (a replica is routable)", value=int(service.serving)
+        )
+        yield GaugeMetricFamily(
+            P + "requests_in_flight", "Requests the gateway has open on the replicas", value=service.in_flight
+        )
         replicas = list(service.replicas)
         for kind, name, doc, value in PER_REPLICA:
             family = kind(P + name, doc, labels=["replica"])

@@ -10,6 +10,7 @@ The replica set comes from `--routers`: each entry HOST:PORT is resolved every
 `resolve_interval_s`, and every address it resolves to is a replica (a Kubernetes headless
 Service's name resolves to its ready pods), so replicas can come and go.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,13 +23,18 @@ import grpc
 
 from shardline.common.prefix_hash import prompt_hashes
 from shardline.common.process import FAST_RECONNECT
-from shardline.protos import fleet_pb2 as fpb, fleet_pb2_grpc, generation_pb2 as pb, generation_pb2_grpc
+from shardline.protos import fleet_pb2 as fpb
+from shardline.protos import fleet_pb2_grpc, generation_pb2_grpc
+from shardline.protos import generation_pb2 as pb
 
 log = logging.getLogger("shardline.gateway")
 SILENT_S = 3.0
 RECONNECT_S = 0.5
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 64 << 20),
-                   *FAST_RECONNECT]
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    *FAST_RECONNECT,
+]
 
 
 class Resync(Exception):
@@ -40,7 +46,7 @@ class ReplicaCounters:
     requests_routed: int = 0
     predicted_cached_tokens: int = 0
     reported_cached_tokens: int = 0
-    failovers: int = 0          # requests that failed here before their first token and went elsewhere
+    failovers: int = 0  # requests that failed here before their first token and went elsewhere
 
 
 GENERATE = "/shardline.v1.Generation/Generate"
@@ -49,8 +55,9 @@ GENERATE = "/shardline.v1.Generation/Generate"
 def serialized_generate(channel: grpc.aio.Channel):
     """Generate on `channel`, its responses left serialized: the gateway passes them on as they
     came and reads only the last one."""
-    return channel.unary_stream(GENERATE, request_serializer=pb.GenerateRequest.SerializeToString,
-                                response_deserializer=None)
+    return channel.unary_stream(
+        GENERATE, request_serializer=pb.GenerateRequest.SerializeToString, response_deserializer=None
+    )
 
 
 @dataclass
@@ -58,17 +65,17 @@ class Replica:
     address: str
     channel: grpc.aio.Channel
     stub: generation_pb2_grpc.GenerationStub
-    generate: object = None        # serialized_generate(channel)
+    generate: object = None  # serialized_generate(channel)
     connected: bool = False
     epoch: str = ""
     seq: int = 0
     hashing: fpb.PageHashing | None = None
-    http_port: int = 0             # of its OpenAI API, as its last snapshot said
+    http_port: int = 0  # of its OpenAI API, as its last snapshot said
     index: set[bytes] = field(default_factory=set)
     load: fpb.Load = field(default_factory=fpb.Load)
     heard_at: float = 0.0
-    in_flight: int = 0             # requests this gateway has open here
-    pending_tokens: int = 0        # uncached prompt tokens of those without a first token yet
+    in_flight: int = 0  # requests this gateway has open here
+    pending_tokens: int = 0  # uncached prompt tokens of those without a first token yet
     # Page hashes of the prompts of those requests: pages being computed here (or computed and
     # indexed by now), which the index does not show until their step is done. Counted, so that
     # two open requests with one prefix keep it until both end.
@@ -78,8 +85,12 @@ class Replica:
 
     @property
     def serving(self) -> bool:
-        return (self.connected and self.load.serving and self.hashing is not None
-                and time.monotonic() - self.heard_at < SILENT_S)
+        return (
+            self.connected
+            and self.load.serving
+            and self.hashing is not None
+            and time.monotonic() - self.heard_at < SILENT_S
+        )
 
     @property
     def requests(self) -> int:
@@ -203,12 +214,17 @@ class Replicas:
     """The replica set, re-resolved from `entries` every `resolve_interval_s`. `credentials`:
     TLS to the routers (the entry's host name is checked against their certificate)."""
 
-    def __init__(self, entries: list[str], resolve_interval_s: float, on_change,
-                 credentials: grpc.ChannelCredentials | None = None):
+    def __init__(
+        self,
+        entries: list[str],
+        resolve_interval_s: float,
+        on_change,
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
         self.entries, self.resolve_interval_s, self.on_change = entries, resolve_interval_s, on_change
         self.credentials = credentials
         self.by_address: dict[str, Replica] = {}
-        self._hosts: dict[str, str] = {}   # address -> the host name of the entry it resolved from
+        self._hosts: dict[str, str] = {}  # address -> the host name of the entry it resolved from
 
     def __iter__(self):
         return iter(list(self.by_address.values()))
@@ -245,7 +261,9 @@ class Replicas:
                 channel = grpc.aio.secure_channel(address, self.credentials, options=options)
             else:
                 channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            replica = Replica(address, channel, generation_pb2_grpc.GenerationStub(channel), serialized_generate(channel))
+            replica = Replica(
+                address, channel, generation_pb2_grpc.GenerationStub(channel), serialized_generate(channel)
+            )
             replica.task = asyncio.ensure_future(replica.watch(self.on_change))
             self.by_address[address] = replica
             log.info("replica %s added", address)

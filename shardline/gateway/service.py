@@ -9,6 +9,7 @@ failure, as it would from a router. The gateway gives every request an id when i
 a Cancel finds the replica that runs it. Routers check API keys themselves; the gateway checks
 them too, to know the tenant whose cache namespace the prompt's page hashes are in.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,8 +52,15 @@ class Placement:
 
 
 class GatewayService:
-    def __init__(self, replicas: Replicas, codec: TextCodec, keys: ApiKeys | None, weights: Weights,
-                 policy: str = PREFIX, seed: int | None = None):
+    def __init__(
+        self,
+        replicas: Replicas,
+        codec: TextCodec,
+        keys: ApiKeys | None,
+        weights: Weights,
+        policy: str = PREFIX,
+        seed: int | None = None,
+    ):
         self.replicas, self.codec, self.keys, self.weights, self.policy = replicas, codec, keys, weights, policy
         self.rng = random.Random(seed)
         self.accepting = True
@@ -75,6 +83,7 @@ class GatewayService:
     def order(self, prompt: list[int] | None, tenant: str, salt: str) -> list[Placement]:
         """The routable replicas, best first. A prefix that a request the gateway has open on a
         replica is computing counts as cached there: its followers go where it will be."""
+
         def namespace_of(shared: bool) -> str:
             return cache_namespace(None if shared else tenant, salt)
 
@@ -82,9 +91,16 @@ class GatewayService:
         for r in self.replicas.routable():
             hashes = r.hashes(prompt, namespace_of) if prompt else []
             routes[r.address] = Placement(r, hashes, r.cached_tokens(hashes), len(prompt or ()))
-        candidates = [Candidate(a, route.replica.cached_tokens(route.hashes, pending=True), route.replica.requests,
-                                route.replica.queued_tokens, route.replica.unused_tokens)
-                      for a, route in routes.items()]
+        candidates = [
+            Candidate(
+                a,
+                route.replica.cached_tokens(route.hashes, pending=True),
+                route.replica.requests,
+                route.replica.queued_tokens,
+                route.replica.unused_tokens,
+            )
+            for a, route in routes.items()
+        ]
         ranked = rank(candidates, len(prompt or ()), self.weights, self.rng, self.policy, next(self._turns))
         return [routes[c.key] for c in ranked]
 
@@ -101,8 +117,9 @@ class GatewayService:
             request.request_id = uuid.uuid4().hex
         key = (tenant, request.request_id)
         if key in self._running:  # it may run on another replica than this one would go to
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                f"a request with request_id {request.request_id!r} is already running")
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"a request with request_id {request.request_id!r} is already running"
+            )
         self._running[key] = None  # taken from here on, before any await
         self.in_flight += 1
         try:
@@ -158,10 +175,18 @@ class GatewayService:
         st = pb.StatsResponse(serving=self.serving, requests_running=self.in_flight)
         for r in self.replicas:
             c = r.counters
-            st.replicas.add(address=r.address, serving=r.serving, epoch=r.epoch, pages_cached=len(r.index),
-                            requests_running=r.load.requests_running, requests_waiting=r.load.requests_waiting,
-                            requests_routed=c.requests_routed, predicted_cached_tokens=c.predicted_cached_tokens,
-                            reported_cached_tokens=c.reported_cached_tokens, failovers=c.failovers)
+            st.replicas.add(
+                address=r.address,
+                serving=r.serving,
+                epoch=r.epoch,
+                pages_cached=len(r.index),
+                requests_running=r.load.requests_running,
+                requests_waiting=r.load.requests_waiting,
+                requests_routed=c.requests_routed,
+                predicted_cached_tokens=c.predicted_cached_tokens,
+                reported_cached_tokens=c.reported_cached_tokens,
+                failovers=c.failovers,
+            )
         return st
 
     async def Info(self, request, context):

@@ -6,6 +6,7 @@ rounded to it as they are written, and cached K/V widened back as they are read.
 The portable path is plain torch (runs on CPU and CUDA). On CUDA with flash-attn installed, the
 paged-KV entry points of flash-attn are used instead. A slot is `page * page_size + offset`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,27 +29,34 @@ class AttentionBatch:
     `block_tables_list`, because each sequence attends over its own causal window.
     """
 
-    slots: torch.Tensor                     # [T] where each new token's K/V is written
+    slots: torch.Tensor  # [T] where each new token's K/V is written
     is_decode: bool
-    block_tables: torch.Tensor | None = None    # decode: [B, max_pages] int32/int64
-    context_lens: torch.Tensor | None = None    # decode: [B] tokens in the cache incl. the new one
-    query_lens: list[int] | None = None         # prefill
-    start_positions: list[int] | None = None    # prefill
+    block_tables: torch.Tensor | None = None  # decode: [B, max_pages] int32/int64
+    context_lens: torch.Tensor | None = None  # decode: [B] tokens in the cache incl. the new one
+    query_lens: list[int] | None = None  # prefill
+    start_positions: list[int] | None = None  # prefill
     block_tables_list: list[torch.Tensor] | None = None  # prefill
-    opaque: bool = False    # decode inside a compiled graph: attention as one operator
+    opaque: bool = False  # decode inside a compiled graph: attention as one operator
     blocks: list | None = None  # decode: the split-KV blocks, worked out by the first layer
 
     @classmethod
-    def decode(cls, block_tables: torch.Tensor, positions: torch.Tensor, page_size: int,
-               opaque: bool = False) -> "AttentionBatch":
+    def decode(
+        cls, block_tables: torch.Tensor, positions: torch.Tensor, page_size: int, opaque: bool = False
+    ) -> AttentionBatch:
         """One new token per sequence at `positions` [B], its pages in `block_tables` [B, width]."""
         pages = block_tables.gather(1, (positions // page_size)[:, None])[:, 0]
-        return cls(slots=pages * page_size + positions % page_size, is_decode=True, block_tables=block_tables,
-                   context_lens=positions + 1, opaque=opaque)
+        return cls(
+            slots=pages * page_size + positions % page_size,
+            is_decode=True,
+            block_tables=block_tables,
+            context_lens=positions + 1,
+            opaque=opaque,
+        )
 
 
-def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slots: torch.Tensor) -> None:
+def write_kv(
+    k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
     """Scatters the new tokens' K/V [T, kv_heads, head_dim] into their slots; no other slot changes."""
     kv_heads, head_dim = k_pages.shape[-2:]
     k_pages.view(-1, kv_heads, head_dim).index_copy_(0, slots, k.to(k_pages.dtype))
@@ -58,8 +66,13 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, k: torch.Tensor, v: t
 def uses_flash(device: torch.device, dtype: torch.dtype, page_size: int, kv_dtype: torch.dtype) -> bool:
     """Whether attention takes flash-attn's paged path: CUDA, fp16/bf16 pages of the model's dtype,
     and pages of a multiple of 256 tokens (what its paged KV needs)."""
-    return (flash_attn_with_kvcache is not None and device.type == "cuda" and page_size % 256 == 0
-            and dtype in (torch.float16, torch.bfloat16) and kv_dtype == dtype)
+    return (
+        flash_attn_with_kvcache is not None
+        and device.type == "cuda"
+        and page_size % 256 == 0
+        and dtype in (torch.float16, torch.bfloat16)
+        and kv_dtype == dtype
+    )
 
 
 def decode_capturable(device: torch.device, dtype: torch.dtype, page_size: int, kv_dtype: torch.dtype) -> bool:
@@ -69,8 +82,15 @@ def decode_capturable(device: torch.device, dtype: torch.dtype, page_size: int, 
     return device.type != "cuda" or uses_flash(device, dtype, page_size, kv_dtype)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
-                    v_pages: torch.Tensor, batch: AttentionBatch, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+) -> torch.Tensor:
     """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] of this step's tokens -> [T, heads, head_dim].
 
     Writes k/v into the pages first, then attends each query over its sequence's cached context.
@@ -105,18 +125,19 @@ def attend_plain(q, k, v, scale, bias=None, causal=False):
 
 def attend_fused_cpu(q, k, v, scale, bias=None, causal=False):
     """As attend_plain, in torch's fused CPU kernel, which returns the log-sum-exp it computed."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal, attn_mask=bias,
-                                                                      scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, is_causal=causal, attn_mask=bias, scale=scale
+    )
 
 
 def _attend(q, k, v, scale, bias=None, causal=False):
     return (attend_fused_cpu if q.device.type == "cpu" else attend_plain)(q, k, v, scale, bias, causal)
 
 
-def _merge(out, lse, o, l):
+def _merge(out, lse, o, o_lse):
     """Merges two attention results over disjoint key sets by their log-sum-exp."""
-    m = torch.maximum(lse, l)
-    w_old, w_new = torch.exp(lse - m), torch.exp(l - m)
+    m = torch.maximum(lse, o_lse)
+    w_old, w_new = torch.exp(lse - m), torch.exp(o_lse - m)
     total = w_old + w_new
     return (out * w_old[..., None] + o.float() * w_new[..., None]) / total[..., None], m + torch.log(total)
 
@@ -169,13 +190,13 @@ def _decode_torch(q, k_pages, v_pages, batch: AttentionBatch, scale):
         k = k_pages.index_select(0, tables.flatten()).view(n, width * page_size, kv_heads, head_dim).transpose(1, 2)
         v = v_pages.index_select(0, tables.flatten()).view(n, width * page_size, kv_heads, head_dim).transpose(1, 2)
         k, v = k.to(q.dtype), v.to(q.dtype)
-        o, l = _attend(qg if rows is None else qg[rows], k, v, scale, bias)
+        o, o_lse = _attend(qg if rows is None else qg[rows], k, v, scale, bias)
         if out is None:
-            out, lse = o.float(), l.float()
+            out, lse = o.float(), o_lse.float()
         elif rows is None:
-            out, lse = _merge(out, lse, o, l)
+            out, lse = _merge(out, lse, o, o_lse)
         else:
-            out[rows], lse[rows] = _merge(out[rows], lse[rows], o, l)
+            out[rows], lse[rows] = _merge(out[rows], lse[rows], o, o_lse)
     return out.to(q.dtype).reshape(bsz, heads, head_dim)
 
 
@@ -188,21 +209,21 @@ def _prefill_torch(q, k_new, v_new, k_pages, v_pages, batch: AttentionBatch, sca
         k_new, v_new = k_new.to(k_pages.dtype).to(q.dtype), v_new.to(v_pages.dtype).to(q.dtype)
     outs, offset = [], 0
     for n, start, table in zip(batch.query_lens, batch.start_positions, batch.block_tables_list):
-        qs, ks, vs = (t[offset:offset + n].transpose(0, 1)[None] for t in (q, k_new, v_new))
+        qs, ks, vs = (t[offset : offset + n].transpose(0, 1)[None] for t in (q, k_new, v_new))
         if start == 0:
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)[0]
         else:
             heads = qs.shape[1]
             group = heads // kv_heads
             # The new tokens among themselves, causally (K/V repeated per q head: n tokens only).
-            out, lse = _attend(qs, ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1), scale,
-                               causal=True)
+            out, lse = _attend(qs, ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1), scale, causal=True)
             # The cached context, which every new token sees whole: each KV head's q heads
             # stacked as its queries, so the context is neither masked nor repeated.
             q_kv = qs[0].reshape(kv_heads, group * n, head_dim)[None]
-            o, l = _attend(q_kv, _gathered(k_pages, table, start, q.dtype), _gathered(v_pages, table, start, q.dtype),
-                           scale)
-            out, _ = _merge(out[0].float(), lse[0].float(), o.reshape(heads, n, head_dim), l.reshape(heads, n))
+            o, o_lse = _attend(
+                q_kv, _gathered(k_pages, table, start, q.dtype), _gathered(v_pages, table, start, q.dtype), scale
+            )
+            out, _ = _merge(out[0].float(), lse[0].float(), o.reshape(heads, n, head_dim), o_lse.reshape(heads, n))
             out = out.to(q.dtype)
         outs.append(out.transpose(0, 1))
         offset += n
@@ -211,18 +232,27 @@ def _prefill_torch(q, k_new, v_new, k_pages, v_pages, batch: AttentionBatch, sca
 
 def _flash(q, k_pages, v_pages, batch: AttentionBatch, scale):  # pragma: no cover - CUDA only
     if batch.is_decode:
-        out = flash_attn_with_kvcache(q.unsqueeze(1), k_pages, v_pages,
-                                      cache_seqlens=batch.context_lens.to(torch.int32),
-                                      block_table=batch.block_tables.to(torch.int32),
-                                      softmax_scale=scale, causal=True)
+        out = flash_attn_with_kvcache(
+            q.unsqueeze(1),
+            k_pages,
+            v_pages,
+            cache_seqlens=batch.context_lens.to(torch.int32),
+            block_table=batch.block_tables.to(torch.int32),
+            softmax_scale=scale,
+            causal=True,
+        )
         return out.squeeze(1)
     outs, offset = [], 0
     for n, start, table in zip(batch.query_lens, batch.start_positions, batch.block_tables_list):
-        out = flash_attn_with_kvcache(q[offset:offset + n].unsqueeze(0), k_pages, v_pages,
-                                      cache_seqlens=torch.tensor([start + n], dtype=torch.int32,
-                                                                 device=q.device),
-                                      block_table=table[None].to(torch.int32),
-                                      softmax_scale=scale, causal=True)
+        out = flash_attn_with_kvcache(
+            q[offset : offset + n].unsqueeze(0),
+            k_pages,
+            v_pages,
+            cache_seqlens=torch.tensor([start + n], dtype=torch.int32, device=q.device),
+            block_table=table[None].to(torch.int32),
+            softmax_scale=scale,
+            causal=True,
+        )
         outs.append(out.squeeze(0))
         offset += n
     return torch.cat(outs)
@@ -235,9 +265,17 @@ def _flash(q, k_pages, v_pages, batch: AttentionBatch, scale):  # pragma: no cov
 # would make functionalization copy each layer's whole pool every step (in our measurement it
 # made a compiled SmolLM2 decode step several times slower than eager).
 @torch.library.custom_op("shardline::decode_attention", mutates_args=())
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
-                     v_pages: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     batch = AttentionBatch(slots=slots, is_decode=True, block_tables=block_tables, context_lens=context_lens)
     return paged_attention(q, k, v, k_pages, v_pages, batch, scale)
 

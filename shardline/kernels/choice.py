@@ -16,6 +16,7 @@ Measured, SmolLM2's LM head (49152x576), ms at 1/8/16/32 rows:
   the oneDNN fp32 copy's 2.2/8.8/12/18: that build's crossover now never hands a decode step
   (up to 64 rows, the most it probes) to the copy.
 """
+
 from __future__ import annotations
 
 import enum
@@ -23,7 +24,7 @@ import functools
 import os
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,12 +36,12 @@ from shardline.kernels.linear import onednn_linear
 from shardline.kernels.operands import Kernel, multiply, native_operands, torch_operands
 
 MAX_PROBE_ROWS = 64  # `crossover` measures up to this many rows; quantized still faster there: always
-ALWAYS = 1 << 30     # a crossover that is never reached
+ALWAYS = 1 << 30  # a crossover that is never reached
 
 
 class DenseKind(enum.Enum):
-    BF16 = "bf16"       # bf16 weights, torch's GEMM
-    ONEDNN = "onednn"   # fp32 weights in oneDNN's blocked layout (kernels/linear.py)
+    BF16 = "bf16"  # bf16 weights, torch's GEMM
+    ONEDNN = "onednn"  # fp32 weights in oneDNN's blocked layout (kernels/linear.py)
 
 
 def median_ms(fn: Callable[[torch.Tensor], object], x: torch.Tensor, runs: int = 3) -> float:
@@ -82,6 +83,7 @@ def dense_kind() -> DenseKind:
     16-row step at least 10% faster, at SmolLM2's LM-head shape. bf16 GEMMs are fast only where
     the CPU computes in bf16 natively (2-core AVX2 EPYC, LM head at 16 rows: bf16 50 ms, oneDNN
     fp32 18 ms)."""
+
     def measure() -> str:
         with torch.inference_mode():
             w, x = torch.randn(49152, 576), torch.randn(16, 576)
@@ -89,6 +91,7 @@ def dense_kind() -> DenseKind:
             bf16 = median_ms(lambda r: F.linear(r.bfloat16(), w_bf16), x, runs=11)
             fp32 = median_ms(lambda r: onednn_linear(r, w_onednn), x, runs=11)
         return (DenseKind.ONEDNN if fp32 < 0.9 * bf16 else DenseKind.BF16).value
+
     return DenseKind(machine_choice("dense-kind", measure))
 
 
@@ -106,12 +109,17 @@ def kernel_for(bits: int) -> Kernel:
         n, k = 49152, 576
         codes = torch.randint(0, 16 if bits == 4 else 255, (n, k), dtype=torch.int32)
         scale, lo = torch.rand(n, k // GROUP) / 100, torch.randn(n, k // GROUP) / 10
-        ops = {Kernel.TORCH: torch_operands(codes, scale, lo, bits), Kernel.NATIVE: native_operands(codes, scale, lo, bits)}
+        ops = {
+            Kernel.TORCH: torch_operands(codes, scale, lo, bits),
+            Kernel.NATIVE: native_operands(codes, scale, lo, bits),
+        }
         with torch.inference_mode():
             x = torch.randn(1, k)
-            times = {kernel: median_ms(functools.partial(multiply, kernel, held), x, runs=21)
-                     for kernel, held in ops.items()}
+            times = {
+                kernel: median_ms(functools.partial(multiply, kernel, held), x, runs=21) for kernel, held in ops.items()
+            }
         return (Kernel.TORCH if times[Kernel.TORCH] < 0.9 * times[Kernel.NATIVE] else Kernel.NATIVE).value
+
     return Kernel(machine_choice(f"kernel-int{bits}", measure))
 
 
@@ -121,6 +129,7 @@ def crossover(name: str, quantized: Callable, dense: Callable, in_features: int,
     (by `margin`: 1.1 asks it to be 10% faster, where `quantized` computes more exactly and a
     near-tie should not flip with the noise of timing). Per machine and `name` (a layer's bits,
     shape, kernels and thread count)."""
+
     def measure() -> str:
         best, rows = 0, 1
         with torch.inference_mode():
@@ -130,4 +139,5 @@ def crossover(name: str, quantized: Callable, dense: Callable, in_features: int,
                     break
                 best, rows = rows, rows * 2
         return str(best if best < MAX_PROBE_ROWS else ALWAYS)
+
     return int(machine_choice(f"crossover-{name}", measure))

@@ -5,6 +5,7 @@ exactly from dequantized GGUF blocks, or rounded to one where no exact grid exis
 - 255 levels (int8): GGUF's Q8_0 blocks are such groups; finer-grained types (Q6_K) are rounded
   to 8 bits per group.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,7 +26,7 @@ def grid_groups(w: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tenso
     if k % GROUP:
         raise ValueError(f"quantized layers need an input dimension divisible by {GROUP}, got {k}")
     if n > ROWS_AT_ONCE:  # the temporaries below are several copies of w: bound them
-        parts = [grid_groups(w[i:i + ROWS_AT_ONCE], levels) for i in range(0, n, ROWS_AT_ONCE)]
+        parts = [grid_groups(w[i : i + ROWS_AT_ONCE], levels) for i in range(0, n, ROWS_AT_ONCE)]
         exact = sum(p[3] * len(p[0]) for p in parts) / n
         return (*(torch.cat([p[j] for p in parts]) for j in range(3)), exact)
     g = w.float().reshape(-1, GROUP)
@@ -53,9 +54,20 @@ def grid_groups(w: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tenso
         rows = todo[fits]
         scale[rows], codes[rows], exact[rows] = trial[fits], trial_codes[fits], True
         rest = ~fits
-        todo, t_g, t_lo, t_span, t_tol, t_gap = todo[rest], t_g[rest], t_lo[rest], t_span[rest], t_tol[rest], t_gap[rest]
-    return (codes.reshape(n, k).to(torch.int32), scale.reshape(n, k // GROUP), lo.reshape(n, k // GROUP),
-            exact.float().mean().item())
+        todo, t_g, t_lo, t_span, t_tol, t_gap = (
+            todo[rest],
+            t_g[rest],
+            t_lo[rest],
+            t_span[rest],
+            t_tol[rest],
+            t_gap[rest],
+        )
+    return (
+        codes.reshape(n, k).to(torch.int32),
+        scale.reshape(n, k // GROUP),
+        lo.reshape(n, k // GROUP),
+        exact.float().mean().item(),
+    )
 
 
 def grid_weights(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:

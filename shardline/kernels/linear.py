@@ -10,6 +10,7 @@ with MKL against 44-46 ms with oneDNN, batch 8 82-96 against 69-74, batch 32 175
 (which works on dense weights), carrying over the forward hooks that slicing added (the
 all-reduces).
 """
+
 from __future__ import annotations
 
 import torch

@@ -7,6 +7,7 @@ builds it once (`python -m kernels`), so servers start without the wait. Where i
 (no C++ compiler, a CUDA-only deployment), `available()` is False and the callers keep torch's own
 kernels; `SHARDLINE_NATIVE_KERNELS=0` asks for that (comparisons).
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,8 +23,17 @@ from shardline.common.files import cache_root
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / f for f in ("native.cpp", "int8_linear.cpp", "int4_linear.cpp", "paged_decode.cpp", "decode_layer.cpp",
-                                   "token_mask.cpp")]
+SOURCES = [
+    HERE / f
+    for f in (
+        "native.cpp",
+        "int8_linear.cpp",
+        "int4_linear.cpp",
+        "paged_decode.cpp",
+        "decode_layer.cpp",
+        "token_mask.cpp",
+    )
+]
 # The instruction set the kernels are compiled for: the host's own, or a lower level forced by
 # SHARDLINE_CPU_ISA (`avx2`: x86-64-v3, AVX2 + FMA without AVX-512, so that an AVX-512 host builds
 # and tests the AVX2 paths too; `generic`: x86-64, the scalar fallbacks). Each level builds into its
@@ -56,7 +66,9 @@ def _cpu_flags() -> str:
 
 @functools.cache
 def build_folder() -> Path:
-    text = " ".join([*(f.read_text() for f in [*SOURCES, *sorted(HERE.glob("*.h"))]), *flags(), _cpu_flags(), torch.__version__])
+    text = " ".join(
+        [*(f.read_text() for f in [*SOURCES, *sorted(HERE.glob("*.h"))]), *flags(), _cpu_flags(), torch.__version__]
+    )
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     return cache_root() / "kernels" / key
 
@@ -78,6 +90,7 @@ def _load() -> bool:
 
     try:  # the `ninja` package's binary, which a venv that is not activated leaves off PATH
         import ninja
+
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
@@ -85,9 +98,15 @@ def _load() -> bool:
     folder = build_folder()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name="shardline_native", sources=[str(f) for f in SOURCES], build_directory=str(folder),
-                           extra_cflags=flags(), extra_ldflags=["-fopenmp"],
-                           is_python_module=False, verbose=False)
+        cpp_extension.load(
+            name="shardline_native",
+            sources=[str(f) for f in SOURCES],
+            build_directory=str(folder),
+            extra_cflags=flags(),
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
     except Exception as e:  # noqa: BLE001 - any build failure means: use torch's kernels
         log.warning("Shardline's CPU kernels could not be built (%s); using torch's", str(e).splitlines()[0])
         return False
@@ -97,6 +116,7 @@ def _load() -> bool:
 
 def _register_fakes() -> None:
     """Output shapes for tracing (a compiled decode graph calls the linear and MLP kernels)."""
+
     @torch.library.register_fake("shardline_native::int8_linear")
     def _(x, records):
         return x.new_empty(x.shape[0], records.shape[0] * 8)

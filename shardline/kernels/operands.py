@@ -8,6 +8,7 @@ takes:
   kernels/int8_linear.cpp for 8 bits, kernels/int4_linear.cpp for 4 (codes unpacked in
   registers; many rows through an fp32 GEMM on slices dequantized on the fly).
 """
+
 from __future__ import annotations
 
 import enum
@@ -27,8 +28,10 @@ class Kernel(enum.Enum):
 def _int4_operands(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
     """The packed weight and [K/32, N, 2] scales-and-zeros of `_weight_int4pack_mm_for_cpu`,
     which computes with w = (code - 8) * scale + zero."""
-    return (torch._convert_weight_to_int4pack_for_cpu(codes, 2),
-            torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous())
+    return (
+        torch._convert_weight_to_int4pack_for_cpu(codes, 2),
+        torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous(),
+    )
 
 
 def torch_operands(codes, scale, lo, bits: int) -> list:
@@ -91,8 +94,11 @@ def _int8_grid(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> tu
     holds (lo + 128 * scale would round); any other group from 128."""
     groups = codes.view(codes.shape[0], -1, GROUP)
     zero = (-lo / scale.clamp_min(torch.finfo(torch.float32).tiny)).round()
-    on_grid = ((lo + zero * scale).abs() <= 1e-6 * scale.abs()) & (groups.amin(-1) - zero >= -128) & (
-        groups.amax(-1) - zero <= 127)
+    on_grid = (
+        ((lo + zero * scale).abs() <= 1e-6 * scale.abs())
+        & (groups.amin(-1) - zero >= -128)
+        & (groups.amax(-1) - zero <= 127)
+    )
     shift = torch.where(on_grid, zero, torch.full_like(zero, 128.0)).to(codes.dtype)
     folded = torch.where(on_grid, torch.zeros_like(lo), lo + shift * scale)
     return (codes - shift.repeat_interleave(GROUP, 1)).to(torch.int8), folded
@@ -111,7 +117,9 @@ def native_rows(held, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def operands(kernel: Kernel, codes, scale, lo, bits: int):
-    return native_operands(codes, scale, lo, bits) if kernel is Kernel.NATIVE else torch_operands(codes, scale, lo, bits)
+    return (
+        native_operands(codes, scale, lo, bits) if kernel is Kernel.NATIVE else torch_operands(codes, scale, lo, bits)
+    )
 
 
 def multiply(kernel: Kernel, operands, rows: torch.Tensor, direct_rows: int = 1 << 30) -> torch.Tensor:

@@ -10,6 +10,7 @@ measures (`direct_rows`), it multiplies through an fp32 GEMM on slices it dequan
 and where torch's int4 kernel measured faster from some row count on (`torch_rows`: CPUs with
 native bf16), a layer keeps its operands too and uses it there.
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,6 +24,7 @@ from shardline.kernels.choice import ALWAYS, DenseKind, crossover, dense_kind, k
 from shardline.kernels.grid import grid_groups, grid_weights
 from shardline.kernels.linear import onednn_linear
 from shardline.kernels.operands import Kernel, multiply, native_rows, operands, torch_operands
+
 
 def _flat(nested) -> list[torch.Tensor]:
     if isinstance(nested, torch.Tensor):
@@ -55,8 +57,11 @@ class DenseCopy(nn.Module):
     def __init__(self, weights: torch.Tensor):
         super().__init__()
         self.kind = dense_kind()
-        self.register_buffer("weight", weights.bfloat16() if self.kind is DenseKind.BF16
-                             else weights.float().to_mkldnn(), persistent=False)
+        self.register_buffer(
+            "weight",
+            weights.bfloat16() if self.kind is DenseKind.BF16 else weights.float().to_mkldnn(),
+            persistent=False,
+        )
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [n, K] -> fp32 [n, N]."""
@@ -94,30 +99,43 @@ class QuantizedLinear(nn.Module):
         shape = f"{self.out_features}x{self.in_features}-{torch.get_num_threads()}threads"
         self.direct_rows, self.torch_rows, self.torch_operands = ALWAYS, ALWAYS, None
         if self.kernel is Kernel.NATIVE and bits == 4:
-            self.direct_rows = crossover(f"int4-direct-{shape}", self._quantized,
-                                         lambda rows: multiply(self.kernel, self.operands, rows, direct_rows=0),
-                                         self.in_features)
+            self.direct_rows = crossover(
+                f"int4-direct-{shape}",
+                self._quantized,
+                lambda rows: multiply(self.kernel, self.operands, rows, direct_rows=0),
+                self.in_features,
+            )
             # Where the CPU computes bf16 natively, torch's int4 kernel may beat ours at batch rows:
             # kept for those only where it measured faster (measured cold, never with the AVX2 build).
             held = functools.cache(lambda: torch_operands(codes, scale, lo, bits))  # built only if needed
             ours, theirs = _cold(lambda: self.operands), _cold(held)
-            self.torch_rows = crossover(f"int4-torch-{shape}",
-                                        lambda rows: multiply(self.kernel, next(ours), rows, self.direct_rows),
-                                        lambda rows: multiply(Kernel.TORCH, next(theirs), rows), self.in_features,
-                                        margin=1.1)  # ours rounds activations to int16, torch's to bf16
+            self.torch_rows = crossover(
+                f"int4-torch-{shape}",
+                lambda rows: multiply(self.kernel, next(ours), rows, self.direct_rows),
+                lambda rows: multiply(Kernel.TORCH, next(theirs), rows),
+                self.in_features,
+                margin=1.1,
+            )  # ours rounds activations to int16, torch's to bf16
             if self.torch_rows < ALWAYS:
                 self.torch_operands = held()
                 for i, t in enumerate(_flat(self.torch_operands)):
                     self.register_buffer(f"torch_held{i}", t, persistent=False)
-        self.max_rows = ALWAYS if self.dense is None else crossover(
-            f"int{bits}-{self.kernel.value}-{self.dense.kind.value}-{shape}", self._quantized, self.dense,
-            self.in_features)
+        self.max_rows = (
+            ALWAYS
+            if self.dense is None
+            else crossover(
+                f"int{bits}-{self.kernel.value}-{self.dense.kind.value}-{shape}",
+                self._quantized,
+                self.dense,
+                self.in_features,
+            )
+        )
 
     def _quantized(self, rows: torch.Tensor) -> torch.Tensor:
         if rows.shape[0] > self.torch_rows:
             return multiply(Kernel.TORCH, self.torch_operands, rows)
         y = multiply(self.kernel, self.operands, rows, self.direct_rows)
-        return y if y.shape[1] == self.out_features else y[:, :self.out_features]  # a padded block's zeros
+        return y if y.shape[1] == self.out_features else y[:, : self.out_features]  # a padded block's zeros
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)

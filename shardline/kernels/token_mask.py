@@ -3,6 +3,7 @@ writes them for the router (router/core/constrained.py): packed bits, token t al
 t % 8 of byte t / 8 is set, in whole 32-bit words, at least `mask_bytes` per row (bits past the
 vocabulary are ignored). Applied to the logits by Shardline's kernel (token_mask.cpp) where it is
 built, by torch's ops otherwise (same result)."""
+
 from __future__ import annotations
 
 import torch

@@ -8,6 +8,7 @@ SERVING again when it is back. SIGTERM drains: NOT_SERVING at once, new
 requests UNAVAILABLE (HTTP 503), accepted ones of either API run to completion for up to
 `--drain-timeout-s`, then the process exits 0.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -61,14 +62,21 @@ async def serve_router(args) -> int:
             print(f"router listening {address}", flush=True)
 
     shard_tls = ShardTls.from_args(args)
-    shards = ShardGroup(args.shards, step_timeout_s=args.step_timeout_s,
-                        credentials=shard_tls.channel() if shard_tls else None)
+    shards = ShardGroup(
+        args.shards, step_timeout_s=args.step_timeout_s, credentials=shard_tls.channel() if shard_tls else None
+    )
     tracer = setup_tracing(args.otlp_endpoint, "router", f"router:{args.port}")
     tracing = Tracing(tracer, source.name) if tracer is not None else None
     stats = StatsCounters()
     metrics = Metrics() if args.metrics_port else None
-    replica = Replica(ReplicaConfig.from_flags(args), source.name, shards, codec, on_serving,
-                      [o for o in (stats, metrics, tracing) if o])
+    replica = Replica(
+        ReplicaConfig.from_flags(args),
+        source.name,
+        shards,
+        codec,
+        on_serving,
+        [o for o in (stats, metrics, tracing) if o],
+    )
     if metrics is not None:
         metrics.watch(replica)
         metrics.serve(args.metrics_port, args.host)
@@ -77,18 +85,30 @@ async def serve_router(args) -> int:
         keys = ApiKeys.load(args.api_keys_file) if args.api_keys_file else None
     except (OSError, ValueError) as e:
         raise SystemExit(f"--api-keys-file: {e}") from None
-    admission = Admission(replica, args.max_waiting, args.tenant_max_requests, args.tenant_max_waiting,
-                          share_cache=args.prefix_cache_sharing == "all", constraint_timeout_s=args.constraint_timeout_s)
-    add_generation_service(server, GenerationService(replica, admission, stats, tracing, keys), health_servicer,
-                           other_services=(FLEET_SERVICE,))
-    watchers = CacheWatchers(replica, tenants_share_cache=args.prefix_cache_sharing == "all",
-                             http_port=args.http_port)
+    admission = Admission(
+        replica,
+        args.max_waiting,
+        args.tenant_max_requests,
+        args.tenant_max_waiting,
+        share_cache=args.prefix_cache_sharing == "all",
+        constraint_timeout_s=args.constraint_timeout_s,
+    )
+    add_generation_service(
+        server,
+        GenerationService(replica, admission, stats, tracing, keys),
+        health_servicer,
+        other_services=(FLEET_SERVICE,),
+    )
+    watchers = CacheWatchers(replica, tenants_share_cache=args.prefix_cache_sharing == "all", http_port=args.http_port)
     add_fleet_service(server, watchers)
     publisher = asyncio.ensure_future(watchers.run())
     listen(server, address, args)
     if args.http_port:
-        tls = (http_ssl_context(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
-               if args.tls_cert_file else None)
+        tls = (
+            http_ssl_context(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
+            if args.tls_cert_file
+            else None
+        )
         http = HttpServer(OpenAiApi(replica, admission, tracing, keys).app, args.host, args.http_port, tls)
         await http.start()  # at once: /health answers 503 until the shard group serves
         print(f"router HTTP API {http.address}/v1", flush=True)
@@ -97,9 +117,9 @@ async def serve_router(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await replica.run(stop)  # returns once a stop was asked for and the drain is over
-    watchers.tick()          # the watchers hear that the replica stopped serving
+    watchers.tick()  # the watchers hear that the replica stopped serving
     publisher.cancel()
-    exit_soon(15)            # whatever hangs from here on, the process ends
+    exit_soon(15)  # whatever hangs from here on, the process ends
     if http is not None:
         await http.stop()
     if listening:

@@ -1,4 +1,5 @@
 """The model hyper-parameters a shard needs, read from a Hugging Face config.json or GGUF metadata."""
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,7 @@ class ModelConfig:
         return 2 * q / weights
 
     @classmethod
-    def from_hf(cls, path: Path) -> "ModelConfig":
+    def from_hf(cls, path: Path) -> ModelConfig:
         raw = json.loads((path / "config.json").read_text())
         arch = raw.get("model_type", "llama")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -65,7 +66,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf(cls, reader, name: str) -> "ModelConfig":
+    def from_gguf(cls, reader, name: str) -> ModelConfig:
         def field_value(key, default=None):
             f = reader.fields.get(key)
             return f.contents() if f is not None else default
@@ -100,5 +101,5 @@ class ModelConfig:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "ModelConfig":
+    def from_json(cls, text: str) -> ModelConfig:
         return cls(**json.loads(text))

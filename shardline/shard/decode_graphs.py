@@ -17,6 +17,7 @@ into the bucket's buffers.
 
 The runner counts a launch at each `run` call, which issues exactly one replay.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,13 +48,22 @@ class _Bucket:
         self.tokens = torch.zeros(size, dtype=torch.int64, device=device)
         self.positions = torch.zeros(size, dtype=torch.int64, device=device)
         self.rows = torch.full((size,), padding_row, dtype=torch.int64, device=device)
-        self.output: torch.Tensor | None = None     # CUDA: the captured graph's output buffer
+        self.output: torch.Tensor | None = None  # CUDA: the captured graph's output buffer
         self.graph: torch.cuda.CUDAGraph | None = None
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_layers, tables: torch.Tensor, padding_row: int, page_size: int,
-                 max_batch: int, device: torch.device, whole: bool = True):
+    def __init__(
+        self,
+        model,
+        kv_layers,
+        tables: torch.Tensor,
+        padding_row: int,
+        page_size: int,
+        max_batch: int,
+        device: torch.device,
+        whole: bool = True,
+    ):
         self.model, self.kv_layers, self.tables = model, kv_layers, tables
         self.page_size, self.device = page_size, device
         self.padding_row = padding_row
@@ -73,6 +83,7 @@ class DecodeGraphs:
             self._capture_cuda()
         else:
             import torch._dynamo
+
             native.available()  # built and loaded before tracing: the graphs then call its operators
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.buckets))
             self._compiled = torch.compile(self._forward, dynamic=False, fullgraph=self.whole)
@@ -80,8 +91,9 @@ class DecodeGraphs:
                 with torch.inference_mode():
                     self._compiled(self.buckets[size], True)
         self.capture_s = time.perf_counter() - t0
-        log.info("captured %d decode graphs (batch %s) in %.1f s", len(self.buckets), sorted(self.buckets),
-                 self.capture_s)
+        log.info(
+            "captured %d decode graphs (batch %s) in %.1f s", len(self.buckets), sorted(self.buckets), self.capture_s
+        )
 
     def _capture_cuda(self) -> None:  # pragma: no cover - needs a GPU
         pool = None

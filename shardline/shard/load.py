@@ -1,5 +1,6 @@
 """What a shard process serves: its device, its prepared model (shard/transforms.py), the dtype of
 its KV pages, and the `ShardInfo` it answers the router with."""
+
 from __future__ import annotations
 
 import logging
@@ -12,15 +13,15 @@ import torch
 from torch import nn
 
 from shardline.common.model_source import resolve_model
-from shardline.protos import shard_pb2
-from shardline.shard.kv_cache import bytes_per_page
-from shardline.shard.model import Transformer
-from shardline.shard.parallel import Layout, group_id, init_distributed
 from shardline.kernels import native
 from shardline.kernels.grid import GROUP
 from shardline.kernels.linear import OneDnnLinear
 from shardline.kernels.operands import Kernel
 from shardline.kernels.quantized import Int8Embedding, QuantizedLinear
+from shardline.protos import shard_pb2
+from shardline.shard.kv_cache import bytes_per_page
+from shardline.shard.model import Transformer
+from shardline.shard.parallel import Layout, group_id, init_distributed
 from shardline.shard.transforms import is_quantized, prepare
 from shardline.shard.weights import build_model
 
@@ -58,8 +59,11 @@ def kv_dtype_for(flag: str, model: Transformer, dtype: torch.dtype) -> torch.dty
 
 def weight_bytes(model: Transformer) -> int:
     """Bytes of the weights this shard holds (each tensor once; not the rotary tables)."""
-    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())
-               if t is not model.rotary.cos and t is not model.rotary.sin}
+    tensors = {
+        id(t): t
+        for t in (*model.parameters(), *model.buffers())
+        if t is not model.rotary.cos and t is not model.rotary.sin
+    }
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
@@ -80,8 +84,11 @@ def weight_format(module: nn.Module) -> str:
 
 def weight_formats(model: nn.Module) -> dict[str, str]:
     """Per kind of layer (embed, wqkv, wo, w13, w2, lm_head), how its weights are held."""
-    return {name.rpartition(".")[2]: weight_format(m) for name, m in model.named_modules(remove_duplicate=False)
-            if name.rpartition(".")[2] in ("embed", "wqkv", "wo", "w13", "w2", "lm_head")}
+    return {
+        name.rpartition(".")[2]: weight_format(m)
+        for name, m in model.named_modules(remove_duplicate=False)
+        if name.rpartition(".")[2] in ("embed", "wqkv", "wo", "w13", "w2", "lm_head")
+    }
 
 
 def load_shard(args) -> LoadedShard:
@@ -102,20 +109,49 @@ def load_shard(args) -> LoadedShard:
     model = build_model(source, dtype, device)
     full = model.cfg
     tp_group = init_distributed(layout, args.dist_init, device) if layout.world > 1 else None
-    prepare(model, source, layout, tp_group, device, weights=args.weights,
-            quantize_to="" if args.quantize == "none" else args.quantize, dense_copy=args.dense_prefill == "on",
-            onednn=device.type == "cpu" and dtype == torch.float32 and not decode_graphs)
-    log.info("loaded %s (stage %d/%d, TP rank %d/%d, %d layers) in %.1f s", source.name, layout.pp_stage,
-             layout.pp, layout.tp_rank, layout.tp, model.cfg.num_layers, time.perf_counter() - t0)
+    prepare(
+        model,
+        source,
+        layout,
+        tp_group,
+        device,
+        weights=args.weights,
+        quantize_to="" if args.quantize == "none" else args.quantize,
+        dense_copy=args.dense_prefill == "on",
+        onednn=device.type == "cpu" and dtype == torch.float32 and not decode_graphs,
+    )
+    log.info(
+        "loaded %s (stage %d/%d, TP rank %d/%d, %d layers) in %.1f s",
+        source.name,
+        layout.pp_stage,
+        layout.pp,
+        layout.tp_rank,
+        layout.tp,
+        model.cfg.num_layers,
+        time.perf_counter() - t0,
+    )
     kv_dtype = kv_dtype_for(args.kv_dtype, model, dtype)
     per_page = bytes_per_page(model.cfg, args.page_size, kv_dtype)
     info = shard_pb2.ShardInfo(
-        model=source.name, vocab_size=full.vocab_size, context_length=full.max_position,
-        page_size=args.page_size, max_pages=max(0, int(args.kv_memory_gb * 2**30 // per_page) - 1),  # - padding
-        tp_rank=layout.tp_rank, tp_size=layout.tp, pp_stage=layout.pp_stage, pp_size=layout.pp,
-        dtype=args.dtype, device=str(device), eos_token_ids=full.eos_token_ids,
-        weight_bytes=weight_bytes(model), kv_bytes_per_page=per_page,
-        kv_dtype=str(kv_dtype).removeprefix("torch."), weight_formats=weight_formats(model), group_id=group_id(layout),
-        attention_pair_cost=full.attention_pair_cost, num_layers=full.num_layers)
+        model=source.name,
+        vocab_size=full.vocab_size,
+        context_length=full.max_position,
+        page_size=args.page_size,
+        max_pages=max(0, int(args.kv_memory_gb * 2**30 // per_page) - 1),  # - padding
+        tp_rank=layout.tp_rank,
+        tp_size=layout.tp,
+        pp_stage=layout.pp_stage,
+        pp_size=layout.pp,
+        dtype=args.dtype,
+        device=str(device),
+        eos_token_ids=full.eos_token_ids,
+        weight_bytes=weight_bytes(model),
+        kv_bytes_per_page=per_page,
+        kv_dtype=str(kv_dtype).removeprefix("torch."),
+        weight_formats=weight_formats(model),
+        group_id=group_id(layout),
+        attention_pair_cost=full.attention_pair_cost,
+        num_layers=full.num_layers,
+    )
     log.info("weights: %s", ", ".join(f"{k} {v}" for k, v in info.weight_formats.items()))
     return LoadedShard(model, layout, device, dtype, kv_dtype, decode_graphs, info)

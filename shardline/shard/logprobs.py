@@ -4,16 +4,17 @@ logits, before temperature, top-k and top-p), with the best alternatives.
 Scoring a whole prompt needs logits at every position: a 8192-token prompt over SmolLM2's 49152-
 token vocabulary would take 1.6 GB at once, so rows are scored ROWS_PER_PIECE at a time.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from shardline.protos import shard_pb2
 
 ROWS_PER_PIECE = 256  # x 49152 fp32 logits: 48 MiB
-MAX_TOP = 20          # alternatives per position, at most
+MAX_TOP = 20  # alternatives per position, at most
 
 
 def from_logits(logits: torch.Tensor, targets: list[int], top: int) -> list[shard_pb2.TokenLogprob]:
@@ -32,8 +33,9 @@ def from_logits(logits: torch.Tensor, targets: list[int], top: int) -> list[shar
     return out
 
 
-def score(logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: list[int],
-          top: int) -> list[shard_pb2.TokenLogprob]:
+def score(
+    logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: list[int], top: int
+) -> list[shard_pb2.TokenLogprob]:
     """hidden [len(targets), H] -> `from_logits` of each row, ROWS_PER_PIECE rows at a time."""
     out = []
     for start in range(0, len(targets), ROWS_PER_PIECE):

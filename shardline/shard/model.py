@@ -4,13 +4,14 @@ The forward pass takes a flat batch of tokens from any number of sequences; wher
 is described by an `AttentionBatch`. It returns hidden states: the caller picks the positions it
 samples and only those go through the final norm and LM head (`logits`).
 """
+
 from __future__ import annotations
 
 from itertools import islice
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from shardline.kernels.attention import AttentionBatch, paged_attention
 from shardline.shard.config import ModelConfig
@@ -48,8 +49,10 @@ class Rotary(nn.Module):
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's (cos, sin') [T, 1, head_dim], looked up once and shared by every layer."""
-        return (self.cos.index_select(0, positions).to(dtype)[:, None, :],
-                self.sin.index_select(0, positions).to(dtype)[:, None, :])
+        return (
+            self.cos.index_select(0, positions).to(dtype)[:, None, :],
+            self.sin.index_select(0, positions).to(dtype)[:, None, :],
+        )
 
     @staticmethod
     def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -67,16 +70,16 @@ class Attention(nn.Module):
         self.wo = nn.Linear(q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
 
     def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):
         qkv = self.wqkv(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk, v = qkv[:, :self.num_heads + self.num_kv_heads], qkv[:, self.num_heads + self.num_kv_heads:]
+        qk, v = qkv[:, : self.num_heads + self.num_kv_heads], qkv[:, self.num_heads + self.num_kv_heads :]
         if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], 1)
+            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], 1)
         # q and k rotate as one tensor: one set of operators per layer instead of two
         qk = Rotary.apply(qk, cos_sin)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = paged_attention(q, k, v, k_pages, v_pages, batch, self.scale)
         return self.wo(out.reshape(-1, self.num_heads * self.head_dim))
 
@@ -115,9 +118,15 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_pages: list[tuple],
-                batch: AttentionBatch, hidden: torch.Tensor | None = None,
-                layers: slice = slice(None)) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        kv_pages: list[tuple],
+        batch: AttentionBatch,
+        hidden: torch.Tensor | None = None,
+        layers: slice = slice(None),
+    ) -> torch.Tensor:
         """tokens, positions [T] -> hidden states [T, hidden] (before the final norm).
         A later pipeline stage, or a step that starts past the first layer (`layers`, of this
         module's), passes the hidden states going into its first layer instead of embedding tokens."""

@@ -5,6 +5,7 @@ Layout: shard (stage s, TP rank r) is global rank s * tp + r of one torch.distri
 (gloo on CPU, NCCL on CUDA). Each stage has its own TP subgroup. Activations flow stage to stage
 between equal TP ranks with point-to-point send/recv.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -63,8 +64,9 @@ def init_distributed(layout: Layout, init_method: str, device: torch.device):
         return None
     backend = "nccl" if device.type == "cuda" else "gloo"
     # A bounded timeout: if a peer dies, a collective fails instead of hanging forever.
-    dist.init_process_group(backend, init_method=init_method, rank=layout.rank, world_size=layout.world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        backend, init_method=init_method, rank=layout.rank, world_size=layout.world, timeout=timedelta(seconds=60)
+    )
     groups = [dist.new_group(list(range(s * layout.tp, (s + 1) * layout.tp))) for s in range(layout.pp)]
     return groups[layout.pp_stage] if layout.tp > 1 else None
 
@@ -131,9 +133,13 @@ def shard_tensor_parallel(model: Transformer, layout: Layout, group) -> None:
     q_size, kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
 
     def split_qkv(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([_rows(t, q_heads.start * hd, len(q_heads) * hd),
-                          _rows(t, q_size + kv.start * hd, len(kv) * hd),
-                          _rows(t, q_size + kv_size + kv.start * hd, len(kv) * hd)])
+        return torch.cat(
+            [
+                _rows(t, q_heads.start * hd, len(q_heads) * hd),
+                _rows(t, q_size + kv.start * hd, len(kv) * hd),
+                _rows(t, q_size + kv_size + kv.start * hd, len(kv) * hd),
+            ]
+        )
 
     def all_reduce(_module, _inputs, output):
         dist.all_reduce(output, group=group)
@@ -145,8 +151,7 @@ def shard_tensor_parallel(model: Transformer, layout: Layout, group) -> None:
         if attn.wqkv.bias is not None:
             attn.wqkv.bias = nn.Parameter(split_qkv(attn.wqkv.bias), requires_grad=False)
         attn.num_heads, attn.num_kv_heads = len(q_heads), len(kv)
-        attn.wo.weight = nn.Parameter(_cols(attn.wo.weight, q_heads.start * hd, len(q_heads) * hd),
-                                      requires_grad=False)
+        attn.wo.weight = nn.Parameter(_cols(attn.wo.weight, q_heads.start * hd, len(q_heads) * hd), requires_grad=False)
         attn.wo.register_forward_hook(all_reduce)
         gate = _rows(mlp.w13.weight, units.start, len(units))
         up = _rows(mlp.w13.weight, inter + units.start, len(units))

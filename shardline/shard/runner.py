@@ -24,6 +24,7 @@ the shard holds) fails its sequence alone: it is left out of the step, forgotten
 Every shard of a replica receives the same plan and judges it the same way, so every rank leaves
 out the same sequences and the collectives stay matched.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,17 +35,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardline.protos import shard_pb2
 from shardline.kernels.attention import AttentionBatch, decode_capturable
+from shardline.kernels.token_mask import mask_bytes, packed_masks
+from shardline.protos import shard_pb2
+from shardline.shard.decode_graphs import DecodeGraphs
 from shardline.shard.kv_cache import KVPages
 from shardline.shard.logprobs import MAX_TOP, from_logits, score
-from shardline.shard.decode_graphs import DecodeGraphs
 from shardline.shard.model import Transformer
 from shardline.shard.parallel import Layout
-from shardline.kernels.token_mask import mask_bytes, packed_masks
 from shardline.shard.sampler import SamplingParams, sample
 from shardline.shard.sequences import SequenceState, SequenceTable
-
 
 log = logging.getLogger(__name__)
 # A piece holds at most PREFILL_PIECE_TOKENS tokens, and fewer where its largest activations (the
@@ -72,7 +72,7 @@ class Span:
 
     token_ids: list[int]
     start_pos: int
-    block_table: torch.Tensor   # the sequence's pages
+    block_table: torch.Tensor  # the sequence's pages
 
 
 def pieces(seqs: list[Span], limit: int) -> list[list[tuple[int, Span]]]:
@@ -82,7 +82,7 @@ def pieces(seqs: list[Span], limit: int) -> list[list[tuple[int, Span]]]:
         done = 0
         while done < len(s.token_ids):
             n = min(room, len(s.token_ids) - done)
-            piece.append((i, Span(s.token_ids[done:done + n], s.start_pos + done, s.block_table)))
+            piece.append((i, Span(s.token_ids[done : done + n], s.start_pos + done, s.block_table)))
             done, room = done + n, room - n
             if room == 0:
                 out.append(piece)
@@ -94,17 +94,25 @@ def pieces(seqs: list[Span], limit: int) -> list[list[tuple[int, Span]]]:
 
 @dataclass
 class StepOutput:
-    tokens: list[int] = field(default_factory=list)       # per emitting sequence that did not fail
+    tokens: list[int] = field(default_factory=list)  # per emitting sequence that did not fail
     failures: dict[int, str] = field(default_factory=dict)  # seq_id -> why
-    graph_launches: int = 0       # decode graphs replayed for the step (0 or 1)
-    eager_decode_steps: int = 0   # or the decode step run eagerly (0 or 1)
+    graph_launches: int = 0  # decode graphs replayed for the step (0 or 1)
+    eager_decode_steps: int = 0  # or the decode step run eagerly (0 or 1)
     logprobs: list[shard_pb2.SequenceLogprobs] = field(default_factory=list)
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, page_size: int, dtype: torch.dtype, device: torch.device,
-                 layout: Layout = Layout(), vocab_size: int | None = None, max_position: int | None = None,
-                 kv_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        model: Transformer,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        layout: Layout = Layout(),
+        vocab_size: int | None = None,
+        max_position: int | None = None,
+        kv_dtype: torch.dtype | None = None,
+    ):
         self.model, self.page_size, self.dtype, self.device = model, page_size, dtype, device
         self.kv_dtype = kv_dtype or dtype
         self.layout = layout
@@ -132,11 +140,20 @@ class ModelRunner:
         if self.layout.pp > 1:
             log.warning("decode graphs are off: pipeline stages run decode eagerly")
         elif not decode_capturable(self.device, self.dtype, self.page_size, self.kv_dtype):
-            log.warning("decode graphs are off: on CUDA they need flash-attn, fp16/bf16 and pages "
-                        "of a multiple of 256 tokens")
+            log.warning(
+                "decode graphs are off: on CUDA they need flash-attn, fp16/bf16 and pages of a multiple of 256 tokens"
+            )
         else:
-            self.graphs = DecodeGraphs(self.model, self.kv.layers, self.table.tables, self.table.padding_row,
-                                       self.page_size, max_seqs, self.device, whole=self.layout.tp == 1)
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv.layers,
+                self.table.tables,
+                self.table.padding_row,
+                self.page_size,
+                max_seqs,
+                self.device,
+                whole=self.layout.tp == 1,
+            )
             self.graphs.capture()
 
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
@@ -148,11 +165,14 @@ class ModelRunner:
         state = self.table.get(s.seq_id)
         held_layers = state.partial_layers if state is not None else 0
         if held_layers != layer_start:
-            return (f"the plan runs the sequence's chunk from layer {layer_start}, but this shard holds it "
-                    f"after {held_layers} layers")
+            return (
+                f"the plan runs the sequence's chunk from layer {layer_start}, but this shard holds it "
+                f"after {held_layers} layers"
+            )
         if layer_start and (s.first or s.sampled_input or len(s.token_ids) != len(state.partial)):
-            return (f"the plan continues a chunk of {len(state.partial)} tokens past layer {layer_start} "
-                    f"with other inputs")
+            return (
+                f"the plan continues a chunk of {len(state.partial)} tokens past layer {layer_start} with other inputs"
+            )
         if s.emit and not finishing:
             return "the plan samples from a step that stops before the last layer"
         if s.first and state is not None:
@@ -160,8 +180,10 @@ class ModelRunner:
         if not s.first and state is None:
             return f"the plan continues sequence {s.seq_id}, which this shard does not hold"
         if state is not None and s.start_pos != state.next_pos:
-            return (f"the plan computes from position {s.start_pos}, but this shard holds "
-                    f"{state.next_pos} positions of the sequence")
+            return (
+                f"the plan computes from position {s.start_pos}, but this shard holds "
+                f"{state.next_pos} positions of the sequence"
+            )
         if s.sampled_input and s.token_ids:
             return "the plan gives input tokens and asks for the sampled one"
         if s.sampled_input and (state is None or state.sampled is None):
@@ -179,11 +201,15 @@ class ModelRunner:
             return f"block table of {pages} pages is longer than the context needs"
         if s.new_pages and max(s.new_pages) >= self.kv.padding_page:
             return f"page id {max(s.new_pages)} outside the pool of {self.kv.padding_page} pages"
-        if max(s.token_ids, default=0) >= self.vocab_size or (s.HasField("next_token") and s.next_token >= self.vocab_size):
+        if max(s.token_ids, default=0) >= self.vocab_size or (
+            s.HasField("next_token") and s.next_token >= self.vocab_size
+        ):
             return f"token id {max([*s.token_ids, s.next_token])} outside the vocabulary of {self.vocab_size}"
         if s.allowed_tokens and len(s.allowed_tokens) < mask_bytes(self.vocab_size):
-            return (f"a token mask of {len(s.allowed_tokens)} bytes; the vocabulary of {self.vocab_size} "
-                    f"takes {mask_bytes(self.vocab_size)}")
+            return (
+                f"a token mask of {len(s.allowed_tokens)} bytes; the vocabulary of {self.vocab_size} "
+                f"takes {mask_bytes(self.vocab_size)}"
+            )
         if max(s.prompt_logprobs, s.sampling.logprobs) > MAX_TOP:
             return f"at most {MAX_TOP} alternatives per position can be scored"
         if s.first:
@@ -200,8 +226,13 @@ class ModelRunner:
             s.token_ids.append(state.sampled)
         if state is None:
             sp = s.sampling
-            state = self.table.admit(s.seq_id, s.start_pos, SamplingParams(
-                sp.temperature, sp.top_p or 1.0, sp.top_k, sp.seed, sp.logprobs if sp.HasField("logprobs") else None))
+            state = self.table.admit(
+                s.seq_id,
+                s.start_pos,
+                SamplingParams(
+                    sp.temperature, sp.top_p or 1.0, sp.top_k, sp.seed, sp.logprobs if sp.HasField("logprobs") else None
+                ),
+            )
         self.table.append_pages(state, list(s.new_pages))
         return state
 
@@ -214,19 +245,34 @@ class ModelRunner:
     def _prefill_batch(self, spans: list[Span]):
         ps = self.page_size
         tokens = self._tensor([t for s in spans for t in s.token_ids])
-        positions = torch.cat([torch.arange(s.start_pos, s.start_pos + len(s.token_ids),
-                                            device=self.device) for s in spans])
+        positions = torch.cat(
+            [torch.arange(s.start_pos, s.start_pos + len(s.token_ids), device=self.device) for s in spans]
+        )
         pairs = sum(len(s.token_ids) * (s.start_pos + len(s.token_ids)) for s in spans)
         if self.device.type == "cpu" and pairs <= ROWS_ATTENTION_PAIRS:  # as decode rows
             width = max(len(s.block_table) for s in spans)
-            tables = torch.cat([F.pad(s.block_table, (0, width - len(s.block_table)), value=self.kv.padding_page)
-                                .expand(len(s.token_ids), width) for s in spans])
+            tables = torch.cat(
+                [
+                    F.pad(s.block_table, (0, width - len(s.block_table)), value=self.kv.padding_page).expand(
+                        len(s.token_ids), width
+                    )
+                    for s in spans
+                ]
+            )
             return tokens, positions, AttentionBatch.decode(tables, positions, ps)
-        slots = torch.cat([s.block_table[pos // ps] * ps + pos % ps for s, pos in
-                           zip(spans, positions.split([len(s.token_ids) for s in spans]))])
-        batch = AttentionBatch(slots=slots, is_decode=False, query_lens=[len(s.token_ids) for s in spans],
-                               start_positions=[s.start_pos for s in spans],
-                               block_tables_list=[s.block_table for s in spans])
+        slots = torch.cat(
+            [
+                s.block_table[pos // ps] * ps + pos % ps
+                for s, pos in zip(spans, positions.split([len(s.token_ids) for s in spans]))
+            ]
+        )
+        batch = AttentionBatch(
+            slots=slots,
+            is_decode=False,
+            query_lens=[len(s.token_ids) for s in spans],
+            start_positions=[s.start_pos for s in spans],
+            block_tables_list=[s.block_table for s in spans],
+        )
         return tokens, positions, batch
 
     def _forward(self, tokens, positions, batch, hidden_in=None, layers: slice = slice(None)) -> torch.Tensor | None:
@@ -281,7 +327,7 @@ class ModelRunner:
             else:
                 last = self._forward(*self._decode_batch(tokens, states))
                 out.eager_decode_steps = 1
-            every = {i: last[i:i + 1] for i in scored} if last is not None else {}
+            every = {i: last[i : i + 1] for i in scored} if last is not None else {}
         else:
             last, every = self._prefill(entries, states, scored)
         for i, (s, st) in enumerate(zip(entries, states)):
@@ -302,15 +348,21 @@ class ModelRunner:
         state of each sequence's last token [n, H], and all hidden states of the sequences in
         `kept_for` (for prompt log-probabilities, or a layer group's partial chunks); (None, {})
         off the last stage."""
-        spans = [Span(list(s.token_ids), s.start_pos, self.table.tables[st.row, :len(st.pages)])
-                 for s, st in zip(entries, states)]
+        spans = [
+            Span(list(s.token_ids), s.start_pos, self.table.tables[st.row, : len(st.pages)])
+            for s, st in zip(entries, states)
+        ]
         rows = [None] * len(spans)
         kept: dict[int, list[torch.Tensor]] = {i: [] for i in kept_for}
         for piece in pieces(spans, self.piece_tokens):
             hidden_in = None
             if layers.start:  # the chunks' hidden states after the layers before this group
-                hidden_in = torch.cat([states[i].partial[span.start_pos - spans[i].start_pos:][:len(span.token_ids)]
-                                       for i, span in piece])
+                hidden_in = torch.cat(
+                    [
+                        states[i].partial[span.start_pos - spans[i].start_pos :][: len(span.token_ids)]
+                        for i, span in piece
+                    ]
+                )
             hidden = self._forward(*self._prefill_batch([span for _, span in piece]), hidden_in, layers)
             if hidden is None:
                 continue
@@ -331,14 +383,17 @@ class ModelRunner:
         for i, hidden in every.items():
             s = entries[i]
             targets = list(s.token_ids[1:]) + ([s.next_token] if s.HasField("next_token") else [])
-            logprobs[i].prompt.extend(score(self.model.logits, hidden[:len(targets)], targets, s.prompt_logprobs))
+            logprobs[i].prompt.extend(score(self.model.logits, hidden[: len(targets)], targets, s.prompt_logprobs))
         emitting = [i for i, s in enumerate(entries) if s.emit]
         if emitting:
             logits = self.model.logits(last[torch.tensor(emitting, device=self.device)])
             sampled_at = [states[i].next_pos for i in emitting]
             masked = [row for row, i in enumerate(emitting) if entries[i].allowed_tokens]
-            packed = packed_masks([entries[emitting[row]].allowed_tokens for row in masked], self.vocab_size,
-                                  self.device) if masked else None
+            packed = (
+                packed_masks([entries[emitting[row]].allowed_tokens for row in masked], self.vocab_size, self.device)
+                if masked
+                else None
+            )
             draws = sample(logits, [states[i].sampling for i in emitting], sampled_at, masked, packed)
             for row, (i, draw) in enumerate(zip(emitting, draws)):
                 if draw.failure is not None:
@@ -351,5 +406,5 @@ class ModelRunner:
                 top = states[i].sampling.logprobs
                 if top is not None:
                     entry = logprobs.setdefault(i, shard_pb2.SequenceLogprobs(seq_id=entries[i].seq_id))
-                    entry.sampled.extend(from_logits(logits[row:row + 1], [token], top))
+                    entry.sampled.extend(from_logits(logits[row : row + 1], [token], top))
         out.logprobs = [logprobs[i] for i in sorted(logprobs)]

@@ -17,6 +17,7 @@ Numerics, for every value the router accepts (temperature finite and >= 0, top_p
   only: every other logit is -inf before temperature, top-k, top-p and the greedy choice. A mask
   that allows nothing fails the row.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
-    logprobs: int | None = None   # report the sampled token's log-probability and this many alternatives
+    logprobs: int | None = None  # report the sampled token's log-probability and this many alternatives
 
 
 def _mix(seed: int, position: int) -> int:
@@ -78,8 +79,13 @@ def _finite_rows(logits: torch.Tensor) -> list[bool]:
     return [ok or bool(torch.isfinite(logits[i]).all()) for i, ok in enumerate(finite)]
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
-           masked: list[int] = (), packed: torch.Tensor | None = None) -> list[Draw]:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    positions: list[int],
+    masked: list[int] = (),
+    packed: torch.Tensor | None = None,
+) -> list[Draw]:
     """logits [B, vocab] fp32 -> one Draw per row. `masked` rows may take only the tokens their
     packed masks (uint8 [len(masked), bytes], kernels/token_mask.py) allow; `logits` itself is
     left as it is."""

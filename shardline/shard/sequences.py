@@ -14,6 +14,7 @@ Invariants kept here:
   address a page the router has given to someone else; the last row (`padding_row`) is never
   given out: padding entries of a captured decode batch read it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,10 +26,10 @@ from shardline.shard.sampler import SamplingParams
 
 @dataclass
 class SequenceState:
-    row: int                  # its row of SequenceTable.tables
-    pages: list[int]          # its block table, as the router sent it
+    row: int  # its row of SequenceTable.tables
+    pages: list[int]  # its block table, as the router sent it
     sampling: SamplingParams
-    next_pos: int             # positions whose K/V this shard holds
+    next_pos: int  # positions whose K/V this shard holds
     sampled: int | None = None  # the token it sampled in its last step, if that step emitted
     # A prompt chunk part way through the layers (StepPlan.layer_start): the hidden states of
     # its tokens after `partial_layers` layers. Its positions are not in `next_pos` until the
@@ -62,7 +63,7 @@ class SequenceTable:
     def append_pages(self, state: SequenceState, pages: list[int]) -> None:
         if pages:
             n = len(state.pages)
-            self.tables[state.row, n:n + len(pages)] = torch.tensor(pages, dtype=torch.int64)
+            self.tables[state.row, n : n + len(pages)] = torch.tensor(pages, dtype=torch.int64)
             state.pages.extend(pages)
 
     def release(self, seq_id: int) -> None:

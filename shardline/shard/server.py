@@ -10,6 +10,7 @@ restarted as a whole by its supervisor (`shardline serve`, or compose's restart 
 SIGTERM drains: health turns NOT_SERVING and the shard keeps serving its step stream until the
 router closes it, for up to `--drain-timeout-s`.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -23,8 +24,8 @@ import time
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry import propagate, trace
 
 from shardline.common.process import exit_soon, parent_gone
@@ -36,7 +37,7 @@ from shardline.shard.runner import ModelRunner
 
 log = logging.getLogger("shardline.shard")
 MAX_SEQUENCES = 4096  # sequences a shard holds at once: the top of the router's --max-batch range
-WEDGED_S = 15.0       # the main loop not turning this long, outside a call: exit (MainThreadWork)
+WEDGED_S = 15.0  # the main loop not turning this long, outside a call: exit (MainThreadWork)
 
 
 class MainThreadWork:
@@ -86,13 +87,20 @@ class MainThreadWork:
 
 
 class ShardService(shard_pb2_grpc.ShardServicer):
-    def __init__(self, runner: ModelRunner, info: shard_pb2.ShardInfo, grouped: bool, decode_graphs: bool,
-                 work: MainThreadWork, tracer=None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        info: shard_pb2.ShardInfo,
+        grouped: bool,
+        decode_graphs: bool,
+        work: MainThreadWork,
+        tracer=None,
+    ):
         self.runner, self.info, self.grouped, self.decode_graphs = runner, info, grouped, decode_graphs
         self.work, self.tracer = work, tracer
         self._stream_lock = threading.Lock()  # one router drives a shard at a time
-        self.streaming = threading.Event()    # a step stream is open
-        self.leaving: str | None = None       # why this shard is leaving its broken group
+        self.streaming = threading.Event()  # a step stream is open
+        self.leaving: str | None = None  # why this shard is leaving its broken group
 
     def _refuse_if_leaving(self, context) -> None:
         """A shard that is about to exit (its group is broken) takes no new work: a router that
@@ -107,13 +115,15 @@ class ShardService(shard_pb2_grpc.ShardServicer):
     def Warmup(self, request, context):
         self._refuse_if_leaving(context)
         if request.num_pages < 1 or request.num_pages > self.info.max_pages:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"num_pages {request.num_pages} outside [1, {self.info.max_pages}]")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"num_pages {request.num_pages} outside [1, {self.info.max_pages}]"
+            )
         if self.streaming.is_set():
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a step stream is still open")
         if not 1 <= request.max_batch <= MAX_SEQUENCES:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"max_batch {request.max_batch} outside [1, {MAX_SEQUENCES}]")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"max_batch {request.max_batch} outside [1, {MAX_SEQUENCES}]"
+            )
         try:  # allocating can fail (memory) and be retried; the group stays as it is
             self.work.call(self.runner.allocate, request.num_pages, request.max_batch)
         except Exception as e:
@@ -126,9 +136,11 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             self._leave_group_soon("the warmup failed")
             context.abort(grpc.StatusCode.INTERNAL, f"warmup failed: {e!r}")
         graphs = self.runner.graphs
-        return shard_pb2.WarmupResponse(decode_graph_buckets=sorted(graphs.buckets) if graphs else [],
-                                        capture_s=graphs.capture_s if graphs else 0.0,
-                                        kv_pool_bytes=self.runner.kv.bytes)
+        return shard_pb2.WarmupResponse(
+            decode_graph_buckets=sorted(graphs.buckets) if graphs else [],
+            capture_s=graphs.capture_s if graphs else 0.0,
+            kv_pool_bytes=self.runner.kv.bytes,
+        )
 
     def _warm_up(self, max_batch: int) -> None:
         """The decode graphs when asked for, then one prefill and one decode, so first-request
@@ -136,8 +148,20 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         if self.decode_graphs:
             self.runner.capture_decode_graphs(max_batch)
         seq = dict(seq_id=0, emit=True)
-        self.runner.step(shard_pb2.StepPlan(seqs=[shard_pb2.SequenceStep(
-            **seq, first=True, token_ids=[0, 1], start_pos=0, new_pages=[0], sampling=shard_pb2.Sampling(top_p=1.0))]))
+        self.runner.step(
+            shard_pb2.StepPlan(
+                seqs=[
+                    shard_pb2.SequenceStep(
+                        **seq,
+                        first=True,
+                        token_ids=[0, 1],
+                        start_pos=0,
+                        new_pages=[0],
+                        sampling=shard_pb2.Sampling(top_p=1.0),
+                    )
+                ]
+            )
+        )
         self.runner.step(shard_pb2.StepPlan(seqs=[shard_pb2.SequenceStep(**seq, token_ids=[1], start_pos=2)]))
         self.runner.table.release_all()
         _trim_heap()
@@ -164,14 +188,22 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                         self._leave_group_soon(f"step {plan.step_id} failed")
                         context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {e!r}")
                     result = shard_pb2.StepResult(
-                        step_id=plan.step_id, tokens=out.tokens, compute_ms=(time.perf_counter() - t0) * 1e3,
-                        graph_launches=out.graph_launches, eager_decode_steps=out.eager_decode_steps,
+                        step_id=plan.step_id,
+                        tokens=out.tokens,
+                        compute_ms=(time.perf_counter() - t0) * 1e3,
+                        graph_launches=out.graph_launches,
+                        eager_decode_steps=out.eager_decode_steps,
                         failures=[shard_pb2.SequenceFailure(seq_id=k, message=v) for k, v in out.failures.items()],
-                        logprobs=out.logprobs)
-                    span.set_attributes({"shardline.step.compute_ms": result.compute_ms,
-                                         "shardline.step.decode_graph_launches": result.graph_launches,
-                                         "shardline.step.eager_decode_steps": result.eager_decode_steps,
-                                         "shardline.step.failed_sequences": len(result.failures)})
+                        logprobs=out.logprobs,
+                    )
+                    span.set_attributes(
+                        {
+                            "shardline.step.compute_ms": result.compute_ms,
+                            "shardline.step.decode_graph_launches": result.graph_launches,
+                            "shardline.step.eager_decode_steps": result.eager_decode_steps,
+                            "shardline.step.failed_sequences": len(result.failures),
+                        }
+                    )
                 yield result
             if not closed:  # cancelled, or the router went away
                 self._leave_group_soon("the router abandoned the step stream")
@@ -188,9 +220,16 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             return trace.use_span(trace.INVALID_SPAN)
         info = self.info
         return self.tracer.start_as_current_span(
-            "shard step", context=propagate.extract(dict(plan.trace_context)), kind=trace.SpanKind.SERVER,
-            attributes={"shardline.step.id": plan.step_id, "shardline.tp_rank": info.tp_rank,
-                        "shardline.pp_stage": info.pp_stage, "shardline.step.sequences": len(plan.seqs)})
+            "shard step",
+            context=propagate.extract(dict(plan.trace_context)),
+            kind=trace.SpanKind.SERVER,
+            attributes={
+                "shardline.step.id": plan.step_id,
+                "shardline.tp_rank": info.tp_rank,
+                "shardline.pp_stage": info.pp_stage,
+                "shardline.step.sequences": len(plan.seqs),
+            },
+        )
 
     def _leave_group_soon(self, why: str) -> None:
         if self.grouped:
@@ -214,15 +253,30 @@ def serve_shard(args) -> int:
     shard = load_shard(args)
     _trim_heap()
     layout, info = shard.layout, shard.info
-    runner = ModelRunner(shard.model, args.page_size, shard.dtype, shard.device, layout, info.vocab_size,
-                         info.context_length, kv_dtype=shard.kv_dtype)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
-        ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
+    runner = ModelRunner(
+        shard.model,
+        args.page_size,
+        shard.dtype,
+        shard.device,
+        layout,
+        info.vocab_size,
+        info.context_length,
+        kv_dtype=shard.kv_dtype,
+    )
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4),
+        options=[("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)],
+    )
     work = MainThreadWork()
-    tracer = setup_tracing(args.otlp_endpoint, "shard", f"pp{layout.pp_stage}-tp{layout.tp_rank}",
-                           {"shardline.tp_rank": layout.tp_rank, "shardline.pp_stage": layout.pp_stage})
-    service = ShardService(runner, info, grouped=layout.world > 1, decode_graphs=shard.decode_graphs, work=work,
-                           tracer=tracer)
+    tracer = setup_tracing(
+        args.otlp_endpoint,
+        "shard",
+        f"pp{layout.pp_stage}-tp{layout.tp_rank}",
+        {"shardline.tp_rank": layout.tp_rank, "shardline.pp_stage": layout.pp_stage},
+    )
+    service = ShardService(
+        runner, info, grouped=layout.world > 1, decode_graphs=shard.decode_graphs, work=work, tracer=tracer
+    )
     shard_pb2_grpc.add_ShardServicer_to_server(service, server)
     health_servicer = health.HealthServicer()  # for orchestrators: SERVING once the weights are in
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -231,7 +285,7 @@ def serve_shard(args) -> int:
     if (server.add_secure_port(args.listen, tls.server()) if secure else server.add_insecure_port(args.listen)) == 0:
         raise SystemExit(f"cannot listen on {args.listen}")
     if args.listen.startswith("unix:"):  # the step stream writes KV: only this user may drive it
-        os.chmod(args.listen[len("unix:"):], 0o600)
+        os.chmod(args.listen[len("unix:") :], 0o600)
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     print(f"shard listening {args.listen}", flush=True)

@@ -11,6 +11,7 @@ applies them (gpt-fast style: the model code knows nothing of ranks, quantizatio
    so that a decode step runs it as one C++ operator;
 7. `use_onednn`: dense fp32 linear layers in oneDNN's blocked layout (without decode graphs).
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,15 +32,27 @@ from shardline.shard.weights import gguf_types, parameter_sources
 log = logging.getLogger(__name__)
 
 
-def prepare(model: Transformer, source: ModelSource, layout: Layout, tp_group, device: torch.device, *,
-            weights: str, quantize_to: str, dense_copy: bool, onednn: bool) -> None:
+def prepare(
+    model: Transformer,
+    source: ModelSource,
+    layout: Layout,
+    tp_group,
+    device: torch.device,
+    *,
+    weights: str,
+    quantize_to: str,
+    dense_copy: bool,
+    onednn: bool,
+) -> None:
     """Applies the shard's transformations to `model` in place, in the module docstring's order.
     `weights` and `quantize_to` ("", "int4" or "int8"): as `mark_quantized` takes them;
     `dense_copy`: int4 layers keep a dense copy for prefill; `onednn`: step 6 applies."""
     cpu = device.type == "cpu"
     if cpu:
-        log.info("decode attention and quantized layers %s Shardline's CPU kernels",
-                 "may use" if native.available() else "use torch's kernels: could not build")
+        log.info(
+            "decode attention and quantized layers %s Shardline's CPU kernels",
+            "may use" if native.available() else "use torch's kernels: could not build",
+        )
         mark_quantized(model, source, weights, quantize_to)
     elif quantize_to or (weights == "native" and source.kind == "gguf"):
         log.warning("quantized weights have CPU kernels only: serving every weight in the serving dtype")
@@ -69,8 +82,11 @@ def mark_quantized(model: Transformer, source: ModelSource, weights: str, quanti
     block layers take int4 and the LM head int8, whose logits suffer most from 4 bits."""
     types = gguf_types(source) if source.kind == "gguf" and weights == "native" else {}
     sources = parameter_sources(model.cfg, types)
-    linears = [f"layers.{i}.{part}" for i in range(model.cfg.num_layers)
-               for part in ("attn.wqkv", "attn.wo", "mlp.w13", "mlp.w2")]
+    linears = [
+        f"layers.{i}.{part}"
+        for i in range(model.cfg.num_layers)
+        for part in ("attn.wqkv", "attn.wo", "mlp.w13", "mlp.w2")
+    ]
     for name in [*linears, "lm_head"]:
         kinds = {types.get(t, "F32") for t in sources[name + ".weight"]}
         if quantize == "int8" or (quantize == "int4" and name == "lm_head"):
@@ -115,8 +131,19 @@ class NativeAttention(Attention):
         if not batch.is_decode or batch.opaque or not native.usable(k_pages):
             return super().forward(x, cos_sin, k_pages, v_pages, batch)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else (None, None, 0.0)
-        out = native.ops().paged_decode(self.wqkv(x), cos_sin[0], cos_sin[1], *norms, k_pages, v_pages, batch.slots,
-                                        batch.block_tables, batch.context_lens, self.num_heads, self.scale)
+        out = native.ops().paged_decode(
+            self.wqkv(x),
+            cos_sin[0],
+            cos_sin[1],
+            *norms,
+            k_pages,
+            v_pages,
+            batch.slots,
+            batch.block_tables,
+            batch.context_lens,
+            self.num_heads,
+            self.scale,
+        )
         return self.wo(out)
 
 
@@ -170,23 +197,34 @@ class FusedDecodeBlock(nn.Module):
         self.max_rows = min(layer.max_rows for layer in linears)
         qk_norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm else (None, None, 0.0)
         self.decode = torch.classes.shardline_native.DecodeLayer(
-            block.attn_norm.weight, block.mlp_norm.weight, block.attn_norm.eps,
-            *(_operands(layer) for layer in linears), [_LAYOUTS[(layer.kernel, layer.bits)] for layer in linears],
-            [layer.direct_rows for layer in linears], [layer.torch_rows for layer in linears], attn.wqkv.bias,
-            *qk_norms, attn.num_heads, attn.scale)
+            block.attn_norm.weight,
+            block.mlp_norm.weight,
+            block.attn_norm.eps,
+            *(_operands(layer) for layer in linears),
+            [_LAYOUTS[(layer.kernel, layer.bits)] for layer in linears],
+            [layer.direct_rows for layer in linears],
+            [layer.torch_rows for layer in linears],
+            attn.wqkv.bias,
+            *qk_norms,
+            attn.num_heads,
+            attn.scale,
+        )
 
     def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):
         if not batch.is_decode or batch.opaque or x.shape[0] > self.max_rows or not native.usable(x):
             return self.block(x, cos_sin, k_pages, v_pages, batch)
-        return self.decode.forward(x, cos_sin[0], cos_sin[1], k_pages, v_pages, batch.slots, batch.block_tables,
-                                   batch.context_lens)
+        return self.decode.forward(
+            x, cos_sin[0], cos_sin[1], k_pages, v_pages, batch.slots, batch.block_tables, batch.context_lens
+        )
 
 
 def fusable(block: nn.Module) -> bool:
     linears = _linears(block)
-    return (all(isinstance(layer, QuantizedLinear) and not layer._forward_hooks for layer in linears)
-            and all(layer.bias is None for layer in linears[1:])
-            and all(layer.out_features % 8 == 0 for layer in linears))  # the kernels' outputs whole (no padded block)
+    return (
+        all(isinstance(layer, QuantizedLinear) and not layer._forward_hooks for layer in linears)
+        and all(layer.bias is None for layer in linears[1:])
+        and all(layer.out_features % 8 == 0 for layer in linears)
+    )  # the kernels' outputs whole (no padded block)
 
 
 def fuse_decode(model: nn.Module) -> int:

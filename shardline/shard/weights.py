@@ -2,12 +2,13 @@
 
 A GGUF file is converted once to safetensors in the cache folder, so later starts only mmap it.
 """
+
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
-from typing import Collection
+from collections.abc import Collection
 
 import numpy as np
 import torch
@@ -28,10 +29,16 @@ _GGUF_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _GGUF_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 
@@ -45,8 +52,7 @@ def hf_name(gguf_name: str) -> str:
 
 def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's converter interleaves the rows of Q and K for its RoPE layout; undo it."""
-    return (w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
-             .swapaxes(1, 2).reshape(w.shape))
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def read_gguf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -94,8 +100,11 @@ def parameter_sources(cfg: ModelConfig, available: Collection[str]) -> dict[str,
     along the output dimension in this order: q/k/v into `wqkv`, gate/up into `w13`. A model
     without an `lm_head.weight` among `available` ties its LM head to the embedding."""
     embed = "model.embed_tokens.weight"
-    own = {"embed.weight": [embed], "norm.weight": ["model.norm.weight"],
-           "lm_head.weight": ["lm_head.weight" if "lm_head.weight" in available else embed]}
+    own = {
+        "embed.weight": [embed],
+        "norm.weight": ["model.norm.weight"],
+        "lm_head.weight": ["lm_head.weight" if "lm_head.weight" in available else embed],
+    }
     for i in range(cfg.num_layers):
         p, a, o = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"layers.{i}."
         own[o + "attn_norm.weight"] = [p + "input_layernorm.weight"]

@@ -4,6 +4,7 @@ request with that seed, so a test can make one request fail where a real bug wou
 SHARDLINE_TEST_HANG_SEED (and SHARDLINE_TEST_HANG_S), sampling for that seed blocks the shard's
 compute for that long while its gRPC threads go on answering, as a deadlock would.
 Product code knows nothing of this."""
+
 import os
 import sys
 import time

@@ -4,15 +4,17 @@ gateways in front of many replicas.
 One publisher task looks every PERIOD_S: it takes the page pool's change log (core/page_manager.py
 appends every page published or reclaimed to it) and the load, and when either changed, or
 HEARTBEAT_S passed without a message, sends one message to every watcher: a watcher that hears
-nothing for a few heartbeats knows the router is gone, even where no connection reset tells it. Everything runs on the router's event loop, between steps, so a
-snapshot and the changes after it are consistent. A replica that reconnects its shard group
-starts with a new page pool: the publisher sees the new pool, starts a new epoch, and sends
-every watcher a snapshot of it (empty), which replaces what the watcher knew.
+nothing for a few heartbeats knows the router is gone, even where no connection reset tells it.
+Everything runs on the router's event loop, between steps, so a snapshot and the changes after
+it are consistent. A replica that reconnects its shard group starts with a new page pool: the
+publisher sees the new pool, starts a new epoch, and sends every watcher a snapshot of it
+(empty), which replaces what the watcher knew.
 
 A watcher that falls WATCHER_BACKLOG messages behind is sent a snapshot in place of its backlog.
 The stream carries page hashes and counts, never tokens; it is meant for the fleet's own network
 (mutual TLS in a deployment).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +23,8 @@ import uuid
 
 import grpc
 
-from shardline.protos import fleet_pb2 as fpb, fleet_pb2_grpc
+from shardline.protos import fleet_pb2 as fpb
+from shardline.protos import fleet_pb2_grpc
 from shardline.router.core.page_manager import PageManager
 from shardline.router.core.replica import Replica
 
@@ -49,18 +52,27 @@ class CacheWatchers:
         load, pages = replica.load(), replica.pool
         if load is None:
             return fpb.Load(serving=False)
-        return fpb.Load(serving=replica.serving and replica.accepting, requests_running=load.running,
-                        requests_waiting=load.waiting, prompt_tokens_queued=load.prompt_tokens_queued,
-                        pages_free=max(0, pages.available), pages_total=pages.num_pages,
-                        pages_unused=max(0, pages.free - pages.reserved))
+        return fpb.Load(
+            serving=replica.serving and replica.accepting,
+            requests_running=load.running,
+            requests_waiting=load.waiting,
+            prompt_tokens_queued=load.prompt_tokens_queued,
+            pages_free=max(0, pages.available),
+            pages_total=pages.num_pages,
+            pages_unused=max(0, pages.free - pages.reserved),
+        )
 
     def snapshot(self) -> fpb.CacheEvent:
         pool = self._pool
-        event = fpb.CacheEvent(epoch=self.epoch, seq=self.seq, snapshot=True, load=self.load(),
-                               http_port=self.http_port)
+        event = fpb.CacheEvent(
+            epoch=self.epoch, seq=self.seq, snapshot=True, load=self.load(), http_port=self.http_port
+        )
         if pool is not None:
-            event.hashing.CopyFrom(fpb.PageHashing(page_size=pool.page_size, model_key=pool.model_key,
-                                                   tenants_share_cache=self.tenants_share_cache))
+            event.hashing.CopyFrom(
+                fpb.PageHashing(
+                    page_size=pool.page_size, model_key=pool.model_key, tenants_share_cache=self.tenants_share_cache
+                )
+            )
             event.published.extend(pool.index)
         return event
 
@@ -89,9 +101,13 @@ class CacheWatchers:
         final = {h: indexed for indexed, h in changes}  # a hash's last change is what holds now
         self.seq += 1
         self._load = load
-        event = fpb.CacheEvent(epoch=self.epoch, seq=self.seq, load=load,
-                               published=[h for h, indexed in final.items() if indexed],
-                               evicted=[h for h, indexed in final.items() if not indexed])
+        event = fpb.CacheEvent(
+            epoch=self.epoch,
+            seq=self.seq,
+            load=load,
+            published=[h for h, indexed in final.items() if indexed],
+            evicted=[h for h, indexed in final.items() if not indexed],
+        )
         self._send_all(lambda: event)
 
     def _send_all(self, message) -> None:

@@ -5,6 +5,7 @@ common/generation_service.py.
 Bytes that do not parse are INVALID_ARGUMENT (not gRPC's INTERNAL); a failure of one request
 ends its stream with that request's status.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -25,8 +26,14 @@ from shardline.router.requests.validation import InvalidRequest, invalid
 class GenerationService:
     """The gRPC front end of `admission` (router/admission.py); `keys`: API keys (None: open to all)."""
 
-    def __init__(self, replica: Replica, admission: Admission, stats: StatsCounters, tracing: Tracing | None = None,
-                 keys: ApiKeys | None = None):
+    def __init__(
+        self,
+        replica: Replica,
+        admission: Admission,
+        stats: StatsCounters,
+        tracing: Tracing | None = None,
+        keys: ApiKeys | None = None,
+    ):
         self.replica, self.admission, self.stats, self.tracing, self.keys = replica, admission, stats, tracing, keys
 
     async def _tenant(self, context) -> str:
@@ -53,15 +60,22 @@ class GenerationService:
                 out = await seq.outputs.get()
                 if out.failure is not None:
                     await context.abort(grpc.StatusCode[out.failure.code], out.failure.message)
-                msg = pb.GenerateResponse(token_ids=out.token_ids, text=out.text,
-                                          finish_reason=out.finish_reason.value if out.finish_reason else "",
-                                          request_id=seq.request_id,
-                                          logprobs=map(_public_logprob, out.logprobs),
-                                          prompt_logprobs=map(_public_logprob, out.prompt_logprobs))
+                msg = pb.GenerateResponse(
+                    token_ids=out.token_ids,
+                    text=out.text,
+                    finish_reason=out.finish_reason.value if out.finish_reason else "",
+                    request_id=seq.request_id,
+                    logprobs=map(_public_logprob, out.logprobs),
+                    prompt_logprobs=map(_public_logprob, out.prompt_logprobs),
+                )
                 if out.finish_reason:
-                    msg.usage.CopyFrom(pb.Usage(prompt_tokens=len(seq.prompt_ids),
-                                                cached_prompt_tokens=seq.cached_prompt_tokens,
-                                                completion_tokens=len(seq.output_ids)))
+                    msg.usage.CopyFrom(
+                        pb.Usage(
+                            prompt_tokens=len(seq.prompt_ids),
+                            cached_prompt_tokens=seq.cached_prompt_tokens,
+                            completion_tokens=len(seq.output_ids),
+                        )
+                    )
                     yield msg
                     return
                 yield msg
@@ -94,8 +108,11 @@ class GenerationService:
 
 def _public_logprob(entry) -> pb.TokenLogprob:
     """A shard's TokenLogprob (parallel id and value lists) as the API's message."""
-    return pb.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob,
-                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in zip(entry.top_ids, entry.top_logprobs)])
+    return pb.TokenLogprob(
+        token_id=entry.token_id,
+        logprob=entry.logprob,
+        top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in zip(entry.top_ids, entry.top_logprobs)],
+    )
 
 
 def info_response(replica: Replica) -> pb.InfoResponse:
@@ -103,16 +120,33 @@ def info_response(replica: Replica) -> pb.InfoResponse:
     config, served = replica.config, replica.served
     head, infos, warmups = served.head, served.infos, served.warmups
     return pb.InfoResponse(
-        model=head.model, page_size=head.page_size, num_pages=served.num_pages, tensor_parallel=head.tp_size,
-        pipeline_parallel=head.pp_size, max_batch=config.max_batch, context_length=head.context_length,
-        vocab_size=head.vocab_size, dtype=head.dtype, device=head.device, prefix_cache=config.prefix_cache,
-        eviction_policy=config.eviction, slru_protected_ratio=config.slru_protected_ratio,
-        chunk_size=config.chunk_size, max_batch_tokens=config.max_batch_tokens, mixed_steps=config.mixed_steps,
-        layer_groups=served.layer_groups, step_timeout_s=config.step_timeout_s, drain_timeout_s=config.drain_timeout_s,
-        shard_weight_bytes=max(i.weight_bytes for i in infos), shard_kv_pool_bytes=max(w.kv_pool_bytes for w in warmups),
-        decode_graphs=bool(warmups[0].decode_graph_buckets), decode_graph_buckets=warmups[0].decode_graph_buckets,
+        model=head.model,
+        page_size=head.page_size,
+        num_pages=served.num_pages,
+        tensor_parallel=head.tp_size,
+        pipeline_parallel=head.pp_size,
+        max_batch=config.max_batch,
+        context_length=head.context_length,
+        vocab_size=head.vocab_size,
+        dtype=head.dtype,
+        device=head.device,
+        prefix_cache=config.prefix_cache,
+        eviction_policy=config.eviction,
+        slru_protected_ratio=config.slru_protected_ratio,
+        chunk_size=config.chunk_size,
+        max_batch_tokens=config.max_batch_tokens,
+        mixed_steps=config.mixed_steps,
+        layer_groups=served.layer_groups,
+        step_timeout_s=config.step_timeout_s,
+        drain_timeout_s=config.drain_timeout_s,
+        shard_weight_bytes=max(i.weight_bytes for i in infos),
+        shard_kv_pool_bytes=max(w.kv_pool_bytes for w in warmups),
+        decode_graphs=bool(warmups[0].decode_graph_buckets),
+        decode_graph_buckets=warmups[0].decode_graph_buckets,
         decode_graph_capture_s=max(w.capture_s for w in warmups),
-        weight_formats={k: v for i in infos for k, v in i.weight_formats.items()}, kv_dtype=head.kv_dtype)
+        weight_formats={k: v for i in infos for k, v in i.weight_formats.items()},
+        kv_dtype=head.kv_dtype,
+    )
 
 
 def _median(values: list[float]) -> float:
@@ -121,22 +155,38 @@ def _median(values: list[float]) -> float:
 
 def stats_response(replica: Replica, counters: StatsCounters) -> pb.StatsResponse:
     """The replica's live page pool and queue counts, and the router's counters."""
-    st = pb.StatsResponse(serving=replica.serving, replica_failures=replica.failures,
-                          replica_recoveries=replica.recoveries)
+    st = pb.StatsResponse(
+        serving=replica.serving, replica_failures=replica.failures, replica_recoveries=replica.recoveries
+    )
     load, pages, c = replica.load(), replica.pool, counters
     if load is None:
         return st
-    st.MergeFrom(pb.StatsResponse(
-        pages_total=pages.num_pages, pages_free=pages.free, pages_referenced=pages.referenced,
-        pages_evictable=pages.evictable, pages_cached=pages.cached, pages_reserved=pages.reserved,
-        pages_probation=len(pages.probation), pages_protected=len(pages.protected),
-        prefix_hit_tokens=pages.hit_tokens, prefix_query_tokens=pages.query_tokens,
-        requests_waiting=load.waiting, requests_running=load.running,
-        requests_prefilling=load.prefilling, requests_decoding=load.decoding,
-        steps=c.steps, tokens_generated=c.tokens_generated, prompt_tokens_computed=c.prompt_tokens_computed,
-        requests_failed=c.requests_failed, decode_graph_launches=c.decode_graph_launches,
-        eager_decode_steps=c.eager_decode_steps, mixed_steps=c.mixed_steps,
-        layer_group_steps=c.layer_group_steps,
-        decode_step_ms_p50=_median([w for w, _ in c.decode_step_times]),
-        shard_decode_step_ms_p50=_median([s for _, s in c.decode_step_times])))
+    st.MergeFrom(
+        pb.StatsResponse(
+            pages_total=pages.num_pages,
+            pages_free=pages.free,
+            pages_referenced=pages.referenced,
+            pages_evictable=pages.evictable,
+            pages_cached=pages.cached,
+            pages_reserved=pages.reserved,
+            pages_probation=len(pages.probation),
+            pages_protected=len(pages.protected),
+            prefix_hit_tokens=pages.hit_tokens,
+            prefix_query_tokens=pages.query_tokens,
+            requests_waiting=load.waiting,
+            requests_running=load.running,
+            requests_prefilling=load.prefilling,
+            requests_decoding=load.decoding,
+            steps=c.steps,
+            tokens_generated=c.tokens_generated,
+            prompt_tokens_computed=c.prompt_tokens_computed,
+            requests_failed=c.requests_failed,
+            decode_graph_launches=c.decode_graph_launches,
+            eager_decode_steps=c.eager_decode_steps,
+            mixed_steps=c.mixed_steps,
+            layer_group_steps=c.layer_group_steps,
+            decode_step_ms_p50=_median([w for w, _ in c.decode_step_times]),
+            shard_decode_step_ms_p50=_median([s for _, s in c.decode_step_times]),
+        )
+    )
     return st

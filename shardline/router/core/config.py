@@ -1,5 +1,6 @@
 """What the replica takes from the router's flags (shardline/flags.py says what each means),
 built once when the router starts."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 class ReplicaConfig:
     page_size: int
     dtype: str
-    num_pages: int = 0                 # 0: what the shards' memory budget holds
+    num_pages: int = 0  # 0: what the shards' memory budget holds
     max_batch: int = 32
     max_batch_tokens: int = 4096
     chunk_size: int = 0
@@ -19,16 +20,26 @@ class ReplicaConfig:
     prefix_cache: bool = True
     eviction: str = "lru"
     slru_protected_ratio: float = 0.5
-    shard_timeout_s: float = 300.0     # for the shards to come up
+    shard_timeout_s: float = 300.0  # for the shards to come up
     step_timeout_s: float = 20.0
     drain_timeout_s: float = 30.0
 
     @classmethod
     def from_flags(cls, args) -> ReplicaConfig:
-        return cls(page_size=args.page_size, dtype=args.dtype, num_pages=args.num_pages, max_batch=args.max_batch,
-                   max_batch_tokens=args.max_batch_tokens, chunk_size=args.chunk_size,
-                   mixed_steps=args.mixed_steps == "on", layer_groups=args.layer_groups,
-                   priority_aging_s=args.priority_aging_s, prefix_cache=args.prefix_cache == "on",
-                   eviction=args.eviction, slru_protected_ratio=args.slru_protected_ratio,
-                   shard_timeout_s=args.shard_timeout, step_timeout_s=args.step_timeout_s,
-                   drain_timeout_s=args.drain_timeout_s)
+        return cls(
+            page_size=args.page_size,
+            dtype=args.dtype,
+            num_pages=args.num_pages,
+            max_batch=args.max_batch,
+            max_batch_tokens=args.max_batch_tokens,
+            chunk_size=args.chunk_size,
+            mixed_steps=args.mixed_steps == "on",
+            layer_groups=args.layer_groups,
+            priority_aging_s=args.priority_aging_s,
+            prefix_cache=args.prefix_cache == "on",
+            eviction=args.eviction,
+            slru_protected_ratio=args.slru_protected_ratio,
+            shard_timeout_s=args.shard_timeout,
+            step_timeout_s=args.step_timeout_s,
+            drain_timeout_s=args.drain_timeout_s,
+        )

@@ -14,6 +14,7 @@ then allows a token it refuses on the next step).
 EOS is allowed only where the constraint is complete; once it admits nothing more the request
 finishes "stop".
 """
+
 from __future__ import annotations
 
 import llguidance as llg
@@ -35,8 +36,10 @@ class Constrained:
     def consume(self, token: int) -> None:
         """Advances the matcher by a sampled token; `next_masks` then computes the next mask."""
         if not self.matcher.consume_token(token):
-            self.error = ("the constraint cannot be continued with this model's tokens: "
-                          f"token {token} does not fit it ({self.matcher.get_error()})")
+            self.error = (
+                "the constraint cannot be continued with this model's tokens: "
+                f"token {token} does not fit it ({self.matcher.get_error()})"
+            )
 
     def _set_mask(self, mask: bytes) -> None:
         self.mask = mask

@@ -17,6 +17,7 @@ and releases its pages. A failure of the shard group (`ShardError`) or of the lo
 `run` with the exception; the replica (replica.py) then fails every request and reconnects
 with a new engine.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,7 +45,7 @@ class Load:
     waiting: int
     prefilling: int
     decoding: int
-    prompt_tokens_queued: int   # prompt tokens of waiting and prefilling requests not yet computed
+    prompt_tokens_queued: int  # prompt tokens of waiting and prefilling requests not yet computed
 
     @property
     def running(self) -> int:
@@ -54,24 +55,31 @@ class Load:
 @dataclass
 class InFlight:
     """A step whose plan the shards were sent, and when."""
+
     step: Step
     plan: shard_pb2.StepPlan
     sent_at: float
 
 
 class Engine:
-    def __init__(self, scheduler: Scheduler, shards: ShardGroup, codec: TextCodec, max_position: int,
-                 observers: list[RequestEvents] = ()):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        shards: ShardGroup,
+        codec: TextCodec,
+        max_position: int,
+        observers: list[RequestEvents] = (),
+    ):
         self.scheduler, self.shards, self.codec = scheduler, shards, codec
         self.max_position = max_position
         self.observers = list(observers)  # Stats, metrics and traces: told every request's and step's events
         self._wake = asyncio.Event()
         self._text: dict[int, tuple[Detokenizer, StopMatcher]] = {}
         self._cancelled: set[Sequence] = set()
-        self._announced: dict[int, int] = {}   # seq_id -> pages the shards hold for it
-        self._released: list[int] = []         # seq_ids the next plan releases
-        self._received_at = 0.0                # perf_counter() of the last step's result
-        self._in_flight = 0                    # steps sent and not answered
+        self._announced: dict[int, int] = {}  # seq_id -> pages the shards hold for it
+        self._released: list[int] = []  # seq_ids the next plan releases
+        self._received_at = 0.0  # perf_counter() of the last step's result
+        self._in_flight = 0  # steps sent and not answered
         self.step_id = 0
 
     # -- what the request path and the observers ask ------------------------------------------------
@@ -89,8 +97,9 @@ class Engine:
 
     def load(self) -> Load:
         sched = self.scheduler
-        queued = sum(len(s.prompt_ids) - s.num_computed for s in sched.prefilling) + \
-            sum(len(s.prompt_ids) for s in sched.waiting)
+        queued = sum(len(s.prompt_ids) - s.num_computed for s in sched.prefilling) + sum(
+            len(s.prompt_ids) for s in sched.waiting
+        )
         return Load(len(sched.waiting), len(sched.prefilling), len(sched.decoding), queued)
 
     # -- requests ---------------------------------------------------------------------------------
@@ -155,11 +164,20 @@ class Engine:
         it samples; a constrained sequence needs the mask of the token `step` samples. (A mixed
         step's phase is that of its chunks; a cancelled sequence is in `_cancelled` until it
         is dropped, and FINISHED after.)"""
-        if not self.shards.samples_alone or step.phase is not Phase.DECODE or self._cancelled \
-                or any(seq.constrained is not None for seq in step.seqs):
+        if (
+            not self.shards.samples_alone
+            or step.phase is not Phase.DECODE
+            or self._cancelled
+            or any(seq.constrained is not None for seq in step.seqs)
+        ):
             return None
-        going = [seq for seq in step.seqs if seq.status is Status.RUNNING
-                 and len(seq.output_ids) + 1 < seq.max_new_tokens and seq.num_tokens + 1 < self.max_position]
+        going = [
+            seq
+            for seq in step.seqs
+            if seq.status is Status.RUNNING
+            and len(seq.output_ids) + 1 < seq.max_new_tokens
+            and seq.num_tokens + 1 < self.max_position
+        ]
         return self.scheduler.decode_ahead(going)
 
     async def _send(self, step: Step) -> InFlight:
@@ -171,14 +189,20 @@ class Engine:
                 for o in self.observers:
                     o.admitted(chunk.seq)
         # On the wire, layer_end 0 is through the last layer (shard.proto).
-        plan = shard_pb2.StepPlan(step_id=self.step_id, released=self._released, layer_start=step.layer_start,
-                                  layer_end=step.layer_end or 0)
+        plan = shard_pb2.StepPlan(
+            step_id=self.step_id, released=self._released, layer_start=step.layer_start, layer_end=step.layer_end or 0
+        )
         self._released = []
         for s in step.scheduled:
             seq, block_table = s.seq, s.seq.pages.block_table
             held = self._announced.get(seq.seq_id)
-            entry = plan.seqs.add(seq_id=seq.seq_id, token_ids=s.tokens, emit=s.emit, first=held is None,
-                                  new_pages=block_table[held or 0:])
+            entry = plan.seqs.add(
+                seq_id=seq.seq_id,
+                token_ids=s.tokens,
+                emit=s.emit,
+                first=held is None,
+                new_pages=block_table[held or 0 :],
+            )
             # A step sent ahead computes the position after the one the step before it computes.
             entry.start_pos, entry.sampled_input = seq.num_computed + step.sampled_inputs, step.sampled_inputs
             if held is None:
@@ -246,8 +270,11 @@ class Engine:
     def _next_masks(self, step: Step) -> None:
         """The next token masks of the step's constrained sequences that go on; one that reached
         a dead end (its constraint asks for what the model's tokens cannot spell) fails alone."""
-        going = [seq for seq in step.seqs if seq.constrained is not None and seq.status is not Status.FINISHED
-                 and seq.output_ids]
+        going = [
+            seq
+            for seq in step.seqs
+            if seq.constrained is not None and seq.status is not Status.FINISHED and seq.output_ids
+        ]
         try:
             next_masks([seq.constrained for seq in going if not seq.constrained.error])
         except Exception as e:  # noqa: BLE001 - llguidance misused or broken: these requests only
@@ -264,8 +291,7 @@ class Engine:
         if seq.logprobs is not None and (scores is None or len(scores.sampled) != 1):
             return "the shard returned no log-probability for the sampled token"
         if seq.prompt_logprobs is not None and not seq.output_ids and len(seq.prompt_scores) != len(seq.prompt_ids) - 1:
-            return (f"the shards scored {len(seq.prompt_scores)} prompt positions, "
-                    f"expected {len(seq.prompt_ids) - 1}")
+            return f"the shards scored {len(seq.prompt_scores)} prompt positions, expected {len(seq.prompt_ids) - 1}"
         return None
 
     def _emit(self, seq: Sequence, token: int, logprobs: list) -> None:
@@ -282,15 +308,23 @@ class Engine:
         if constrained is not None:
             constrained.consume(token)
         text, stopped = stops.feed("" if is_eos else detok.push(token))
-        reason = (FinishReason.STOP if stopped else FinishReason.EOS if is_eos else
-                  FinishReason.STOP if constrained is not None and constrained.complete else
-                  FinishReason.LENGTH if len(seq.output_ids) >= seq.max_new_tokens
-                  or seq.num_tokens >= self.max_position else None)
+        reason = (
+            FinishReason.STOP
+            if stopped
+            else FinishReason.EOS
+            if is_eos
+            else FinishReason.STOP
+            if constrained is not None and constrained.complete
+            else FinishReason.LENGTH
+            if len(seq.output_ids) >= seq.max_new_tokens or seq.num_tokens >= self.max_position
+            else None
+        )
         if reason and not stopped:
             rest, stopped = stops.flush()
             text, reason = text + rest, FinishReason.STOP if stopped else reason
-        seq.outputs.put_nowait(Output([token], text, reason, logprobs=logprobs,
-                                      prompt_logprobs=seq.prompt_scores if first else []))
+        seq.outputs.put_nowait(
+            Output([token], text, reason, logprobs=logprobs, prompt_logprobs=seq.prompt_scores if first else [])
+        )
         if reason:
             self._finish(seq, reason)
 

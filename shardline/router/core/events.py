@@ -4,6 +4,7 @@ so that the step loop carries no bookkeeping of its own for any of them.
 A request is queued, admitted (or ends while waiting), gets tokens, and ends once: with a
 `FinishReason`, or with a `Failure`. A step is started, then done or failed.
 """
+
 from __future__ import annotations
 
 from shardline.router.core.sequence import Ending, Sequence

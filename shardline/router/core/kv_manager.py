@@ -11,6 +11,7 @@ pages, and it alone writes a sequence's `SequencePages`:
 - `publish(seq)`: indexes its pages that became full, once every shard has written them;
 - `release(seq)`: returns its pages and what is left of its reservation. Idempotent.
 """
+
 from __future__ import annotations
 
 from shardline.router.core.page_manager import PageManager
@@ -45,7 +46,7 @@ class KVManager:
             return False
         pages = seq.pages
         pages.block_table, pages.reserved = list(prefix), total - len(prefix)
-        pages.published = pages.prompt_hashes[:len(prefix)]
+        pages.published = pages.prompt_hashes[: len(prefix)]
         seq.num_computed = seq.cached_prompt_tokens = len(prefix) * self.page_size
         return True
 
@@ -70,7 +71,7 @@ class KVManager:
                 h = pages.prompt_hashes[i]
             else:
                 parent = pages.published[-1] if i else self.pool.root_hash(seq.cache_namespace)
-                h = self.pool.chain(parent, tokens[i * size:(i + 1) * size])
+                h = self.pool.chain(parent, tokens[i * size : (i + 1) * size])
             self.pool.publish(pages.block_table[i], h, pages.block_table[i - 1] if i else None)
             pages.published.append(h)
 

@@ -23,6 +23,7 @@ Prefix hashes chain over full pages (common/prefix_hash.py, which a gateway shar
 change of the index (a page published, reclaimed or dropped by a reset) is appended to `changes`
 while it is a list: (True, hash) published, (False, hash) gone (router/fleet.py streams them).
 """
+
 from __future__ import annotations
 
 from array import array
@@ -34,8 +35,15 @@ LRU, SLRU = "lru", "slru"
 
 
 class PageManager:
-    def __init__(self, num_pages: int, page_size: int, policy: str = LRU, prefix_cache: bool = True,
-                 protected_ratio: float = 0.5, model_key: str = ""):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        policy: str = LRU,
+        prefix_cache: bool = True,
+        protected_ratio: float = 0.5,
+        model_key: str = "",
+    ):
         if policy not in (LRU, SLRU):
             raise ValueError(f"unknown eviction policy {policy!r}")
         if not 0.0 <= protected_ratio <= 1.0:
@@ -220,8 +228,9 @@ class PageManager:
                 assert ref > 0, f"page {page} is lost: not free, not queued, not referenced"
             if h is not None:
                 assert self.index.get(h) == page
-                assert self.parent[page] is None or self.parent[page] in self.index, \
+                assert self.parent[page] is None or self.parent[page] in self.index, (
                     f"page {page} survives without its prefix"
+                )
         assert all(self.hash[p] == h for h, p in self.index.items())
         assert self.reserved <= self.free + self.evictable
         assert len(self.protected) <= self.protected_bound

@@ -4,10 +4,11 @@ The links live in arrays shared by every queue of one pool (a page is in at most
 time), so append, remove and pop-oldest are O(1) and a page costs a few machine words, not an
 object. Each queue has its own sentinel slot after the page slots.
 """
+
 from __future__ import annotations
 
 from array import array
-from typing import Iterator
+from collections.abc import Iterator
 
 NO_QUEUE = -1
 
@@ -16,7 +17,7 @@ class PageLinks:
     def __init__(self, num_pages: int, num_queues: int):
         slots = num_pages + num_queues
         self.num_pages = num_pages
-        self.prev = array("i", range(slots))   # a lone sentinel points at itself
+        self.prev = array("i", range(slots))  # a lone sentinel points at itself
         self.next = array("i", range(slots))
         self.owner = array("b", [NO_QUEUE]) * slots
 

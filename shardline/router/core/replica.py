@@ -14,12 +14,13 @@
   for up to `drain_timeout_s`; what is left then ends UNAVAILABLE, and the step streams are
   closed cleanly so the shards keep their state.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 from shardline.common.tokenizer import TextCodec
 from shardline.protos import shard_pb2
@@ -43,10 +44,10 @@ class Served:
 
     infos: list[shard_pb2.ShardInfo]
     warmups: list[shard_pb2.WarmupResponse]
-    head: shard_pb2.ShardInfo   # the sampling shard's: the model as served
+    head: shard_pb2.ShardInfo  # the sampling shard's: the model as served
     num_pages: int
-    layer_groups: int           # 1 where they do not apply (Scheduler)
-    eos_ids: frozenset[int]     # the shards' and the tokenizer's
+    layer_groups: int  # 1 where they do not apply (Scheduler)
+    eos_ids: frozenset[int]  # the shards' and the tokenizer's
 
     @property
     def pool_tokens(self) -> int:
@@ -54,15 +55,22 @@ class Served:
 
 
 class Replica:
-    def __init__(self, config: ReplicaConfig, model_name: str, shards: ShardGroup, codec: TextCodec,
-                 on_serving: Callable[[bool], Awaitable[None]], observers: list[RequestEvents] = ()):
+    def __init__(
+        self,
+        config: ReplicaConfig,
+        model_name: str,
+        shards: ShardGroup,
+        codec: TextCodec,
+        on_serving: Callable[[bool], Awaitable[None]],
+        observers: list[RequestEvents] = (),
+    ):
         self.config, self.model_name, self.shards, self.codec = config, model_name, shards, codec
         self.observers = list(observers)
         self.on_serving = on_serving
-        self.engine: Engine | None = None   # one per connection of the shard group
+        self.engine: Engine | None = None  # one per connection of the shard group
         self.served: Served | None = None
         self.serving = False
-        self.accepting = True          # false once a drain began
+        self.accepting = True  # false once a drain began
         self.down_reason = "connecting to the shards"
         self.failures = 0
         self.recoveries = 0
@@ -95,12 +103,17 @@ class Replica:
         config = self.config
         infos = await self.shards.info(timeout=config.shard_timeout_s)
         head = infos[self.shards.sampler]
-        wrong = [f"{what} {theirs!r} (the router's is {ours!r})" for what, theirs, ours in (
-            ("model", head.model, self.model_name), ("page size", head.page_size, config.page_size),
-            ("dtype", head.dtype, config.dtype)) if theirs != ours]
+        wrong = [
+            f"{what} {theirs!r} (the router's is {ours!r})"
+            for what, theirs, ours in (
+                ("model", head.model, self.model_name),
+                ("page size", head.page_size, config.page_size),
+                ("dtype", head.dtype, config.dtype),
+            )
+            if theirs != ours
+        ]
         if self.codec.vocab_size > head.vocab_size:
-            wrong.append(f"vocabulary of {head.vocab_size} tokens (the router's tokenizer has "
-                         f"{self.codec.vocab_size})")
+            wrong.append(f"vocabulary of {head.vocab_size} tokens (the router's tokenizer has {self.codec.vocab_size})")
         if wrong:
             raise ShardError("the shards serve a different model: " + "; ".join(wrong))
         capacity = min(i.max_pages for i in infos)
@@ -114,20 +127,43 @@ class Replica:
             raise ShardError(f"the shards captured different decode graph buckets: {sorted(buckets)}")
         # Layer groups cut a long prompt's chunks (there are none without chunking); a mixed
         # step's decode rows run every layer, and pipeline stages run whole chunks.
-        layer_groups = (min(config.layer_groups, head.num_layers)
-                        if config.chunk_size and not config.mixed_steps and head.pp_size == 1 else 1)
+        layer_groups = (
+            min(config.layer_groups, head.num_layers)
+            if config.chunk_size and not config.mixed_steps and head.pp_size == 1
+            else 1
+        )
         eos = set(head.eos_token_ids)
         if self.codec.eos_token_id is not None:
             eos.add(self.codec.eos_token_id)
         self.served = Served(list(infos), list(warmups), head, num_pages, layer_groups, frozenset(eos))
-        pool = PageManager(num_pages, head.page_size, policy=config.eviction, prefix_cache=config.prefix_cache,
-                           protected_ratio=config.slru_protected_ratio, model_key=f"{head.model}/{head.dtype}")
-        scheduler = Scheduler(KVManager(pool), config.max_batch, config.max_batch_tokens, chunk_size=config.chunk_size,
-                              aging_s=config.priority_aging_s, mixed_steps=config.mixed_steps,
-                              pair_cost=head.attention_pair_cost, num_layers=head.num_layers, layer_groups=layer_groups)
+        pool = PageManager(
+            num_pages,
+            head.page_size,
+            policy=config.eviction,
+            prefix_cache=config.prefix_cache,
+            protected_ratio=config.slru_protected_ratio,
+            model_key=f"{head.model}/{head.dtype}",
+        )
+        scheduler = Scheduler(
+            KVManager(pool),
+            config.max_batch,
+            config.max_batch_tokens,
+            chunk_size=config.chunk_size,
+            aging_s=config.priority_aging_s,
+            mixed_steps=config.mixed_steps,
+            pair_cost=head.attention_pair_cost,
+            num_layers=head.num_layers,
+            layer_groups=layer_groups,
+        )
         self.engine = Engine(scheduler, self.shards, self.codec, head.context_length, self.observers)
-        log.info("serving %s: TP%d x PP%d, %d pages of %d tokens", head.model, head.tp_size, head.pp_size,
-                 num_pages, head.page_size)
+        log.info(
+            "serving %s: TP%d x PP%d, %d pages of %d tokens",
+            head.model,
+            head.tp_size,
+            head.pp_size,
+            num_pages,
+            head.page_size,
+        )
 
     # -- the replica's life ---------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:

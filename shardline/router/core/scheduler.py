@@ -48,14 +48,15 @@ Priority orders only admission. A waiting request's effective priority grows by 
 `aging_s` seconds waited, so a request waits behind higher priorities for at most
 (priority gap) x `aging_s` seconds plus the time its pages take to become free.
 """
+
 from __future__ import annotations
 
 import enum
 import math
 import time
 from collections import deque
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Callable, Collection
 
 from shardline.router.core.kv_manager import KVManager
 from shardline.router.core.sequence import Sequence, Status
@@ -72,9 +73,9 @@ class Scheduled:
     """One sequence's part of a step."""
 
     seq: Sequence
-    tokens: list[int]   # the positions it computes: a decode row's last token, or a prompt chunk
-    emit: bool          # it samples its next token (a decode row, or a prompt's final chunk)
-    decode: bool        # a decode row, not a prompt chunk
+    tokens: list[int]  # the positions it computes: a decode row's last token, or a prompt chunk
+    emit: bool  # it samples its next token (a decode row, or a prompt's final chunk)
+    decode: bool  # a decode row, not a prompt chunk
 
 
 @dataclass
@@ -123,16 +124,36 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_batch: int, max_batch_tokens: int, chunk_size: int = 0,
-                 aging_s: float = 1.0, clock: Callable[[], float] = time.monotonic, mixed_steps: bool = False,
-                 pair_cost: float = 0.0, layer_groups: int = 1, num_layers: int = 0):
-        if max_batch < 1 or max_batch_tokens < 1 or chunk_size < 0 or not aging_s > 0 or not pair_cost >= 0 \
-                or not 1 <= layer_groups <= max(1, num_layers):
-            raise ValueError(f"scheduler limits out of range: max_batch {max_batch}, max_batch_tokens "
-                             f"{max_batch_tokens}, chunk_size {chunk_size}, aging_s {aging_s}, pair_cost {pair_cost}, "
-                             f"layer_groups {layer_groups} of {num_layers} layers")
+    def __init__(
+        self,
+        kv: KVManager,
+        max_batch: int,
+        max_batch_tokens: int,
+        chunk_size: int = 0,
+        aging_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        mixed_steps: bool = False,
+        pair_cost: float = 0.0,
+        layer_groups: int = 1,
+        num_layers: int = 0,
+    ):
+        if (
+            max_batch < 1
+            or max_batch_tokens < 1
+            or chunk_size < 0
+            or not aging_s > 0
+            or not pair_cost >= 0
+            or not 1 <= layer_groups <= max(1, num_layers)
+        ):
+            raise ValueError(
+                f"scheduler limits out of range: max_batch {max_batch}, max_batch_tokens "
+                f"{max_batch_tokens}, chunk_size {chunk_size}, aging_s {aging_s}, pair_cost {pair_cost}, "
+                f"layer_groups {layer_groups} of {num_layers} layers"
+            )
         if layer_groups > 1 and mixed_steps:
-            raise ValueError("layer groups and mixed steps exclude each other: a mixed step's decode rows run every layer")
+            raise ValueError(
+                "layer groups and mixed steps exclude each other: a mixed step's decode rows run every layer"
+            )
         self.kv = kv
         # Layer group boundaries: group i runs layers [bounds[i], bounds[i + 1]).
         self.layer_bounds = [round(i * num_layers / layer_groups) for i in range(layer_groups + 1)]
@@ -145,7 +166,7 @@ class Scheduler:
         self._rotation = [Phase.CONTINUE, Phase.ADMIT]
         self._decode_due = False  # without mixed steps: the step before was a prefill step
         self.waiting: list[Sequence] = []
-        self.prefilling: deque[Sequence] = deque()   # admitted, prompt not fully computed
+        self.prefilling: deque[Sequence] = deque()  # admitted, prompt not fully computed
         self.decoding: list[Sequence] = []
         self._next_phase = 0
 
@@ -290,8 +311,11 @@ class Scheduler:
     def _most_urgent(self) -> Sequence | None:
         """The waiting sequence that may start with the highest effective priority (one pass)."""
         now = self.clock()
-        return max((s for s in self.waiting if _may_start(s)), default=None,
-                   key=lambda s: (s.priority + (now - s.arrival) / self.aging_s, -s.arrival))
+        return max(
+            (s for s in self.waiting if _may_start(s)),
+            default=None,
+            key=lambda s: (s.priority + (now - s.arrival) / self.aging_s, -s.arrival),
+        )
 
     def _chunk(self, seq: Sequence, budget: int, first: bool, computed: int | None = None) -> int:
         """Prompt tokens `seq` computes in this step: the rest of its prompt, cut to the chunk
@@ -323,7 +347,7 @@ class Scheduler:
         if grouped:
             step.layer_end = self._group_end(0)
         emit = start + n == len(seq.prompt_ids) and not step.partial
-        step.scheduled.append(Scheduled(seq, seq.prompt_ids[start:start + n], emit, False))
+        step.scheduled.append(Scheduled(seq, seq.prompt_ids[start : start + n], emit, False))
 
     # -- after a step -----------------------------------------------------------------------------
     def complete(self, step: Step, failed: Collection[int] = ()) -> None:
@@ -370,5 +394,8 @@ def _may_start(seq: Sequence) -> bool:
     """Whether `seq` may be admitted: it waits for no other sequence, or that one has computed
     its prompt (whose full pages are then cached) or ended."""
     lead = seq.after
-    return (lead is None or lead.status is Status.FINISHED
-            or (lead.status is Status.RUNNING and lead.num_computed >= len(lead.prompt_ids)))
+    return (
+        lead is None
+        or lead.status is Status.FINISHED
+        or (lead.status is Status.RUNNING and lead.num_computed >= len(lead.prompt_ids))
+    )

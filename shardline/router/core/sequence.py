@@ -1,4 +1,5 @@
 """A request as the router tracks it: tokens, pages, progress and where its output goes."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,9 +22,9 @@ class Status(enum.Enum):
 class FinishReason(enum.Enum):
     """Why a request ended, when it did not fail (a `Failure` says why it did)."""
 
-    STOP = "stop"            # a stop string matched, or the constraint is complete
-    EOS = "eos"              # the model's end-of-sequence token
-    LENGTH = "length"        # max_new_tokens, or the model's context
+    STOP = "stop"  # a stop string matched, or the constraint is complete
+    EOS = "eos"  # the model's end-of-sequence token
+    LENGTH = "length"  # max_new_tokens, or the model's context
     CANCELLED = "cancelled"  # by its client
 
 
@@ -31,7 +32,7 @@ class FinishReason(enum.Enum):
 class Failure:
     """Why a request ended without finishing: a gRPC status code name and a message for the client."""
 
-    code: str        # INTERNAL | UNAVAILABLE | INVALID_ARGUMENT ...
+    code: str  # INTERNAL | UNAVAILABLE | INVALID_ARGUMENT ...
     message: str
 
 
@@ -51,7 +52,7 @@ class Output:
     text: str = ""
     finish_reason: FinishReason | None = None
     failure: Failure | None = None
-    logprobs: list = field(default_factory=list)         # shard TokenLogprobs, one per token
+    logprobs: list = field(default_factory=list)  # shard TokenLogprobs, one per token
     prompt_logprobs: list = field(default_factory=list)  # on the first output, when asked for
 
 
@@ -60,8 +61,8 @@ class SequencePages:
     """A sequence's share of the KV cache. Only the KV manager (kv_manager.py) writes it."""
 
     block_table: list[int] = field(default_factory=list)
-    reserved: int = 0                          # pages promised at admission and not yet taken
-    prompt_hashes: list[bytes] | None = None   # chain hashes of the prompt's full pages
+    reserved: int = 0  # pages promised at admission and not yet taken
+    prompt_hashes: list[bytes] | None = None  # chain hashes of the prompt's full pages
     published: list[bytes] = field(default_factory=list)  # hashes of block_table's published prefix
 
 
@@ -76,27 +77,27 @@ class Sequence:
     sampling: shard_pb2.Sampling
     stop_token_ids: frozenset[int] = frozenset()
     arrival: float = field(default_factory=time.monotonic)
-    admitted_at: float | None = None      # time.monotonic() of admission, first token, last two tokens
+    admitted_at: float | None = None  # time.monotonic() of admission, first token, last two tokens
     first_token_at: float | None = None
     previous_token_at: float | None = None
     last_token_at: float | None = None
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     pages: SequencePages = field(default_factory=SequencePages)
-    num_computed: int = 0         # tokens whose K/V is written on every shard
+    num_computed: int = 0  # tokens whose K/V is written on every shard
     cancelled: bool = False
     cached_prompt_tokens: int = 0
-    cache_namespace: str = ""     # cached pages are shared only within one (common/auth.py)
+    cache_namespace: str = ""  # cached pages are shared only within one (common/auth.py)
     tenant: str = ""
     priority: int = 0
-    prompt_logprobs: int | None = None   # alternatives per prompt token; the prompt is then computed whole
+    prompt_logprobs: int | None = None  # alternatives per prompt token; the prompt is then computed whole
     prompt_scores: list = field(default_factory=list)  # shard TokenLogprobs of prompt tokens 1..
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
-    span: Span | None = None   # its trace span (observers/tracing.py), when tracing is on
+    span: Span | None = None  # its trace span (observers/tracing.py), when tracing is on
     # Admitted only once this sequence's prompt is computed (its full pages cached) or it ended:
     # the n choices of one request share the first one's prompt pages through the prefix cache.
     after: Sequence | None = None
-    constrained: Constrained | None = None   # its matcher, when it has a constraint
+    constrained: Constrained | None = None  # its matcher, when it has a constraint
 
     @property
     def logprobs(self) -> int | None:

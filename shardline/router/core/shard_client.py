@@ -7,6 +7,7 @@ long on shards that still answer may be a long prefill, and is left to finish, u
 HUNG_AFTER_TIMEOUTS step timeouts: past that its compute hangs (a deadlock that leaves the gRPC
 threads alive), and the shard fails all the same.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +21,7 @@ from shardline.protos import shard_pb2, shard_pb2_grpc
 
 HUNG_AFTER_TIMEOUTS = 3
 
+
 class ShardError(RuntimeError):
     """A shard failed or went away; the replica cannot serve until its group is back."""
 
@@ -28,11 +30,16 @@ class ShardClient:
     def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None):
         """`credentials`: mutual TLS to a shard on TCP (a unix socket stays plaintext)."""
         self.address = address
-        options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
-                   *FAST_RECONNECT]
-        self.channel = (grpc.aio.secure_channel(address, credentials, options=options)
-                        if credentials is not None and not address.startswith("unix:")
-                        else grpc.aio.insecure_channel(address, options=options))
+        options = [
+            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.max_receive_message_length", 64 << 20),
+            *FAST_RECONNECT,
+        ]
+        self.channel = (
+            grpc.aio.secure_channel(address, credentials, options=options)
+            if credentials is not None and not address.startswith("unix:")
+            else grpc.aio.insecure_channel(address, options=options)
+        )
         self.stub = shard_pb2_grpc.ShardStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self._stream = None
@@ -43,8 +50,9 @@ class ShardClient:
 
     async def warmup(self, num_pages: int, max_batch: int) -> shard_pb2.WarmupResponse:
         # Capturing decode graphs compiles them on a first start: minutes on a small CPU.
-        response = await self.stub.Warmup(shard_pb2.WarmupRequest(num_pages=num_pages, max_batch=max_batch),
-                                          timeout=1800)
+        response = await self.stub.Warmup(
+            shard_pb2.WarmupRequest(num_pages=num_pages, max_batch=max_batch), timeout=1800
+        )
         self._stream = self.stub.Steps()
         return response
 
@@ -110,13 +118,14 @@ class ShardGroup:
     """Every shard of a replica receives the same plan; a step is done when all have answered.
     Only the last stage's TP rank 0 returns sampled tokens."""
 
-    def __init__(self, addresses: list[str], step_timeout_s: float = 20.0,
-                 credentials: grpc.ChannelCredentials | None = None):
+    def __init__(
+        self, addresses: list[str], step_timeout_s: float = 20.0, credentials: grpc.ChannelCredentials | None = None
+    ):
         self.shards = [ShardClient(a, credentials) for a in addresses]
         self.sampler = len(self.shards) - 1
         self.step_timeout_s = step_timeout_s
         self.probe_timeout_s, _ = hang_detection_s(step_timeout_s)
-        self.group_id = ""         # the start of the shards' process group last answering Info
+        self.group_id = ""  # the start of the shards' process group last answering Info
         self.abandoned_group: str | None = None  # a multi-rank start whose streams were abandoned: it exits
 
     async def info(self, timeout: float) -> list[shard_pb2.ShardInfo]:
@@ -183,8 +192,9 @@ class ShardGroup:
         t0 = time.monotonic()
         try:
             for _ in range(HUNG_AFTER_TIMEOUTS):
-                done, pending = await asyncio.wait(tasks, timeout=self.step_timeout_s,
-                                                   return_when=asyncio.FIRST_EXCEPTION)
+                done, pending = await asyncio.wait(
+                    tasks, timeout=self.step_timeout_s, return_when=asyncio.FIRST_EXCEPTION
+                )
                 for task in done:
                     if task.exception() is not None:
                         raise task.exception()
@@ -198,13 +208,17 @@ class ShardGroup:
                 answers = await asyncio.gather(*(s.answers(self.probe_timeout_s) for s in self.shards))
                 silent = [s.address for s, ok in zip(self.shards, answers) if not ok]
                 if silent:
-                    raise ShardError(f"step {plan.step_id} has run {time.monotonic() - t0:.0f} s and shard(s) "
-                                     f"{', '.join(silent)} did not answer a health check within "
-                                     f"{self.probe_timeout_s:.0f} s")
+                    raise ShardError(
+                        f"step {plan.step_id} has run {time.monotonic() - t0:.0f} s and shard(s) "
+                        f"{', '.join(silent)} did not answer a health check within "
+                        f"{self.probe_timeout_s:.0f} s"
+                    )
             late = [s.address for s, t in zip(self.shards, tasks) if not t.done()]
-            raise ShardError(f"step {plan.step_id} has not returned after {time.monotonic() - t0:.0f} s "
-                             f"({HUNG_AFTER_TIMEOUTS} step timeouts) on shard(s) {', '.join(late)}, which "
-                             "still answer health checks: their compute hangs")
+            raise ShardError(
+                f"step {plan.step_id} has not returned after {time.monotonic() - t0:.0f} s "
+                f"({HUNG_AFTER_TIMEOUTS} step timeouts) on shard(s) {', '.join(late)}, which "
+                "still answer health checks: their compute hangs"
+            )
         finally:
             for task in tasks:
                 task.cancel()

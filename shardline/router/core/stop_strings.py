@@ -9,6 +9,7 @@ withheld text is kept, so memory is bounded by the longest stop string.
 When stop strings overlap, the output ends where the earliest-starting match begins, as if the
 whole text had been searched for every stop string at once.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -45,7 +46,7 @@ class StopMatcher:
                 self._match[child] = self._match[child] or self._match[self._fail[child]]
                 queue.append(child)
         self._node = 0
-        self._pending = ""     # text received but not yet sent: the withheld tail
+        self._pending = ""  # text received but not yet sent: the withheld tail
         self._cut: int | None = None  # where a found match starts, as an index into _pending
         self.stopped = False
 
@@ -82,6 +83,6 @@ class StopMatcher:
         if self.stopped:
             return "", True
         if self._cut is not None:
-            return self._stop(self._pending[:self._cut])
+            return self._stop(self._pending[: self._cut])
         out, self._pending = self._pending, ""
         return out, False

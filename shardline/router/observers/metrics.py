@@ -8,6 +8,7 @@ Counters and histograms move when the engine reports a request's or a step's eve
 nothing between scrapes. A counter never goes backwards: a replica reconnect starts a fresh page
 pool, but the counters here are the router's own.
 """
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -18,10 +19,50 @@ from shardline.router.core.sequence import Ending, Sequence, ending_label
 
 # Buckets in seconds, from vLLM's: first tokens and whole requests take seconds on a CPU, a token
 # or a step tens of milliseconds.
-LATENCY_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-             10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-REQUEST_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-             240.0, 480.0, 960.0)
+LATENCY_S = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+REQUEST_S = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+)
 
 
 class Metrics(RequestEvents):
@@ -30,28 +71,45 @@ class Metrics(RequestEvents):
         p = "shardline:"
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens", registry=r)
-        self.cache_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                     registry=r)
+        self.cache_queries = Counter(
+            p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
         self.cache_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
-        self.finished_requests = Counter(p + "request_finished", "Requests ended, by finish reason",
-                                         ["finished_reason"], registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "From arrival to the first token",
-                              buckets=LATENCY_S, registry=r)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "Between consecutive tokens of a request",
-                             buckets=LATENCY_S, registry=r)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "From arrival to the last token",
-                             buckets=REQUEST_S, registry=r)
-        self.queue_time = Histogram(p + "request_queue_time_seconds", "From arrival to admission",
-                                    buckets=REQUEST_S, registry=r)
-        self.prefill_time = Histogram(p + "request_prefill_time_seconds", "From admission to the first token",
-                                      buckets=REQUEST_S, registry=r)
-        self.decode_time = Histogram(p + "request_decode_time_seconds", "From the first token to the last",
-                                     buckets=REQUEST_S, registry=r)
-        self.step_time = Histogram(p + "step_duration_seconds", "A step's round trip as the router sees it",
-                                   ["phase"], buckets=LATENCY_S, registry=r)
-        self.shard_step_time = Histogram(p + "shard_step_duration_seconds",
-                                         "A step's compute time as the shards report it (the slowest rank)",
-                                         ["phase"], buckets=LATENCY_S, registry=r)
+        self.finished_requests = Counter(
+            p + "request_finished", "Requests ended, by finish reason", ["finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds", "From arrival to the first token", buckets=LATENCY_S, registry=r
+        )
+        self.itl = Histogram(
+            p + "inter_token_latency_seconds", "Between consecutive tokens of a request", buckets=LATENCY_S, registry=r
+        )
+        self.e2e = Histogram(
+            p + "e2e_request_latency_seconds", "From arrival to the last token", buckets=REQUEST_S, registry=r
+        )
+        self.queue_time = Histogram(
+            p + "request_queue_time_seconds", "From arrival to admission", buckets=REQUEST_S, registry=r
+        )
+        self.prefill_time = Histogram(
+            p + "request_prefill_time_seconds", "From admission to the first token", buckets=REQUEST_S, registry=r
+        )
+        self.decode_time = Histogram(
+            p + "request_decode_time_seconds", "From the first token to the last", buckets=REQUEST_S, registry=r
+        )
+        self.step_time = Histogram(
+            p + "step_duration_seconds",
+            "A step's round trip as the router sees it",
+            ["phase"],
+            buckets=LATENCY_S,
+            registry=r,
+        )
+        self.shard_step_time = Histogram(
+            p + "shard_step_duration_seconds",
+            "A step's compute time as the shards report it (the slowest rank)",
+            ["phase"],
+            buckets=LATENCY_S,
+            registry=r,
+        )
 
     def watch(self, replica) -> None:
         """Gauges (and the replica's failure counts) read from `replica` at scrape time."""

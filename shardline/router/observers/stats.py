@@ -3,6 +3,7 @@ traces); the gRPC front end (api/generation.py) adds the live page pool and queu
 
 The counters are the router's own: they survive a replica reconnect, which starts a fresh pool
 (the pool's prefix hit counters start again with it)."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -19,7 +20,7 @@ class StatsCounters(RequestEvents):
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0
         self.requests_failed = 0
-        self.decode_graph_launches = self.eager_decode_steps = 0   # summed over the shards
+        self.decode_graph_launches = self.eager_decode_steps = 0  # summed over the shards
         self.mixed_steps = 0
         self.layer_group_steps = 0
         # Recent decode steps as (router wall ms, shard compute ms).

@@ -11,9 +11,11 @@
 From a client's trace id a tracing view thus reaches the request span, through its links every
 step that served it, and under each step every shard rank's work.
 """
+
 from __future__ import annotations
 
-from opentelemetry import context as otel_context, propagate, trace
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from shardline.router.core.events import RequestEvents
@@ -28,9 +30,12 @@ class Tracing(RequestEvents):
     def request_span(self, metadata, operation: str, attributes: dict) -> trace.Span:
         """Starts a request's span, continuing the trace context of the call's metadata."""
         parent = propagate.extract({k: v for k, v in metadata or () if isinstance(v, str)})
-        return self.tracer.start_span(f"{operation} {self.model}", context=parent, kind=SpanKind.SERVER,
-                                      attributes={"gen_ai.operation.name": operation,
-                                                  "gen_ai.request.model": self.model, **attributes})
+        return self.tracer.start_span(
+            f"{operation} {self.model}",
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={"gen_ai.operation.name": operation, "gen_ai.request.model": self.model, **attributes},
+        )
 
     # -- request events ---------------------------------------------------------------------------
     def queued(self, seq: Sequence) -> None:
@@ -51,10 +56,14 @@ class Tracing(RequestEvents):
             return
         reason = ending_label(end)
         span.add_event("finished", {"reason": reason})
-        span.set_attributes({"gen_ai.usage.input_tokens": len(seq.prompt_ids),
-                             "gen_ai.usage.output_tokens": len(seq.output_ids),
-                             "gen_ai.usage.cache_read.input_tokens": seq.cached_prompt_tokens,
-                             "gen_ai.response.finish_reasons": [reason]})
+        span.set_attributes(
+            {
+                "gen_ai.usage.input_tokens": len(seq.prompt_ids),
+                "gen_ai.usage.output_tokens": len(seq.output_ids),
+                "gen_ai.usage.cache_read.input_tokens": seq.cached_prompt_tokens,
+                "gen_ai.response.finish_reasons": [reason],
+            }
+        )
         if isinstance(end, Failure):
             span.set_status(Status(StatusCode.ERROR, reason))
         span.end()
@@ -64,26 +73,43 @@ class Tracing(RequestEvents):
         for chunk in step.chunks if not step.layer_start else ():  # a chunk's first step
             seq = chunk.seq
             if seq.span is not None:
-                seq.span.add_event("prefill_chunk", {"shardline.chunk.start": seq.num_computed,
-                                                     "shardline.chunk.tokens": len(chunk.tokens),
-                                                     "shardline.step.id": step_id})
+                seq.span.add_event(
+                    "prefill_chunk",
+                    {
+                        "shardline.chunk.start": seq.num_computed,
+                        "shardline.chunk.tokens": len(chunk.tokens),
+                        "shardline.step.id": step_id,
+                    },
+                )
         links = [Link(s.seq.span.get_span_context()) for s in step.scheduled if s.seq.span is not None]
-        span = self.tracer.start_span("step", context=otel_context.Context(), kind=SpanKind.CLIENT, links=links,
-                                      attributes={"shardline.step.id": step_id, "shardline.step.phase": step.phase.value,
-                                                  "shardline.step.batch_size": len(step.scheduled),
-                                                  "shardline.step.tokens": step.num_tokens,
-                                                  "shardline.step.sent_ahead": step.sampled_inputs,
-                                                  "shardline.step.layer_start": step.layer_start,
-                                                  # 0: through the last layer, as in the plan
-                                                  "shardline.step.layer_end": step.layer_end or 0})
+        span = self.tracer.start_span(
+            "step",
+            context=otel_context.Context(),
+            kind=SpanKind.CLIENT,
+            links=links,
+            attributes={
+                "shardline.step.id": step_id,
+                "shardline.step.phase": step.phase.value,
+                "shardline.step.batch_size": len(step.scheduled),
+                "shardline.step.tokens": step.num_tokens,
+                "shardline.step.sent_ahead": step.sampled_inputs,
+                "shardline.step.layer_start": step.layer_start,
+                # 0: through the last layer, as in the plan
+                "shardline.step.layer_end": step.layer_end or 0,
+            },
+        )
         propagate.inject(plan.trace_context, context=trace.set_span_in_context(span))
         self._steps[step_id] = span
 
     def step_done(self, step_id: int, step, result, wall_s: float) -> None:
         span = self._steps.pop(step_id)
-        span.set_attributes({"shardline.step.shard_compute_ms": result.compute_ms,
-                             "shardline.step.decode_graph_launches": result.graph_launches,
-                             "shardline.step.failed_sequences": len(result.failures)})
+        span.set_attributes(
+            {
+                "shardline.step.shard_compute_ms": result.compute_ms,
+                "shardline.step.decode_graph_launches": result.graph_launches,
+                "shardline.step.failed_sequences": len(result.failures),
+            }
+        )
         span.end()
 
     def step_failed(self, step_id: int, step, error: BaseException) -> None:
@@ -101,10 +127,14 @@ def request_attributes(req) -> tuple[str, dict]:
     if not hasattr(req, "WhichOneof"):
         return "text_completion", {}
     s = req.sampling
-    attributes = {"gen_ai.request.max_tokens": req.max_new_tokens, "gen_ai.request.temperature": s.temperature,
-                  "gen_ai.request.top_k": s.top_k, "gen_ai.request.stream": True,
-                  "shardline.request.priority": req.priority,
-                  "shardline.request.cache_salt_present": bool(req.cache_salt)}
+    attributes = {
+        "gen_ai.request.max_tokens": req.max_new_tokens,
+        "gen_ai.request.temperature": s.temperature,
+        "gen_ai.request.top_k": s.top_k,
+        "gen_ai.request.stream": True,
+        "shardline.request.priority": req.priority,
+        "shardline.request.cache_salt_present": bool(req.cache_salt),
+    }
     if s.HasField("top_p"):
         attributes["gen_ai.request.top_p"] = s.top_p
     if s.HasField("seed"):

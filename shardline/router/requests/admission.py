@@ -7,6 +7,7 @@ Tokenizing and chat templating run on one worker thread with the GIL released wh
 so a long prompt does not delay other streams' tokens, and a burst of long prompts queues there
 instead of taking every core.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,15 @@ from shardline.protos import generation_pb2 as pb
 from shardline.router.core.replica import Replica
 from shardline.router.core.sequence import Sequence
 from shardline.router.requests.constraints import Grammars
-from shardline.router.requests.validation import (InvalidRequest, Limits, invalid, new_tokens, prompt_fits, sampling_of,
-                                                  validate)
+from shardline.router.requests.validation import (
+    InvalidRequest,
+    Limits,
+    invalid,
+    new_tokens,
+    prompt_fits,
+    sampling_of,
+    validate,
+)
 
 
 def _exhausted(message: str) -> InvalidRequest:
@@ -38,8 +46,15 @@ class Admission:
     tenants share cached prefix pages (else each tenant's pages are its own).
     `constraint_timeout_s`: the most a constraint may take to compile."""
 
-    def __init__(self, replica: Replica, max_waiting: int, tenant_max_requests: int = 0,
-                 tenant_max_waiting: int = 0, share_cache: bool = False, constraint_timeout_s: float = 5.0):
+    def __init__(
+        self,
+        replica: Replica,
+        max_waiting: int,
+        tenant_max_requests: int = 0,
+        tenant_max_waiting: int = 0,
+        share_cache: bool = False,
+        constraint_timeout_s: float = 5.0,
+    ):
         self.replica, self.max_waiting, self.share_cache = replica, max_waiting, share_cache
         self.tenant_max_requests, self.tenant_max_waiting = tenant_max_requests, tenant_max_waiting
         self.constraint_timeout_s = constraint_timeout_s
@@ -58,20 +73,26 @@ class Admission:
 
     def limits(self) -> Limits:
         served = self.replica.served
-        return Limits(served.head.context_length, served.head.vocab_size, self.replica.codec.max_token_chars,
-                      served.pool_tokens)
+        return Limits(
+            served.head.context_length, served.head.vocab_size, self.replica.codec.max_token_chars, served.pool_tokens
+        )
 
     def grammars(self) -> Grammars:
         """The constraint compiler of the served vocabulary (the model is the router's: it stays
         across reconnects)."""
         if self._grammars is None:
             served = self.replica.served
-            self._grammars = Grammars(self.replica.codec.tokenizer.to_str(), served.head.vocab_size,
-                                      sorted(served.eos_ids), self.constraint_timeout_s)
+            self._grammars = Grammars(
+                self.replica.codec.tokenizer.to_str(),
+                served.head.vocab_size,
+                sorted(served.eos_ids),
+                self.constraint_timeout_s,
+            )
         return self._grammars
 
-    async def admit(self, req: pb.GenerateRequest, tenant: str, span=None, open_ended: bool = False,
-                    after: Sequence | None = None) -> Sequence:
+    async def admit(
+        self, req: pb.GenerateRequest, tenant: str, span=None, open_ended: bool = False, after: Sequence | None = None
+    ) -> Sequence:
         """The request's sequence, queued in the engine; raises InvalidRequest. The caller must
         `release` it when its stream ends, however it ends. `open_ended`: max_new_tokens 0 means
         up to the model's context or what the page pool holds (its KV pages are reserved as for
@@ -81,7 +102,9 @@ class Admission:
         limits = self.limits()
         validate(req, limits, open_ended)
         try:
-            ids = await asyncio.get_running_loop().run_in_executor(self._text_worker, prompt_ids, self.replica.codec, req)
+            ids = await asyncio.get_running_loop().run_in_executor(
+                self._text_worker, prompt_ids, self.replica.codec, req
+            )
         except TemplateError as e:
             raise invalid(str(e)) from None
         max_new = new_tokens(req, len(ids), limits)
@@ -92,14 +115,21 @@ class Admission:
         if error := self.unavailable():  # the group may have failed while we tokenized
             raise error
         self._check_room(len(ids) + max_new, tenant, req.request_id)
-        seq = Sequence(seq_id=next(self._ids), request_id=req.request_id or uuid.uuid4().hex,
-                       prompt_ids=ids, max_new_tokens=max_new,
-                       sampling=sampling_of(req, random.getrandbits(63)),
-                       cache_namespace=cache_namespace(None if self.share_cache else tenant, req.cache_salt),
-                       tenant=tenant, priority=req.priority,
-                       prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
-                       stop_token_ids=frozenset() if req.ignore_eos else self.replica.served.eos_ids, span=span,
-                       after=after, constrained=constrained)
+        seq = Sequence(
+            seq_id=next(self._ids),
+            request_id=req.request_id or uuid.uuid4().hex,
+            prompt_ids=ids,
+            max_new_tokens=max_new,
+            sampling=sampling_of(req, random.getrandbits(63)),
+            cache_namespace=cache_namespace(None if self.share_cache else tenant, req.cache_salt),
+            tenant=tenant,
+            priority=req.priority,
+            prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
+            stop_token_ids=frozenset() if req.ignore_eos else self.replica.served.eos_ids,
+            span=span,
+            after=after,
+            constrained=constrained,
+        )
         # No await since _check_room: the id is still free.
         self._running[tenant, seq.request_id] = seq
         self.replica.submit(seq, list(req.stop))
@@ -124,16 +154,21 @@ class Admission:
     def _check_room(self, tokens: int, tenant: str, request_id: str) -> None:
         replica = self.replica
         if not replica.can_ever_fit(tokens):
-            raise _exhausted(f"the request needs {tokens} tokens of KV cache "
-                             f"but the whole page pool holds {replica.served.pool_tokens}")
+            raise _exhausted(
+                f"the request needs {tokens} tokens of KV cache "
+                f"but the whole page pool holds {replica.served.pool_tokens}"
+            )
         if replica.waiting() >= self.max_waiting:
             raise _exhausted(f"too many waiting requests ({self.max_waiting}); retry later")
         if (tenant, request_id) in self._running:
-            raise InvalidRequest(grpc.StatusCode.ALREADY_EXISTS,
-                                 f"a request with request_id {request_id!r} is already running")
+            raise InvalidRequest(
+                grpc.StatusCode.ALREADY_EXISTS, f"a request with request_id {request_id!r} is already running"
+            )
         if self.tenant_max_requests and sum(t == tenant for t, _ in self._running) >= self.tenant_max_requests:
-            raise _exhausted(f"this tenant already has {self.tenant_max_requests} requests in flight, "
-                             "its limit; retry later")
+            raise _exhausted(
+                f"this tenant already has {self.tenant_max_requests} requests in flight, its limit; retry later"
+            )
         if self.tenant_max_waiting and replica.waiting(tenant) >= self.tenant_max_waiting:
-            raise _exhausted(f"this tenant already has {self.tenant_max_waiting} requests waiting, "
-                             "its limit; retry later")
+            raise _exhausted(
+                f"this tenant already has {self.tenant_max_waiting} requests waiting, its limit; retry later"
+            )

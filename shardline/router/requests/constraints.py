@@ -3,13 +3,15 @@ into a matcher per sequence (core/constrained.py), which the engine then advance
 
 - One `Grammars` per served tokenizer. It compiles a constraint on a worker thread, within
   `timeout_s` of the compile's start, so a pathological one costs its own request a refusal
-  (INVALID_ARGUMENT, with the compiler's message) and never stalls the event loop. Compiled constraints are kept by content
-  (the last `CACHE_SIZE`); a sequence gets a copy of the compiled matcher and its first mask.
+  (INVALID_ARGUMENT, with the compiler's message) and never stalls the event loop. Compiled
+  constraints are kept by content (the last `CACHE_SIZE`); a sequence gets a copy of the
+  compiled matcher and its first mask.
 
 Between JSON tokens the output may hold `JSON_WHITESPACE`, llama.cpp's choice: nothing, a space,
 or a line break and an indent of up to 20 (pretty-printed JSON fits). Unbounded whitespace, which
 JSON allows, lets a sampled answer run to max_tokens without ever closing.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -76,8 +78,9 @@ class Grammars:
         loop = asyncio.get_running_loop()
         if self._tokenizer is None:
             text, vocab_size, eos = self._tokenizer_args
-            self._tokenizer = loop.run_in_executor(self._workers, lambda: llg.LLTokenizer(
-                text, n_vocab=vocab_size, eos_token=eos))
+            self._tokenizer = loop.run_in_executor(
+                self._workers, lambda: llg.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos)
+            )
         tokenizer = await asyncio.shield(self._tokenizer)  # its build is not the constraint's time
         future = self._compiled.get(grammar)
         if future is None:
@@ -106,6 +109,7 @@ class Grammars:
         def build() -> llg.LLMatcher:
             loop.call_soon_threadsafe(started.set_result, None)
             return llg.LLMatcher(tokenizer, grammar, log_level=0)
+
         matcher = loop.run_in_executor(self._workers, build)
         await started
         return await asyncio.wait_for(matcher, self.timeout_s)

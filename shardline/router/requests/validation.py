@@ -6,6 +6,7 @@ times the longest token can never fit and is refused before tokenizing. `prompt_
 check of prompt + max_new_tokens against the context, for token ids at once and for text once it
 is tokenized.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,12 +16,13 @@ from dataclasses import dataclass
 import grpc
 
 from shardline.common.tokenizer import CHAT_ROLES
-from shardline.protos import generation_pb2 as pb, shard_pb2
+from shardline.protos import generation_pb2 as pb
+from shardline.protos import shard_pb2
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
-MAX_ID_CHARS = 256        # request_id, cache_salt
+MAX_ID_CHARS = 256  # request_id, cache_salt
 MAX_MESSAGES = 1024
-MAX_LOGPROBS = 20         # alternatives per position (the shard's own limit too)
+MAX_LOGPROBS = 20  # alternatives per position (the shard's own limit too)
 
 
 class InvalidRequest(Exception):
@@ -41,8 +43,8 @@ class Limits:
 
     context_length: int
     vocab_size: int
-    max_token_chars: int   # the most characters one token stands for
-    pool_tokens: int       # what the whole KV page pool holds
+    max_token_chars: int  # the most characters one token stands for
+    pool_tokens: int  # what the whole KV page pool holds
 
 
 def new_tokens(req: pb.GenerateRequest, prompt_tokens: int, limits: Limits) -> int:
@@ -55,8 +57,10 @@ def prompt_fits(prompt_tokens: int, max_new_tokens: int, limits: Limits) -> None
     if prompt_tokens == 0:
         raise invalid("the prompt has no tokens")
     if prompt_tokens + max_new_tokens > limits.context_length:
-        raise invalid(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) "
-                      f"exceeds the model's context of {limits.context_length} tokens")
+        raise invalid(
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) "
+            f"exceeds the model's context of {limits.context_length} tokens"
+        )
 
 
 def validate(req: pb.GenerateRequest, limits: Limits, open_ended: bool = False) -> None:
@@ -65,8 +69,9 @@ def validate(req: pb.GenerateRequest, limits: Limits, open_ended: bool = False) 
     if req.max_new_tokens == 0 and not open_ended:
         raise invalid("max_new_tokens must be at least 1")
     if req.max_new_tokens >= limits.context_length:
-        raise invalid(f"max_new_tokens ({req.max_new_tokens}) exceeds the model's context of "
-                      f"{limits.context_length} tokens")
+        raise invalid(
+            f"max_new_tokens ({req.max_new_tokens}) exceeds the model's context of {limits.context_length} tokens"
+        )
     if len(req.stop) > MAX_STOPS:
         raise invalid(f"at most {MAX_STOPS} stop strings, got {len(req.stop)}")
     for s in req.stop:
@@ -94,9 +99,13 @@ def sampling_of(req: pb.GenerateRequest, seed_if_unset: int) -> shard_pb2.Sampli
     """A validated request's sampling as the shards take it; the server picks the seed of one
     that sets none."""
     s = req.sampling
-    return shard_pb2.Sampling(temperature=s.temperature, top_p=_top_p(s), top_k=s.top_k,
-                              seed=s.seed if s.HasField("seed") else seed_if_unset,
-                              logprobs=req.logprobs if req.HasField("logprobs") else None)
+    return shard_pb2.Sampling(
+        temperature=s.temperature,
+        top_p=_top_p(s),
+        top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else seed_if_unset,
+        logprobs=req.logprobs if req.HasField("logprobs") else None,
+    )
 
 
 def _json_list(name: str, text: str) -> None:
@@ -139,5 +148,7 @@ def _input(req: pb.GenerateRequest, limits: Limits) -> None:
         raise invalid("no input: set prompt, prompt_token_ids or messages")
     limit = limits.context_length * limits.max_token_chars
     if chars > limit:
-        raise invalid(f"the prompt has {chars} characters; no prompt over {limit} characters fits the "
-                      f"model's context of {limits.context_length} tokens")
+        raise invalid(
+            f"the prompt has {chars} characters; no prompt over {limit} characters fits the "
+            f"model's context of {limits.context_length} tokens"
+        )

@@ -8,13 +8,14 @@ log-probabilities and its chunks.
   with an error event, then `[DONE]`.
 - A client that disconnects cancels its request at the next step; its pages go back.
 """
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -28,8 +29,12 @@ from shardline.router.api.openai.schema import BaseRequest, Error, ErrorResponse
 from shardline.router.core.sequence import FinishReason, Output
 
 log = logging.getLogger(__name__)
-FINISH = {FinishReason.STOP: "stop", FinishReason.EOS: "stop", FinishReason.LENGTH: "length",
-          FinishReason.CANCELLED: "abort"}  # vLLM's word for a request cancelled on the server
+FINISH = {
+    FinishReason.STOP: "stop",
+    FinishReason.EOS: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CANCELLED: "abort",
+}  # vLLM's word for a request cancelled on the server
 
 
 def as_json(model: BaseModel) -> str:
@@ -53,7 +58,7 @@ class Answer:
         n = len(choices.reqs)
         self.text = [""] * n
         self.finish: list[str | None] = [None] * n
-        self.logprobs: list[list] = [[] for _ in range(n)]   # each choice's, as the API writes them
+        self.logprobs: list[list] = [[] for _ in range(n)]  # each choice's, as the API writes them
         self._closed = False
 
     # -- what each API writes ----------------------------------------------------------------------
@@ -99,8 +104,12 @@ class Answer:
     def _usage(self) -> Usage:
         seqs = self.choices.seqs
         prompt, completion = len(seqs[0].prompt_ids), sum(len(s.output_ids) for s in seqs)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=seqs[0].cached_prompt_tokens))
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=seqs[0].cached_prompt_tokens),
+        )
 
     async def _outputs(self) -> AsyncIterator[tuple[int, Output]]:
         """The choices' outputs until all ended; a failure raises ApiError."""
@@ -161,8 +170,9 @@ class Answer:
             yield _sse(as_json(e.body))
         except Exception as e:  # noqa: BLE001 - whatever went wrong, the stream ends with an error event
             log.error("a stream of the HTTP API failed", exc_info=e)
-            yield _sse(as_json(ErrorResponse(error=Error(message=f"internal error ({type(e).__name__})",
-                                                         type="server_error"))))
+            yield _sse(
+                as_json(ErrorResponse(error=Error(message=f"internal error ({type(e).__name__})", type="server_error")))
+            )
         finally:
             self.close()
         yield _sse("[DONE]")

@@ -1,5 +1,6 @@
 """`/v1/chat/completions`: messages in (with tools), a message or its deltas out, tool calls
 read back from the text (tools.py), log-probabilities as `logprobs.content[]`."""
+
 from __future__ import annotations
 
 import json
@@ -9,9 +10,19 @@ from shardline.protos import generation_pb2 as pb
 from shardline.router.api.openai import tools
 from shardline.router.api.openai.answer import Answer
 from shardline.router.api.openai.choices import Choices, base_request, per_choice
-from shardline.router.api.openai.schema import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
-                                                ChatCompletionRequest, ChatLogprobs, ChatMessage, Delta, TokenLogprob,
-                                                ToolCall, TopLogprob)
+from shardline.router.api.openai.schema import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatLogprobs,
+    ChatMessage,
+    Delta,
+    TokenLogprob,
+    ToolCall,
+    TopLogprob,
+)
 from shardline.router.api.openai.tools import ToolCallReader
 
 
@@ -25,8 +36,11 @@ def chat_requests(body: ChatCompletionRequest, tool_blocks: bool) -> list[pb.Gen
     for m in body.messages:
         role = "system" if m.role == "developer" else m.role
         calls = json.dumps([c.model_dump() for c in m.tool_calls]) if m.tool_calls else ""
-        req.messages.messages.append(pb.ChatMessage(role=role, content=m.text(), tool_calls_json=calls,
-                                                    tool_call_id=m.tool_call_id or "", name=m.name or ""))
+        req.messages.messages.append(
+            pb.ChatMessage(
+                role=role, content=m.text(), tool_calls_json=calls, tool_call_id=m.tool_call_id or "", name=m.name or ""
+            )
+        )
     if body.tools:
         req.messages.tools_json = json.dumps([t.model_dump(exclude_none=True) for t in body.tools])
     return per_choice(req, body)
@@ -35,8 +49,7 @@ def chat_requests(body: ChatCompletionRequest, tool_blocks: bool) -> list[pb.Gen
 class ChatAnswer(Answer):
     id_prefix = "chatcmpl-"
 
-    def __init__(self, body: ChatCompletionRequest, choices: Choices, model: str, codec: TextCodec,
-                 tool_blocks: bool):
+    def __init__(self, body: ChatCompletionRequest, choices: Choices, model: str, codec: TextCodec, tool_blocks: bool):
         super().__init__(body, choices, model, codec)
         kind = tools.mode(body, tool_blocks)
         self.readers = [ToolCallReader(kind, tool_blocks) for _ in self.text]
@@ -54,10 +67,15 @@ class ChatAnswer(Answer):
 
     def _logprob(self, index: int, entry) -> TokenLogprob:
         codec = self.codec
-        return TokenLogprob(token=codec.token_text(entry.token_id), logprob=entry.logprob,
-                            bytes=list(codec.token_bytes(entry.token_id)),
-                            top_logprobs=[TopLogprob(token=codec.token_text(t), logprob=v, bytes=list(codec.token_bytes(t)))
-                                          for t, v in zip(entry.top_ids, entry.top_logprobs)])
+        return TokenLogprob(
+            token=codec.token_text(entry.token_id),
+            logprob=entry.logprob,
+            bytes=list(codec.token_bytes(entry.token_id)),
+            top_logprobs=[
+                TopLogprob(token=codec.token_text(t), logprob=v, bytes=list(codec.token_bytes(t)))
+                for t, v in zip(entry.top_ids, entry.top_logprobs)
+            ],
+        )
 
     def _choice_logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs | None:
         return ChatLogprobs(content=entries) if self.wants_logprobs else None
@@ -67,21 +85,43 @@ class ChatAnswer(Answer):
         return ChatMessage(content=self.text[index] or None if calls else self.text[index], tool_calls=calls or None)
 
     def _whole(self) -> ChatCompletion:
-        return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=self._usage(), choices=[
-            ChatChoice(index=i, message=self._message(i), finish_reason=self.finish[i],
-                       logprobs=self._choice_logprobs(self.logprobs[i])) for i in range(len(self.text))])
+        return ChatCompletion(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            usage=self._usage(),
+            choices=[
+                ChatChoice(
+                    index=i,
+                    message=self._message(i),
+                    finish_reason=self.finish[i],
+                    logprobs=self._choice_logprobs(self.logprobs[i]),
+                )
+                for i in range(len(self.text))
+            ],
+        )
 
     def _opening(self) -> list[ChatCompletionChunk]:
         # OpenAI opens every choice with the assistant's role.
-        return [self._chunk_of([ChatChunkChoice(index=i, delta=Delta(role="assistant", content=""))
-                                for i in range(len(self.text))])]
+        return [
+            self._chunk_of(
+                [ChatChunkChoice(index=i, delta=Delta(role="assistant", content="")) for i in range(len(self.text))]
+            )
+        ]
 
     def _chunk(self, index: int, delta: str, calls: list[ToolCall], logprobs: list) -> ChatCompletionChunk:
         tool_calls = self.readers[index].deltas(calls) if calls else None
         content = delta if delta or not tool_calls else None
-        return self._chunk_of([ChatChunkChoice(index=index, delta=Delta(content=content, tool_calls=tool_calls),
-                                               finish_reason=self.finish[index],
-                                               logprobs=self._choice_logprobs(logprobs))])
+        return self._chunk_of(
+            [
+                ChatChunkChoice(
+                    index=index,
+                    delta=Delta(content=content, tool_calls=tool_calls),
+                    finish_reason=self.finish[index],
+                    logprobs=self._choice_logprobs(logprobs),
+                )
+            ]
+        )
 
     def _usage_chunk(self) -> ChatCompletionChunk:
         return self._chunk_of([], self._usage())

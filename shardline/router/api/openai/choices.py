@@ -8,12 +8,13 @@ cache: the others wait in the scheduler until the first one's prompt is computed
 first one's token ids, so the prompt is tokenized once. Choice i of a seeded request samples
 with seed + i: the same request gets the same choices, and they differ.
 """
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from opentelemetry import trace
 
@@ -49,8 +50,9 @@ def _constrain(req: pb.GenerateRequest, body: BaseRequest, tool_grammar: str | N
 def base_request(body: BaseRequest, tool_grammar: str | None = None) -> pb.GenerateRequest:
     """What chat and text completions ask alike: sampling, stops, constraint, vLLM's extensions.
     `tool_grammar`: what constrains the output to tool calls (tools.py)."""
-    req = pb.GenerateRequest(stop=body.stops(), ignore_eos=body.ignore_eos, priority=body.priority,
-                             cache_salt=body.cache_salt or "")
+    req = pb.GenerateRequest(
+        stop=body.stops(), ignore_eos=body.ignore_eos, priority=body.priority, cache_salt=body.cache_salt or ""
+    )
     _constrain(req, body, tool_grammar)
     s = req.sampling
     s.temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI's default
@@ -90,8 +92,11 @@ class Choices:
                     req.prompt_token_ids.CopyFrom(pb.PromptTokens(ids=self.seqs[0].prompt_ids))
                 span = self._span(i)
                 try:
-                    self.seqs.append(await self.admission.admit(req, self.tenant, span, open_ended=True,
-                                                                after=self.seqs[0] if i else None))
+                    self.seqs.append(
+                        await self.admission.admit(
+                            req, self.tenant, span, open_ended=True, after=self.seqs[0] if i else None
+                        )
+                    )
                 except InvalidRequest:
                     if span is not self.span:
                         span.end()

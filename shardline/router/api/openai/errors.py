@@ -2,6 +2,7 @@
 the HTTP status of what the gRPC API answers (INVALID_ARGUMENT 400, UNAUTHENTICATED 401,
 NOT_FOUND 404, a body over the limit 413, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, INTERNAL
 500)."""
+
 from __future__ import annotations
 
 import re
@@ -10,10 +11,15 @@ from pydantic import ValidationError
 
 from shardline.router.api.openai.schema import Error, ErrorResponse
 
-HTTP_STATUS = {"INVALID_ARGUMENT": (400, "invalid_request_error"), "UNAUTHENTICATED": (401, "authentication_error"),
-               "NOT_FOUND": (404, "not_found_error"), "ALREADY_EXISTS": (409, "conflict_error"),
-               "RESOURCE_EXHAUSTED": (429, "rate_limit_error"), "UNAVAILABLE": (503, "service_unavailable_error"),
-               "INTERNAL": (500, "server_error")}
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "UNAUTHENTICATED": (401, "authentication_error"),
+    "NOT_FOUND": (404, "not_found_error"),
+    "ALREADY_EXISTS": (409, "conflict_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+    "UNAVAILABLE": (503, "service_unavailable_error"),
+    "INTERNAL": (500, "server_error"),
+}
 
 
 class ApiError(Exception):
@@ -32,8 +38,20 @@ def invalid_body(e: ValidationError) -> ApiError:
     """A 400 naming the first field of the body that pydantic refused."""
     first = e.errors()[0]
     # A union's members name themselves in the location (prompt.str, prompt.list[int].0): not fields.
-    param = ".".join(str(part) for part in first["loc"] if isinstance(part, int) or re.fullmatch(r"[a-z_]+", part)
-                     and part not in ("str", "int", "float", "bool", "list", "dict", "none")) or None
+    param = (
+        ".".join(
+            str(part)
+            for part in first["loc"]
+            if isinstance(part, int)
+            or re.fullmatch(r"[a-z_]+", part)
+            and part not in ("str", "int", "float", "bool", "list", "dict", "none")
+        )
+        or None
+    )
     message = first["msg"].removeprefix("Value error, ")
-    return ApiError(400, f"{param}: {message}" if param and not message.startswith(param) else message,
-                    "invalid_request_error", param=param)
+    return ApiError(
+        400,
+        f"{param}: {message}" if param and not message.startswith(param) else message,
+        "invalid_request_error",
+        param=param,
+    )

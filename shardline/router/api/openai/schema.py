@@ -7,12 +7,24 @@ know is refused, as OpenAI refuses it, rather than ignored: a client that asks f
 tool expects it to apply. Extensions follow vLLM's names: `top_k`, `ignore_eos`, `priority`,
 `cache_salt`, `request_id`.
 """
+
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
-                      field_validator, model_serializer, model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 MAX_CHOICES = 16
 
@@ -30,10 +42,12 @@ Number = Annotated[float, BeforeValidator(_number)]
 def _unsupported(neutral):
     """A field this server accepts at its neutral value only (what a client sends when it
     means none), and refuses otherwise."""
+
     def check(v):
         if v not in neutral:
             raise ValueError("is not supported by this server")
         return v
+
     return AfterValidator(check)
 
 
@@ -52,7 +66,7 @@ class TextPart(Closed):
 
 class FunctionCall(Closed):
     name: StrictStr
-    arguments: StrictStr     # JSON text
+    arguments: StrictStr  # JSON text
 
 
 class ToolCall(Closed):
@@ -63,7 +77,7 @@ class ToolCall(Closed):
 
 class Message(Closed):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[StrictStr, list[TextPart], None] = None
+    content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
@@ -95,7 +109,7 @@ class ResponseFormat(Closed):
 class StructuredOutputs(Closed):
     """vLLM's `structured_outputs`: exactly one constraint."""
 
-    json_: Union[dict, StrictStr, None] = Field(None, alias="json")
+    json_: dict | StrictStr | None = Field(None, alias="json")
     json_object: StrictBool | None = None
     regex: StrictStr | None = None
     grammar: StrictStr | None = None
@@ -103,8 +117,13 @@ class StructuredOutputs(Closed):
 
     @model_validator(mode="after")
     def _exactly_one(self):
-        if sum(v is not None and v is not False for v in (self.json_, self.json_object, self.regex,
-                                                          self.grammar, self.choice)) != 1:
+        if (
+            sum(
+                v is not None and v is not False
+                for v in (self.json_, self.json_object, self.regex, self.grammar, self.choice)
+            )
+            != 1
+        ):
             raise ValueError("set exactly one of json, json_object, regex, grammar, choice")
         return self
 
@@ -117,8 +136,8 @@ class BaseRequest(Closed):
     temperature: Number | None = Field(None, ge=0)
     top_p: Number | None = Field(None, gt=0, le=1)
     n: StrictInt = Field(1, ge=1, le=MAX_CHOICES)
-    seed: StrictInt | None = Field(None, ge=-2**63, lt=2**64)
-    stop: Union[StrictStr, list[StrictStr], None] = None
+    seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
@@ -126,9 +145,9 @@ class BaseRequest(Closed):
     frequency_penalty: Annotated[Number | None, _unsupported((None, 0))] = None
     logit_bias: Annotated[dict[str, Number] | None, _unsupported((None, {}))] = None
     # vLLM's extensions
-    top_k: StrictInt | None = Field(None, ge=-1)     # -1 or 0: off
+    top_k: StrictInt | None = Field(None, ge=-1)  # -1 or 0: off
     ignore_eos: StrictBool = False
-    priority: StrictInt = Field(0, ge=-2**31, lt=2**31)
+    priority: StrictInt = Field(0, ge=-(2**31), lt=2**31)
     cache_salt: StrictStr | None = None
     request_id: StrictStr | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -145,8 +164,11 @@ class BaseRequest(Closed):
 
     @model_validator(mode="after")
     def _one_constraint(self):
-        if self.structured_outputs is not None and self.response_format is not None \
-                and self.response_format.type != "text":
+        if (
+            self.structured_outputs is not None
+            and self.response_format is not None
+            and self.response_format.type != "text"
+        ):
             raise ValueError("response_format and structured_outputs: set one of them")
         return self
 
@@ -154,7 +176,7 @@ class BaseRequest(Closed):
 class Function(Closed):
     name: StrictStr = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: StrictStr | None = None
-    parameters: dict | None = None   # a JSON schema of the arguments; none: any object
+    parameters: dict | None = None  # a JSON schema of the arguments; none: any object
     strict: StrictBool | None = None
 
 
@@ -178,7 +200,7 @@ class ChatCompletionRequest(BaseRequest):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = Field(None, max_length=128)
-    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
 
     @model_validator(mode="after")
@@ -197,8 +219,11 @@ class ChatCompletionRequest(BaseRequest):
             raise ValueError("tool_choice: 'required' needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"tool_choice: no tool is named {choice.function.name!r}")
-        if self.calls_forced() and (self.structured_outputs is not None or
-                                    self.response_format is not None and self.response_format.type != "text"):
+        if self.calls_forced() and (
+            self.structured_outputs is not None
+            or self.response_format is not None
+            and self.response_format.type != "text"
+        ):
             raise ValueError("tool_choice: a forced tool call and a response format cannot both constrain the output")
         return self
 
@@ -208,7 +233,7 @@ class ChatCompletionRequest(BaseRequest):
 
 class CompletionRequest(BaseRequest):
     # A string, or token ids; or a batch of one of either.
-    prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: Annotated[StrictBool, _unsupported((False,))] = False
     suffix: Annotated[StrictStr | None, _unsupported((None, ""))] = None

@@ -12,6 +12,7 @@ completions each write their answers (chat.py, completions.py) from what they sh
   grammar, choice) become the request's constraint (requests/constraints.py); `tools` and
   `tool_choice` become a grammar and are read back as `tool_calls` (tools.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,15 @@ from shardline.router.api.openai.chat import ChatAnswer, chat_requests
 from shardline.router.api.openai.choices import Choices
 from shardline.router.api.openai.completions import CompletionAnswer, completion_requests
 from shardline.router.api.openai.errors import ApiError, invalid_body
-from shardline.router.api.openai.schema import (BaseRequest, ChatCompletionRequest, CompletionRequest, Error,
-                                                ErrorResponse, Model, ModelList)
+from shardline.router.api.openai.schema import (
+    BaseRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Error,
+    ErrorResponse,
+    Model,
+    ModelList,
+)
 from shardline.router.api.openai.tools import declares_calls
 from shardline.router.core.replica import Replica
 from shardline.router.observers.tracing import Tracing, request_attributes
@@ -39,7 +47,7 @@ from shardline.router.requests.admission import Admission
 from shardline.router.requests.validation import InvalidRequest
 
 log = logging.getLogger(__name__)
-MAX_BODY_BYTES = 4 << 20   # as gRPC's default message limit
+MAX_BODY_BYTES = 4 << 20  # as gRPC's default message limit
 
 
 async def _body(request: Request) -> dict:
@@ -65,8 +73,9 @@ async def _body(request: Request) -> dict:
 
 
 class OpenAiApi:
-    def __init__(self, replica: Replica, admission: Admission, tracing: Tracing | None = None,
-                 keys: ApiKeys | None = None):
+    def __init__(
+        self, replica: Replica, admission: Admission, tracing: Tracing | None = None, keys: ApiKeys | None = None
+    ):
         self.replica, self.admission, self.tracing, self.keys = replica, admission, tracing, keys
         self.created = int(time.time())
         self.tool_blocks = declares_calls(replica.codec.template_source)  # the model writes <tool_call> blocks
@@ -87,15 +96,22 @@ class OpenAiApi:
     @staticmethod
     async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(ErrorResponse(error=Error(message=str(e.detail), type=kind)).model_dump(),
-                            status_code=e.status_code)
+        return JSONResponse(
+            ErrorResponse(error=Error(message=str(e.detail), type=kind)).model_dump(), status_code=e.status_code
+        )
 
     @staticmethod
     async def _internal(request: Request, e: Exception) -> JSONResponse:
         log.error("the HTTP API failed on %s", request.url.path, exc_info=e)
-        return JSONResponse(ErrorResponse(error=Error(message=f"internal error ({type(e).__name__}); the server's log "
-                                                      "has the details", type="server_error")).model_dump(),
-                            status_code=500)
+        return JSONResponse(
+            ErrorResponse(
+                error=Error(
+                    message=f"internal error ({type(e).__name__}); the server's log has the details",
+                    type="server_error",
+                )
+            ).model_dump(),
+            status_code=500,
+        )
 
     # -- requests ---------------------------------------------------------------------------------
     def _tenant(self, request: Request) -> str:
@@ -103,8 +119,12 @@ class OpenAiApi:
             return NO_TENANT
         tenant = self.keys.tenant([("authorization", request.headers.get("authorization", ""))])
         if tenant is None:
-            raise ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                           "authentication_error", code="invalid_api_key")
+            raise ApiError(
+                401,
+                "a valid API key is required: send 'Authorization: Bearer <key>'",
+                "authentication_error",
+                code="invalid_api_key",
+            )
         return tenant
 
     def _model(self) -> str:
@@ -149,8 +169,13 @@ class OpenAiApi:
             raise invalid_body(e) from None
         model = self._model()
         if body.model != model:
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {model!r}",
-                           "not_found_error", param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"the model {body.model!r} does not exist; this server serves {model!r}",
+                "not_found_error",
+                param="model",
+                code="model_not_found",
+            )
         chat = isinstance(body, ChatCompletionRequest)
         try:
             reqs = chat_requests(body, self.tool_blocks) if chat else completion_requests(body)

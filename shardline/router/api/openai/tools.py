@@ -17,15 +17,22 @@ A choice whose text holds calls answers `message.tool_calls` (content null) and 
 `tool_calls`. Streamed, a call is sent as one tool-call delta (id, name and the whole arguments)
 once its text is complete.
 """
+
 from __future__ import annotations
 
 import json
 import re
 import uuid
 
+from shardline.router.api.openai.schema import (
+    ChatCompletionRequest,
+    FunctionCall,
+    FunctionDelta,
+    NamedToolChoice,
+    ToolCall,
+    ToolCallDelta,
+)
 from shardline.router.requests.constraints import JSON_WHITESPACE
-from shardline.router.api.openai.schema import (ChatCompletionRequest, FunctionCall, FunctionDelta, NamedToolChoice, ToolCall,
-                                  ToolCallDelta)
 
 OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -40,20 +47,30 @@ def _call_schema(body: ChatCompletionRequest) -> dict:
     tools = body.tools or []
     if isinstance(body.tool_choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == body.tool_choice.function.name]
-    calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                               "arguments": t.function.parameters or {"type": "object"}},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t.function.name},
+                "arguments": t.function.parameters or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
     return {"anyOf": calls, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
 
 
 def mode(body: ChatCompletionRequest, blocks: bool) -> str | None:
-    """"calls" (the output is calls), "auto" (text or calls) or None (text) for this request."""
+    """ "calls" (the output is calls), "auto" (text or calls) or None (text) for this request."""
     if not body.tools or body.tool_choice == "none":
         return None
     if body.calls_forced():
         return "calls"
-    constrained = body.structured_outputs is not None or (body.response_format is not None
-                                                          and body.response_format.type != "text")
+    constrained = body.structured_outputs is not None or (
+        body.response_format is not None and body.response_format.type != "text"
+    )
     return "auto" if blocks and not constrained else None
 
 
@@ -66,7 +83,7 @@ def grammar(body: ChatCompletionRequest, blocks: bool) -> str | None:
     if not blocks:
         return f"start: {call}\n"
     many = ' ("\\n" call)*' if body.parallel_tool_calls and not isinstance(body.tool_choice, NamedToolChoice) else ""
-    rules = f'calls: call{many}\ncall: {json.dumps(OPEN)} {call} {json.dumps(CLOSE)}\n'
+    rules = f"calls: call{many}\ncall: {json.dumps(OPEN)} {call} {json.dumps(CLOSE)}\n"
     if kind == "auto":
         return "start: TEXT | calls\nTEXT: /(?s:.*)/ & ~/<tool_call>(?s:.*)/\n" + rules
     return "start: calls\n" + rules
@@ -80,9 +97,13 @@ def _call(text: str) -> ToolCall | None:
     if not (isinstance(data, dict) and isinstance(data.get("name"), str) and "arguments" in data):
         return None
     arguments = data["arguments"]
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(
-        name=data["name"], arguments=arguments if isinstance(arguments, str) else json.dumps(arguments,
-                                                                                         ensure_ascii=False)))
+    return ToolCall(
+        id=f"call_{uuid.uuid4().hex[:24]}",
+        function=FunctionCall(
+            name=data["name"],
+            arguments=arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False),
+        ),
+    )
 
 
 class ToolCallReader:
@@ -92,7 +113,7 @@ class ToolCallReader:
     def __init__(self, kind: str | None, blocks: bool):
         self.kind, self.blocks = kind, blocks
         self.calls: list[ToolCall] = []
-        self._text = ""       # what is not yet sent as content or read as calls
+        self._text = ""  # what is not yet sent as content or read as calls
         self._calling = kind == "calls"
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
@@ -103,8 +124,8 @@ class ToolCallReader:
             if self._text.startswith(OPEN):
                 self._calling = True
             elif OPEN.startswith(self._text):
-                return "", []            # may still become a call: withheld
-            else:                        # text: from here on passed through
+                return "", []  # may still become a call: withheld
+            else:  # text: from here on passed through
                 self.kind, text, self._text = None, self._text, ""
                 return text, []
         if not self.blocks:
@@ -114,7 +135,7 @@ class ToolCallReader:
             call = _call(m[1])
             if call is not None:
                 found.append(call)
-            self._text = self._text[m.end():]
+            self._text = self._text[m.end() :]
         self.calls += found
         return "", found
 
@@ -131,6 +152,12 @@ class ToolCallReader:
 
     def deltas(self, calls: list[ToolCall]) -> list[ToolCallDelta]:
         first = len(self.calls) - len(calls)
-        return [ToolCallDelta(index=first + i, id=c.id, type="function",
-                              function=FunctionDelta(name=c.function.name, arguments=c.function.arguments))
-                for i, c in enumerate(calls)]
+        return [
+            ToolCallDelta(
+                index=first + i,
+                id=c.id,
+                type="function",
+                function=FunctionDelta(name=c.function.name, arguments=c.function.arguments),
+            )
+            for i, c in enumerate(calls)
+        ]
