@@ -1,6 +1,38 @@
+import multiprocessing.process
+import subprocess
+
 import pytest
 
 from tests.support import Server, make_tiny_model
+
+
+def _refuse_processes(set_attr, who: str) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{who} starts a process: mark its test @pytest.mark.processes")
+
+    set_attr(subprocess.Popen, "__init__", refuse)
+    set_attr(multiprocessing.process.BaseProcess, "start", refuse)
+
+
+def pytest_configure(config):
+    """`-m "not processes"` runs the in-process tests alone: then nothing may start a process,
+    fixtures of any scope included. Shardline's CPU kernels are loaded first, once: loading them
+    asks the compiler whether the build is current."""
+    from shardline.kernels import native
+
+    native.available()
+    if "not processes" in (config.option.markexpr or ""):
+        _refuse_processes(setattr, "this in-process run")
+
+
+@pytest.fixture(autouse=True)
+def _in_process_unless_marked(request, monkeypatch):
+    """A test that starts a process (a server, a shard group, torch.distributed workers, a build,
+    a tool) is marked `processes`; this keeps the mark honest in every run: an unmarked test that
+    starts one fails. (A fixture of wider scope is set up before this one: the in-process run
+    above catches those.)"""
+    if request.node.get_closest_marker("processes") is None:
+        _refuse_processes(monkeypatch.setattr, request.node.nodeid)
 
 
 @pytest.fixture

@@ -12,6 +12,8 @@ import pytest
 from shardline.protos import generation_pb2 as pb
 from tests.support import Server
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 INVALID, EXHAUSTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
 
 

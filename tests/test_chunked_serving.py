@@ -20,6 +20,8 @@ from tests.support import (
     smollm2_tokenizer,
 )
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 PAGE = 16
 
 

@@ -132,6 +132,7 @@ def test_compose_file_shape():
     assert cuda and (ROOT / "Dockerfile").is_file()
 
 
+@pytest.mark.processes
 @pytest.mark.smollm2
 def test_compose_services_serve_a_request_on_loopback(tmp_path):
     compose = load_compose()
@@ -325,6 +326,7 @@ def _served_metric_names() -> set[str]:
     return names
 
 
+@pytest.mark.processes
 def test_no_secret_or_private_key_is_in_the_repo():
     compose = load_compose()
     for name, secret in compose.get("secrets", {}).items():

@@ -76,6 +76,7 @@ def _generate(runner, prompts, chunk: int):
     return [out[i] for i in range(len(prompts))], counts
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("batch", [1, 3, 4], ids=["bucket-1", "inside-bucket-4", "edge-of-bucket-4"])
 def test_graph_decode_matches_transformers_with_one_launch_per_step(llama, graph_runner, batch):
     ref = hf_model(llama)
@@ -89,6 +90,7 @@ def test_graph_decode_matches_transformers_with_one_launch_per_step(llama, graph
     assert counts["chunk"] == [0, 0], "intermediate chunks of 7 tokens launch no graph"
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["TP2", "PP2"])
 def test_a_replica_counts_launches_per_rank_and_pipeline_stages_stay_eager(llama, tp, pp):
     """TP2: one graph launch per rank per decode step. PP2: no graphs, one eager decode step per
@@ -147,6 +149,7 @@ def test_a_replica_counts_launches_per_rank_and_pipeline_stages_stay_eager(llama
         assert server.stop() == 0
 
 
+@pytest.mark.processes
 def test_graphs_keep_parity_with_chunking_and_the_prefix_cache(llama):
     """Four prompts at once with --max-batch 4: decode batches of 1 to 4 (inside and on bucket
     edges) run as graphs; every answer is transformers' answer, computed cold in chunks of 7 and
@@ -194,6 +197,7 @@ def test_graphs_keep_parity_with_chunking_and_the_prefix_cache(llama):
         assert server.stop() == 0
 
 
+@pytest.mark.processes
 def test_a_one_token_final_chunk_takes_the_decode_graph(llama, graph_runner):
     ref = hf_model(llama)
     prompt = [random.Random(15).randrange(ref.config.vocab_size) for _ in range(15)]

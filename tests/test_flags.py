@@ -56,6 +56,7 @@ def test_out_of_range_flags_exit_2_naming_the_flag(capsys, command, flag, value)
     assert flag in capsys.readouterr().err
 
 
+@pytest.mark.processes
 def test_environment_values_are_checked_too():
     done = subprocess.run(
         [sys.executable, "-m", "shardline.cli", "serve"],
@@ -200,6 +201,7 @@ def test_the_router_refuses_shards_that_serve_something_else(infos, args, phrase
     asyncio.run(scenario())
 
 
+@pytest.mark.processes
 def test_a_router_with_another_page_size_does_not_take_a_shard(tiny_models):
     """The same check against real processes: the router stays unconnected and says why."""
     logs = Path(tempfile.mkdtemp())

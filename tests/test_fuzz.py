@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from shardline.protos import generation_pb2 as pb
 from tests.support import Server, health_status
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE}
 FUZZ = settings(
     max_examples=100,

@@ -19,6 +19,8 @@ from shardline.protos import generation_pb2 as pb
 from shardline.protos import generation_pb2_grpc as pb_grpc
 from tests.support import Server, wait_for
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 KEYS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-0123456789abcdef"}
 PAGE = 16
 

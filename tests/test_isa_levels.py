@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CHECK = r"""

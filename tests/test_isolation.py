@@ -7,9 +7,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import pytest
 
 from shardline.protos import generation_pb2 as pb
 from tests.support import ROOT, Server, assert_greedy_match, hf_greedy, hf_model
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 POISON_SEED = 666
 FAULTS = {

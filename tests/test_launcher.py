@@ -23,6 +23,7 @@ def server(tiny_models):
     server.stop()  # whatever the test did, leave no process behind
 
 
+@pytest.mark.processes
 def test_sigterm_stops_router_and_shard(server):
     kids = children(server.proc.pid)
     assert sorted(" shard " in cmdline(k) for k in kids) == [False, True]
@@ -36,6 +37,7 @@ def test_sigterm_stops_router_and_shard(server):
     assert not any(alive(k) for k in kids)
 
 
+@pytest.mark.processes
 def test_killed_launcher_takes_its_children_along(server):
     kids = children(server.proc.pid)
     server.proc.kill()  # no chance to clean up: PR_SET_PDEATHSIG must do it

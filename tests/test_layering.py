@@ -206,6 +206,7 @@ def test_the_router_core_imports_no_server_code_and_no_public_api():
     assert not wrong, "\n".join(wrong)
 
 
+@pytest.mark.processes
 def test_the_wheel_installs_one_top_level_package(tmp_path):
     """Built from what the repository tracks, as a user's `pip install` builds it."""
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout

@@ -11,6 +11,8 @@ import torch
 from shardline.protos import generation_pb2 as pb
 from tests.support import Server, hf_model, smollm2_hf_model, smollm2_tokenizer
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 TOP = 5
 TOL = 2e-3  # fp32 on both sides; different kernels and reduction orders
 

@@ -20,6 +20,8 @@ from harness.quality import compare, prompt_scores
 from shardline.protos import generation_pb2 as pb
 from tests.support import Server
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 QUANT = ["--quantize", "int4", "--page-size", "16", "--max-batch-tokens", "512"]
 
 

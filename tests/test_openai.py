@@ -82,10 +82,12 @@ def grpc_chat(content: str) -> pb.ChatMessages:
 
 
 # -- the same answers as the gRPC API -------------------------------------------------------------
+@pytest.mark.processes
 def test_models_lists_the_served_model(server, client):
     assert [m.id for m in client.models.list().data] == [server.model]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_chat_greedy_text_equals_the_grpc_apis(server, client, stream):
     _, text, last, _ = grpc_answer(server, messages=grpc_chat("Name three colors."), max_new_tokens=12, ignore_eos=True)
@@ -113,6 +115,7 @@ def test_chat_greedy_text_equals_the_grpc_apis(server, client, stream):
     assert usage.prompt_tokens_details.cached_tokens >= 0
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("prompt", ["The capital of France is", [5, 6, 7, 300, 301, 302]], ids=["text", "token-ids"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_completions_greedy_text_equals_the_grpc_apis(server, client, prompt, stream):
@@ -132,6 +135,7 @@ def cold() -> str:
     return secrets.token_hex(4)
 
 
+@pytest.mark.processes
 def test_chat_logprobs_equal_the_grpc_apis(server, client):
     codec = smollm2_codec()
     tokens, _, _, want = grpc_answer(
@@ -155,6 +159,7 @@ def test_chat_logprobs_equal_the_grpc_apis(server, client):
         assert [t.logprob for t in g.top_logprobs] == pytest.approx([t.logprob for t in w.top], abs=1e-6)
 
 
+@pytest.mark.processes
 def test_completion_logprobs_are_the_legacy_format_of_the_same_numbers(server, client):
     codec = smollm2_codec()
     tokens, text, _, want = grpc_answer(
@@ -179,6 +184,7 @@ def test_completion_logprobs_are_the_legacy_format_of_the_same_numbers(server, c
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(text)
 
 
+@pytest.mark.processes
 def test_n_choices_compute_the_prompt_once_and_a_seed_reproduces_them(server, client):
     ids = [random.Random(3).randrange(1000, 30000) for _ in range(40)]  # two full pages and 8 tokens
     salt = cold()
@@ -206,6 +212,7 @@ def test_n_choices_compute_the_prompt_once_and_a_seed_reproduces_them(server, cl
     assert [c.text for c in sorted(four().choices, key=lambda c: c.index)] == texts
 
 
+@pytest.mark.processes
 def test_stop_strings_and_limits_as_openai_defines_them(server, client):
     _, text, _, _ = grpc_answer(server, prompt="The capital of France is", max_new_tokens=12, ignore_eos=True)
     stop = text[3:6]  # somewhere in the greedy answer
@@ -222,6 +229,7 @@ def test_stop_strings_and_limits_as_openai_defines_them(server, client):
     assert chat_.usage.completion_tokens == 3  # max_completion_tokens wins, as OpenAI's
 
 
+@pytest.mark.processes
 def test_streamed_choices_come_with_their_index(server, client):
     chunks = list(
         client.chat.completions.create(
@@ -244,6 +252,7 @@ async def _all(stream) -> list:
     return [c async for c in stream]
 
 
+@pytest.mark.processes
 def test_the_async_client_streams_too(server):
     async def main():
         async with openai.AsyncOpenAI(base_url=server.http_url, api_key="unused", max_retries=0) as client:
@@ -261,6 +270,7 @@ def test_the_async_client_streams_too(server):
 
 
 # -- nothing is lost --------------------------------------------------------------------------------
+@pytest.mark.processes
 def test_a_client_that_disconnects_cancels_its_request_and_leaves_no_page_held(server):
     cancelled = finished(server, "cancelled")
     body = {"model": server.model, "prompt": "A long story:", "max_tokens": 2000, "stream": True, "ignore_eos": True}
@@ -323,6 +333,7 @@ def assert_error(response: httpx.Response, status: int, phrase: str, param: str 
 DROP = object()  # a field left out
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "body,phrase,param",
     [
@@ -367,6 +378,7 @@ def test_bad_requests_are_400_with_a_message(server, body, phrase, param):
     assert_error(post(server, "/chat/completions", body), 400, phrase, param)
 
 
+@pytest.mark.processes
 def test_every_other_error_status_has_openais_shape(server):
     assert_error(post(server, "/chat/completions", None, raw=b'{"model": "x", '), 400, "not JSON")
     assert_error(post(server, "/completions", None, raw=b"[1, 2]"), 400, "a JSON object")
@@ -419,6 +431,7 @@ def guarded(tiny_models, tmp_path_factory):
     assert server.stop() == 0
 
 
+@pytest.mark.processes
 def test_keys_are_required_and_a_tenants_limits_apply(guarded):
     a, b = ({"authorization": f"Bearer key-of-tenant-{t}-0123456789"} for t in "ab")
     body = {"model": "llama", "prompt": "hi", "max_tokens": 3}
@@ -443,6 +456,7 @@ def test_keys_are_required_and_a_tenants_limits_apply(guarded):
 
 
 # -- traces and metrics ------------------------------------------------------------------------------
+@pytest.mark.processes
 def test_a_traceparent_header_continues_the_clients_trace(server, receiver, client):
     trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
     client.chat.completions.create(
@@ -456,6 +470,7 @@ def test_a_traceparent_header_continues_the_clients_trace(server, receiver, clie
     assert span.attributes["gen_ai.usage.output_tokens"] == 3
 
 
+@pytest.mark.processes
 def test_prometheus_counts_http_requests(server, client):
     before = finished(server, "length")
     client.completions.create(model=server.model, prompt="Hi", max_tokens=2)
@@ -471,6 +486,7 @@ def finished(server, reason: str) -> float:
     return sum(s.value for s in family.samples if s.name.endswith("_total") and s.labels["finished_reason"] == reason)
 
 
+@pytest.mark.processes
 def test_a_router_without_its_shards_answers_503(tmp_path, tiny_models):
     port, http_port = free_port(), free_port()
     router = spawn_service(
@@ -509,6 +525,7 @@ def _answers(url: str) -> int | None:
 
 
 # -- a drain -----------------------------------------------------------------------------------------
+@pytest.mark.processes
 def test_sigterm_drains_http_streams(tiny_models):
     server = Server("--model", str(tiny_models["llama"]), "--page-size", str(PAGE), "--drain-timeout-s", "60")
     body = {"model": "llama", "prompt": "A story:", "max_tokens": 400, "stream": True, "ignore_eos": True}

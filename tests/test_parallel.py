@@ -23,6 +23,7 @@ PAGE = 16
 
 # With the cache on, every prompt's first round is computed cold and its second from cached
 # pages: both paths. One layout runs with the cache off as well.
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "arch,tp,pp,chunk,cache",
     [
@@ -77,6 +78,7 @@ def smollm2_reference():
     return ids, hf_greedy(smollm2_hf_model(), ids, 12)
 
 
+@pytest.mark.processes
 @pytest.mark.smollm2
 # SmolLM2's 3 KV heads split 2 + 1 over two ranks (TP with PP runs on the tiny models above, which
 # split evenly; four SmolLM2 processes on two cores cost the suite 25 s).

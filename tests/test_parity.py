@@ -8,6 +8,8 @@ import pytest
 from shardline.protos import generation_pb2 as pb
 from tests.support import Server, assert_greedy_match, hf_greedy, hf_model, smollm2_hf_model, smollm2_tokenizer
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 PROMPT_LENGTHS = [5, 37, 300, 720]  # with 16-token pages: 1 to 46 pages
 NEW_TOKENS = 24
 

@@ -8,6 +8,8 @@ import pytest
 from shardline.protos import generation_pb2 as pb
 from tests.support import Server, assert_greedy_match, hf_greedy, hf_model
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 PAGE = 16
 
 

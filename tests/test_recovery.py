@@ -29,6 +29,8 @@ from tests.support import (
     wait_for,
 )
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 LONG = pb.GenerateRequest(prompt_token_ids=pb.PromptTokens(ids=[5, 6, 7]), max_new_tokens=1500, ignore_eos=True)
 

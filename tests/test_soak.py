@@ -4,8 +4,12 @@ nothing behind."""
 
 import asyncio
 
+import pytest
+
 from harness.soak import SoakArgs, run_soak
 from tests.support import Server
+
+pytestmark = pytest.mark.processes  # every test here starts processes
 
 
 def test_a_short_soak_loses_nothing(tiny_models):

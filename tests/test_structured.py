@@ -173,6 +173,7 @@ CHECKS = {
 }
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kind", CHECKS)
 def test_every_kind_of_constraint_holds_for_every_seed(chunked, kind):
     constraint, check = CHECKS[kind]
@@ -192,6 +193,7 @@ def reference(tiny_models):
     return lambda prompt, req, max_new: hf_constrained_greedy(model, prompt, req, max_new)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kind", ["json_schema", "grammar", "regex"])
 @pytest.mark.parametrize("which", ["chunked", "hermes"], ids=["chunk-7", "chunk-off"])
 def test_greedy_constrained_tokens_equal_transformers_with_the_same_mask(request, reference, which, kind):
@@ -207,6 +209,7 @@ def test_greedy_constrained_tokens_equal_transformers_with_the_same_mask(request
 
 
 # -- isolation -----------------------------------------------------------------------------------------
+@pytest.mark.processes
 def test_a_constrained_request_leaves_seven_greedy_neighbours_unchanged(chunked):
     prompts = [list(range(300 + 9 * i, 320 + 9 * i)) for i in range(7)]
     alone = [chunked.generate(**{f.name: v for f, v in token_request(p, 24).ListFields()})[0] for p in prompts]
@@ -221,6 +224,7 @@ def test_a_constrained_request_leaves_seven_greedy_neighbours_unchanged(chunked)
     assert streams[0].error is None
 
 
+@pytest.mark.processes
 def test_a_constraint_that_fails_to_compile_or_takes_too_long_is_refused_alone(chunked):
     bad = {
         "json_schema": "{not json",
@@ -288,6 +292,7 @@ async def _collect(call) -> list[int]:
 
 
 # -- the OpenAI API -------------------------------------------------------------------------------------
+@pytest.mark.processes
 def test_response_format_and_structured_outputs_with_n_seeds_and_logprobs(chunked):
     client, model = client_of(chunked), model_of(chunked)
     answer = client.chat.completions.create(
@@ -347,6 +352,7 @@ def test_response_format_and_structured_outputs_with_n_seeds_and_logprobs(chunke
     assert obj.choices[0].finish_reason == "length" or isinstance(json.loads(obj.choices[0].message.content), dict)
 
 
+@pytest.mark.processes
 def test_bad_constraints_over_http_are_400_in_openai_shape(chunked):
     client, model = client_of(chunked), model_of(chunked)
     cases = [
@@ -374,6 +380,7 @@ def _tools_ok(calls) -> None:
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("which", ["chunked", "hermes"], ids=["json-format", "tool_call-blocks"])
 def test_required_and_named_tool_choices_answer_valid_calls(request, which):
     server = request.getfixturevalue(which)
@@ -422,6 +429,7 @@ def test_required_and_named_tool_choices_answer_valid_calls(request, which):
     assert follow.usage.prompt_tokens > named.usage.prompt_tokens
 
 
+@pytest.mark.processes
 def test_tool_call_blocks_stream_as_tool_call_deltas_and_auto_allows_text_or_calls(hermes):
     client, model = client_of(hermes), model_of(hermes)
     messages = [{"role": "user", "content": "What time is it in zone 3?"}]
@@ -476,6 +484,7 @@ def test_tool_call_blocks_stream_as_tool_call_deltas_and_auto_allows_text_or_cal
 
 
 # -- SmolLM2: JSON that validates -------------------------------------------------------------------
+@pytest.mark.processes
 @pytest.mark.smollm2
 def test_smollm2_sampled_answers_to_every_schema_validate(smollm2_server):
     """harness/schemas.py's schemas, one seed each at temperature 1 (bench.structured runs many):

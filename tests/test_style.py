@@ -9,6 +9,8 @@ import pytest
 
 from tests.support import ROOT
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 
 @pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["lint", "format"])
 def test_ruff_finds_nothing_to_change(command):

@@ -12,6 +12,8 @@ from harness.serve import free_port
 from shardline.protos import generation_pb2 as pb
 from tests.support import Server, wait_for
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 PROMPT = list(range(5, 15))  # 10 tokens: chunks of 4, 4 and 2
 NEW_TOKENS = 5
 # Batches leave every 50 ms, so spans arrive while the test waits for them.

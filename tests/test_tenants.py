@@ -50,6 +50,7 @@ def _generate(server, key, n=2, **kw):
     return replies[-1]
 
 
+@pytest.mark.processes
 def test_every_call_but_health_needs_a_valid_key(keyed_server):
     stub = keyed_server.stub
     calls = {
@@ -78,6 +79,7 @@ def test_every_call_but_health_needs_a_valid_key(keyed_server):
     assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
 
 
+@pytest.mark.processes
 def test_tenants_never_share_cached_pages_but_hit_their_own(keyed_server):
     alice, bob = KEYS["alice"], KEYS["bob"]
     assert _generate(keyed_server, alice).usage.cached_prompt_tokens == 0
@@ -88,6 +90,7 @@ def test_tenants_never_share_cached_pages_but_hit_their_own(keyed_server):
     assert _generate(keyed_server, bob, cache_salt="s").usage.cached_prompt_tokens == 0  # salt within a tenant
 
 
+@pytest.mark.processes
 def test_a_tenant_at_its_limit_is_refused_while_others_are_served(keyed_server):
     stub, alice = keyed_server.stub, KEYS["alice"]
     long = [
@@ -116,6 +119,7 @@ def test_a_tenant_at_its_limit_is_refused_while_others_are_served(keyed_server):
             call.cancel()
 
 
+@pytest.mark.processes
 def test_sharing_across_tenants_is_an_operator_choice(tiny_models, tmp_path):
     path = tmp_path / "keys"
     path.write_text("".join(f"{k} {t}\n" for t, k in KEYS.items()))

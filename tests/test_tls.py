@@ -22,6 +22,8 @@ from shardline.protos import generation_pb2_grpc as pb_grpc
 from shardline.protos import shard_pb2, shard_pb2_grpc
 from tests.support import ROOT, assert_greedy_match, hf_greedy, hf_model, wait_for
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 HOSTS = ("127.0.0.1", "localhost")
 
 
