@@ -30,9 +30,10 @@ from shardline.protos import shard_pb2
 from shardline.router.core.constrained import next_masks
 from shardline.router.core.events import RequestEvents
 from shardline.router.core.page_manager import PageManager
-from shardline.router.core.scheduler import Phase, Scheduler, Step
+from shardline.router.core.scheduler import Scheduler
 from shardline.router.core.sequence import Ending, Failure, FinishReason, Output, Sequence, Status
 from shardline.router.core.shard_client import ShardError, ShardGroup
+from shardline.router.core.step import Phase, Step
 from shardline.router.core.stop_strings import StopMatcher
 
 log = logging.getLogger(__name__)
