@@ -11,11 +11,29 @@ from pathlib import Path
 import psutil
 import torch
 
-from harness.serve import ROOT, Server, free_port  # noqa: F401  (re-exported for the tests)
+from harness import serve
+from harness.serve import ROOT, free_port  # noqa: F401  (re-exported for the tests)
 from harness.tiny_models import TINY_CONFIGS, make_tiny_model, smollm2_codec, smollm2_tokenizer  # noqa: F401
 from shardline.common.model_source import resolve_model
 from shardline.processes import free_ports  # noqa: F401
 from shardline.protos import generation_pb2 as pb
+
+
+class Server(serve.Server):
+    """The harness's server (harness/serve.py), with a tiny model's KV pool cut to 50 MB unless a
+    test sizes it: a tiny model's page is a few KB, so the default 1 GB budget is some 100,000
+    pages, and zeroing them cost every start a third of a second."""
+
+    def __init__(self, *args: str, **kwargs):
+        model = Path(args[args.index("--model") + 1]) if "--model" in args else None
+        if model is not None and "--kv-memory-gb" not in args and _is_tiny(model):
+            args = (*args, "--kv-memory-gb", "0.05")
+        super().__init__(*args, **kwargs)
+
+
+def _is_tiny(model: Path) -> bool:
+    config = model / "config.json"
+    return config.is_file() and json.loads(config.read_text())["hidden_size"] < 512
 
 
 def prompt_chunks(prompt: int, size: int, model) -> list[int]:
