@@ -99,7 +99,7 @@ def test_a_replica_counts_launches_per_rank_and_pipeline_stages_stay_eager(llama
     from tests.support import Server, prompt_chunks
 
     ref = hf_model(llama)
-    # 18 prompt tokens in chunks of 7, 6 and 5 (later chunks hold fewer: router/scheduler.py),
+    # 18 prompt tokens in chunks of 7, 6 and 5 (later chunks hold fewer: router/core/scheduler.py),
     # none of one token, which would decode through a graph like a decode step.
     assert prompt_chunks(18, 7, llama) == [7, 6, 5]
     prompt = [random.Random(5).randrange(ref.config.vocab_size) for _ in range(18)]

@@ -36,7 +36,7 @@ def _error(status: int, message: str, kind: str) -> JSONResponse:
 
 def routing_request(path: str, body: bytes) -> pb.GenerateRequest | None:
     """The prompt of a completion or chat completion body as a GenerateRequest (what
-    common/prompts.py tokenizes), read as router/openai_choices.py reads it; None otherwise."""
+    common/prompts.py tokenizes), read as router/api/openai/choices.py reads it; None otherwise."""
     try:
         data = json.loads(body)
         req = pb.GenerateRequest(cache_salt=data.get("cache_salt") or "")

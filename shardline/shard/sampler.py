@@ -13,7 +13,7 @@ Numerics, for every value the router accepts (temperature finite and >= 0, top_p
   one, so a tiny top_p is greedy too.
 - A row whose logits are not all finite (a numerically broken model) is not sampled at all:
   its sequence fails alone, with a message, and the others in the batch are unaffected.
-- A constrained row (an `allowed` mask, router/constraints.py) samples among the allowed tokens
+- A constrained row (an `allowed` mask, router/core/constrained.py) samples among the allowed tokens
   only: every other logit is -inf before temperature, top-k, top-p and the greedy choice. A mask
   that allows nothing fails the row.
 """

@@ -21,7 +21,7 @@ operation):
 
 Prefix hashes chain over full pages (common/prefix_hash.py, which a gateway shares). Every
 change of the index (a page published, reclaimed or dropped by a reset) is appended to `changes`
-while it is a list: (True, hash) published, (False, hash) gone (router/fleet.py streams them).
+while it is a list: (True, hash) published, (False, hash) gone (router/api/fleet.py streams them).
 """
 
 from __future__ import annotations
