@@ -8,6 +8,9 @@
   The router notices on its own, fails what was in flight, and reconnects when the group is back.
   After `--shard-restarts` restarts in a row (a group that stays up for a minute resets the
   count) the launcher gives up and exits 1.
+- A model the shards cannot serve (an architecture without model code, or more than this host's
+  memory: shard/footprint.py) is refused before anything starts, with exit status 2 and why;
+  a shard that refuses it all the same (exit status 2) is not started again either.
 - SIGTERM / Ctrl-C: the router drains (up to `--drain-timeout-s`) and exits, then the shards stop.
   The launcher exits with 0 when that went cleanly. If the router dies, the launcher names it,
   stops the shards and exits 1.
@@ -23,9 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from shardline.common.model_source import resolve_model
 from shardline.common.process import hang_detection_s
 from shardline.flags import service_flags
 from shardline.processes import HealthProbe, free_ports, spawn_service
+from shardline.shard.footprint import REFUSED, Unservable, check_layout
 
 log = logging.getLogger("shardline.launcher")
 BACKOFF_S = (1, 2, 4, 8, 16, 30)
@@ -106,6 +111,14 @@ class ShardProcesses:
         """The router serves from this group: every shard has answered it (and is past loading)."""
         self.answered = [True] * len(self.procs)
 
+    def shards(self) -> list[tuple[int, int]]:
+        """(pipeline stage, TP rank) of each shard."""
+        return [divmod(n, self.args.tp) for n in range(len(self.addresses))]
+
+    def refused(self) -> bool:
+        """A shard refused the model (exit status 2): starting it again changes nothing."""
+        return any(proc.poll() == REFUSED for proc in self.procs)
+
     def failure(self) -> str | None:
         """Why the group must be restarted, or None while it is fine (or still loading)."""
         now = time.monotonic()
@@ -148,6 +161,12 @@ def serve(args) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     group = ShardProcesses(args, sockets)
+    try:
+        check_layout(resolve_model(args.model), args, group.shards())
+    except (Unservable, FileNotFoundError) as e:
+        print(f"shardline: {e}", file=sys.stderr, flush=True)
+        sockets.rmdir()
+        return REFUSED
     group.start()
     router = spawn_service(router_command(args, group.addresses))
     target = HealthProbe(f"{args.host}:{args.port}")
@@ -162,6 +181,11 @@ def serve(args) -> int:
                 )
                 return 1
             why = group.failure()
+            if why and group.refused():
+                print(
+                    f"shardline: {why}: it cannot serve this model (its message says why)", file=sys.stderr, flush=True
+                )
+                return REFUSED
             if why:
                 if restarts >= args.shard_restarts:
                     print(f"shardline: {why}; giving up after {restarts} restarts", file=sys.stderr, flush=True)

@@ -8,6 +8,8 @@ processes of one command.
 - A replica whose `serve` exits is started again after a backoff that doubles from 1 s to 30 s;
   the gateway routes around it meanwhile, and resyncs its (empty) cache when it is back.
 - The gateway (`shardline gateway`) exiting ends the command with 1.
+- A model that the replicas' shards cannot serve, or that does not fit this host N times over, is
+  refused before anything starts, with exit status 2 and why (shard/footprint.py).
 - SIGTERM / Ctrl-C: the gateway drains and exits, then the replicas drain and exit; the command
   exits 0 when all of that went cleanly. Children die with the command (PR_SET_PDEATHSIG).
 """
@@ -19,8 +21,10 @@ import subprocess
 import sys
 import time
 
+from shardline.common.model_source import resolve_model
 from shardline.launcher import BACKOFF_S, STABLE_S, passed_on
 from shardline.processes import HealthProbe, free_ports, spawn_service
+from shardline.shard.footprint import REFUSED, Unservable, check_layout
 
 
 def replica_command(args, port: int, http_port: int, n: int) -> list[str]:
@@ -68,6 +72,12 @@ def serve_replica_set(args) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    shards = [divmod(n, args.tp) for n in range(args.tp * args.pp)]
+    try:  # every replica's shards load on this host at once
+        check_layout(resolve_model(args.model), args, shards * args.replicas)
+    except (Unservable, FileNotFoundError) as e:
+        print(f"shardline: {e}", file=sys.stderr, flush=True)
+        return REFUSED
     free = [p for p in free_ports(2 * args.replicas + 2) if p not in (args.port, args.http_port)]
     ports, http_ports = free[: args.replicas], free[args.replicas : 2 * args.replicas]
     routers = [f"127.0.0.1:{p}" for p in ports]
@@ -90,6 +100,8 @@ def serve_replica_set(args) -> int:
                 return 1
             now = time.monotonic()
             for n, proc in enumerate(replicas):
+                if proc.poll() == REFUSED:  # it said why; starting it again changes nothing
+                    return REFUSED
                 if proc.poll() is not None and down_since[n] is None:
                     delay = BACKOFF_S[min(restarts[n], len(BACKOFF_S) - 1)]
                     print(

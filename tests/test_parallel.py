@@ -104,7 +104,8 @@ def test_kv_writes_land_only_in_scheduled_slots_on_each_stage(tiny_models, stage
     from shardline.common.model_source import resolve_model
     from shardline.kernels.attention import AttentionBatch
     from shardline.shard.kv_cache import KVPages
-    from shardline.shard.parallel import Layout, keep_stage
+    from shardline.shard.layout import Layout
+    from shardline.shard.parallel import keep_stage
     from shardline.shard.transforms import use_native_ops
     from shardline.shard.weights import build_model
 

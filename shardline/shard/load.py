@@ -19,9 +19,11 @@ from shardline.kernels.linear import OneDnnLinear
 from shardline.kernels.operands import Kernel
 from shardline.kernels.quantized import Int8Embedding, QuantizedLinear
 from shardline.protos import shard_pb2
+from shardline.shard.footprint import check_layout
 from shardline.shard.kv_cache import bytes_per_page
+from shardline.shard.layout import Layout
 from shardline.shard.model import Transformer
-from shardline.shard.parallel import Layout, group_id, init_distributed
+from shardline.shard.parallel import group_id, init_distributed
 from shardline.shard.transforms import is_quantized, prepare
 from shardline.shard.weights import build_model
 
@@ -95,6 +97,7 @@ def load_shard(args) -> LoadedShard:
     layout = Layout(tp=args.tp, pp=args.pp, tp_rank=args.tp_rank, pp_stage=args.pp_stage)
     device, dtype = pick_device(args.device, layout), DTYPES[args.dtype]
     source = resolve_model(args.model)
+    check_layout(source, args, [(layout.pp_stage, layout.tp_rank)])  # Unservable before a byte is loaded
     # Compiled decode graphs are kept beside the converted weights (or where TORCHINDUCTOR_CACHE_DIR
     # says), so a restart reuses them, and per build of Shardline's kernels, which they call and
     # inductor's cache knows nothing of: with one cache for every build (ISA levels, changed

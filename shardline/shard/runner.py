@@ -40,9 +40,9 @@ from shardline.kernels.token_mask import mask_bytes, packed_masks
 from shardline.protos import shard_pb2
 from shardline.shard.decode_graphs import DecodeGraphs
 from shardline.shard.kv_cache import KVPages
+from shardline.shard.layout import Layout
 from shardline.shard.logprobs import MAX_TOP, from_logits, score
 from shardline.shard.model import Transformer
-from shardline.shard.parallel import Layout
 from shardline.shard.sampler import SamplingParams, sample
 from shardline.shard.sequences import SequenceState, SequenceTable
 

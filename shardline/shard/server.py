@@ -19,6 +19,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from concurrent import futures
@@ -32,6 +33,7 @@ from shardline.common.process import exit_soon, parent_gone
 from shardline.common.telemetry import setup_tracing
 from shardline.common.tls import ShardTls
 from shardline.protos import shard_pb2, shard_pb2_grpc
+from shardline.shard.footprint import REFUSED, Unservable
 from shardline.shard.load import load_shard
 from shardline.shard.runner import ModelRunner
 
@@ -250,7 +252,11 @@ def _trim_heap() -> None:
 def serve_shard(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    shard = load_shard(args)
+    try:
+        shard = load_shard(args)
+    except Unservable as e:  # refused once, with status 2: nothing restarts it (shardline/launcher.py)
+        print(f"shardline shard: {e}", file=sys.stderr, flush=True)
+        return REFUSED
     _trim_heap()
     layout, info = shard.layout, shard.info
     runner = ModelRunner(

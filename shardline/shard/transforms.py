@@ -25,8 +25,9 @@ from shardline.kernels.attention import AttentionBatch
 from shardline.kernels.linear import OneDnnLinear
 from shardline.kernels.operands import Kernel
 from shardline.kernels.quantized import Int8Embedding, QuantizedLinear
+from shardline.shard.layout import Layout
 from shardline.shard.model import MLP, Attention, Transformer
-from shardline.shard.parallel import Layout, keep_stage, shard_tensor_parallel
+from shardline.shard.parallel import keep_stage, shard_tensor_parallel
 from shardline.shard.weights import gguf_types, parameter_sources
 
 log = logging.getLogger(__name__)

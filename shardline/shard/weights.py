@@ -6,7 +6,6 @@ A GGUF file is converted once to safetensors in the cache folder, so later start
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from collections.abc import Collection
 
@@ -160,13 +159,7 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device) -
 
 
 def gguf_types(source: ModelSource) -> dict[str, str]:
-    """Hugging Face tensor name -> GGUF type name (Q4_1, Q8_0, F32, ...). Parsing the file's header
-    takes seconds, so the answer is kept beside the converted weights."""
-    from gguf import GGUFReader
+    """Hugging Face tensor name -> GGUF type name (Q4_1, Q8_0, F32, ...), from the file's header."""
+    from shardline.shard.footprint import read_model
 
-    cached = source.cache_dir / "gguf_types.json"
-    if cached.is_file():
-        return json.loads(cached.read_text())
-    types = {hf_name(t.name): t.tensor_type.name for t in GGUFReader(str(source.path)).tensors}
-    publish(cached, lambda tmp: tmp.write_text(json.dumps(types)))
-    return types
+    return {hf_name(t.name): t.kind for t in read_model(source)[1]}

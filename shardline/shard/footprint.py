@@ -1,0 +1,276 @@
+"""What serving a model takes, known before a byte of its weights is read: whether Shardline serves
+it at all, and the memory each shard needs against what the machine (or its container) has.
+
+A model Shardline does not serve (an architecture it has no model code for, a mixture of experts)
+or one that does not fit raises `Unservable`; the shard and `shardline serve` then exit with
+status 2 and the message, once, and the launcher does not start the shards again.
+
+A shard's memory, from the file's header and the flags (torch-free: the launcher checks every
+shard of its host before it starts one):
+- its weights as it serves them: a GGUF's 4-bit blocks as int4 records, its other quantized
+  blocks as int8 ones, float tensors and the embedding in the serving dtype (shard/transforms.py);
+  only its pipeline stage's layers, its TP rank's slice of them, the LM head on the sampling shard;
+- its KV page pool, `--kv-memory-gb`;
+- a step's working buffers: a prefill piece's activations (at most PREFILL_PIECE_BYTES) and the
+  logits of a batch;
+- while loading, the whole model in fp32 twice over: the dequantized tensors and the model built
+  from them (GGUF files are converted through fp32), which is the peak.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from shardline.common.files import publish
+from shardline.common.model_source import ModelSource
+from shardline.shard.config import ModelConfig
+from shardline.shard.layout import layer_range
+
+SERVED = ("llama", "qwen2", "qwen3")  # architectures (HF model_type, GGUF general.architecture)
+FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}  # GGUF types whose blocks int4 holds exactly
+FLOAT = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+INT4_BYTES, INT8_BYTES = 160 / 256, 288 / 256  # a record per 8 outputs x 32 inputs, fp16 scales and los
+PREFILL_PIECE_BYTES = 128 << 20  # shard/runner.py's bound on a prefill piece's MLP activations
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+REFUSED = 2  # the exit status of a process that refuses to serve its model
+
+
+class Unservable(Exception):
+    """A model this server cannot serve, and why, in words for whoever started it."""
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str  # GGUF's name (blk.3.attn_q.weight, token_embd.weight, ...)
+    params: int
+    kind: str  # GGUF type name (Q4_K, F32, ...), or the checkpoint's dtype for a Hugging Face folder
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes one shard needs."""
+
+    weights: int
+    kv_pool: int
+    buffers: int
+    loading: int  # the peak while its weights load, beside nothing else of its own
+
+    @property
+    def serving(self) -> int:
+        return self.weights + self.kv_pool + self.buffers
+
+    @property
+    def peak(self) -> int:
+        return max(self.loading, self.serving)
+
+
+def read_model(source: ModelSource) -> tuple[ModelConfig, list[Tensor]]:
+    """The model's config and tensors from its header alone; Unservable for what is not served.
+    A GGUF's header takes seconds to parse: what it says is kept beside its converted weights."""
+    if source.kind == "gguf":
+        header = source.cache_dir / "gguf_header.json"
+        if not header.is_file():
+            cfg, tensors = _read_gguf_header(source)
+            publish(header, lambda tmp: tmp.write_text(json.dumps({"config": asdict(cfg), "tensors": tensors})))
+        kept = json.loads(header.read_text())
+        return ModelConfig(**kept["config"]), [Tensor(*t) for t in kept["tensors"]]
+    raw = json.loads((source.path / "config.json").read_text())
+    arch = raw.get("model_type", "llama")
+    if arch not in SERVED or any(raw.get(k) for k in _MOE_KEYS):
+        what = "a mixture of experts" if any(raw.get(k) for k in _MOE_KEYS) or "moe" in arch else "an architecture"
+        raise Unservable(
+            f"{source.path.name}: {what} ({arch!r}) is not served; Shardline serves the dense decoders "
+            f"{', '.join(SERVED)}"
+        )
+    try:
+        cfg = ModelConfig.from_hf(source.path)
+    except (KeyError, ValueError) as e:
+        raise Unservable(f"{source.path.name}: its config.json cannot be served: {e}") from None
+    return cfg, _safetensors_tensors(source.path)
+
+
+def _read_gguf_header(source: ModelSource) -> tuple[ModelConfig, list[tuple[str, int, str]]]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(source.path))
+    arch = reader.fields["general.architecture"].contents()
+    if arch not in SERVED:
+        raise Unservable(f"{source.path.name}: the architecture {arch!r} is not served ({', '.join(SERVED)} are)")
+    return ModelConfig.from_gguf(reader, source.name), [
+        (t.name, int(t.n_elements), t.tensor_type.name) for t in reader.tensors
+    ]
+
+
+def _safetensors_tensors(folder: Path) -> list[Tensor]:
+    """Names (as GGUF's), sizes and dtypes from each file's header (its first 8 bytes + JSON)."""
+    tensors = []
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                params = 1
+                for d in meta["shape"]:
+                    params *= d
+                tensors.append(Tensor(_gguf_name(name), params, meta["dtype"]))
+    return tensors
+
+
+def _gguf_name(hf: str) -> str:
+    """model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight: a layer's linears as GGUF
+    names them, its other tensors as blk.3.<their name>, the embedding and LM head as GGUF's."""
+    parts = hf.split(".")
+    if len(parts) >= 5 and parts[:2] == ["model", "layers"]:
+        part = LINEARS[_HF_LINEARS.index(parts[-2])] if parts[-2] in _HF_LINEARS else "_".join(parts[3:-1])
+        return f"blk.{parts[2]}.{part}.{parts[-1]}"
+    return {"lm_head.weight": "output.weight", "model.embed_tokens.weight": "token_embd.weight"}.get(hf, hf)
+
+
+# The linears a layer serves fused: their tensors are held at one width, that of the widest.
+FUSED = {"attn_q": "wqkv", "attn_k": "wqkv", "attn_v": "wqkv", "ffn_gate": "w13", "ffn_up": "w13"}
+
+
+def _bits(kinds: set[str], layer: str, weights: str, quantize: str) -> int | None:
+    """The width a linear layer of these GGUF types is served at (shard/transforms.py,
+    `mark_quantized`); None: dense, in the serving dtype."""
+    if quantize:
+        return 8 if quantize == "int8" or layer == "output" else 4
+    if weights != "native" or kinds <= FLOAT.keys():
+        return None
+    return 4 if kinds <= FOUR_BIT else 8
+
+
+def _held(params: int, bits: int | None, dtype: str, dense_copy: bool = False) -> float:
+    """A linear layer's bytes as it is held (kernels/quantized.py): its int4 or int8 records, and
+    a dense copy for steps of many rows, which an int8 layer always keeps (bf16 here; where
+    oneDNN's fp32 layout measured faster, 2 bytes a weight more) and an int4 one when asked."""
+    dense = DTYPE_BYTES[dtype] * params
+    if bits is None:
+        return dense
+    if bits == 8:
+        return (INT8_BYTES + 2) * params
+    return INT4_BYTES * params + (dense if dense_copy else 0)
+
+
+def shard_footprint(
+    cfg: ModelConfig,
+    tensors: list[Tensor],
+    *,
+    tp: int,
+    pp: int,
+    tp_rank: int,
+    pp_stage: int,
+    dtype: str,
+    weights: str,
+    quantize: str,
+    dense_copy: bool,
+    kv_memory_gb: float,
+    max_batch: int,
+) -> Footprint:
+    """One shard's bytes (the module docstring says what each part holds)."""
+    layers = layer_range(cfg.num_layers, pp_stage, pp)
+    first, samples = pp_stage == 0, pp_stage == pp - 1 and tp_rank == 0
+    by_name = {t.name: t for t in tensors}
+    held = 0.0
+    for t in tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            if int(parts[1]) not in layers:
+                continue
+            if parts[2] in LINEARS and parts[-1] == "weight":
+                group = [p for p, f in FUSED.items() if f == FUSED.get(parts[2])] or [parts[2]]
+                kinds = {
+                    by_name[f"blk.{parts[1]}.{p}.weight"].kind for p in group if f"blk.{parts[1]}.{p}.weight" in by_name
+                }
+                held += _held(t.params, _bits(kinds, parts[2], weights, quantize), dtype, dense_copy) / tp
+            else:  # norms, biases
+                held += t.params * DTYPE_BYTES[dtype]
+        elif t.name == "token_embd.weight":
+            tied, bits = "output.weight" not in by_name, _bits({t.kind}, "output", weights, quantize)
+            if samples and tied:
+                held += _held(t.params, bits, dtype)
+            # A tied LM head that is dense is the embedding; one in int8 serves its lookups too.
+            if first and not (samples and tied and bits in (None, 8)):
+                held += t.params * DTYPE_BYTES[dtype]
+        elif t.name == "output.weight" and samples:
+            held += _held(t.params, _bits({t.kind}, "output", weights, quantize), dtype)
+        elif t.name != "output.weight" and samples:  # the final norm (and rope tables)
+            held += t.params * DTYPE_BYTES[dtype]
+    logits = 2 * max_batch * cfg.vocab_size * 4 if samples else 0
+    total_params = sum(t.params for t in tensors)
+    return Footprint(
+        weights=int(held),
+        kv_pool=int(kv_memory_gb * 2**30),
+        buffers=PREFILL_PIECE_BYTES + logits,
+        loading=8 * total_params,
+    )
+
+
+def available_bytes(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Memory this process may still take: what the machine has available, or less where a
+    cgroup (a container's limit) allows less."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    limit, used = cgroup / "memory.max", cgroup / "memory.current"  # cgroup v2
+    if limit.is_file() and used.is_file():
+        text = limit.read_text().strip()
+        if text != "max":
+            available = min(available, int(text) - int(used.read_text()))
+    return available
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def check_fits(footprints: list[Footprint], available: int, what: str) -> None:
+    """Unservable unless the shards that load on this host together fit in `available`: every
+    one loads at once, then serves."""
+    loading = sum(f.peak for f in footprints)
+    if loading <= available:
+        return
+    weights, kv, buffers = (sum(getattr(f, k) for f in footprints) for k in ("weights", "kv_pool", "buffers"))
+    serving = weights + kv + buffers
+    hint = []
+    if kv > serving - available and kv > 0:
+        hint.append(f"--kv-memory-gb {max(0.0, (available - weights - buffers) / 2**30 / len(footprints)):.1f} or less")
+    if max(f.loading for f in footprints) > max(f.serving for f in footprints):
+        hint.append("more memory while it loads: GGUF weights are converted through fp32")
+    raise Unservable(
+        f"{what} needs {_gb(loading)} of memory and this machine has {_gb(available)} available: "
+        f"{len(footprints)} shard(s) hold {_gb(weights)} of weights, {_gb(kv)} of KV pool and {_gb(buffers)} of "
+        f"step buffers, and loading peaks at {_gb(sum(f.loading for f in footprints))}"
+        + (f" (try {'; '.join(hint)})" if hint else "")
+    )
+
+
+def check_layout(source: ModelSource, args, shards: list[tuple[int, int]]) -> None:
+    """Unservable unless the model is served and the given (pp_stage, tp_rank) shards of it, all
+    on this host, fit in its memory. `args`: a shard's or `serve`'s flags."""
+    cfg, tensors = read_model(source)
+    footprints = [
+        shard_footprint(
+            cfg,
+            tensors,
+            tp=args.tp,
+            pp=args.pp,
+            tp_rank=rank,
+            pp_stage=stage,
+            dtype=args.dtype,
+            weights=args.weights,
+            quantize="" if args.quantize == "none" else args.quantize,
+            dense_copy=args.dense_prefill == "on",
+            kv_memory_gb=args.kv_memory_gb,
+            max_batch=getattr(args, "max_batch", 32),
+        )
+        for stage, rank in shards
+    ]
+    check_fits(footprints, available_bytes(), source.name)
