@@ -14,19 +14,23 @@ GROUP = 32
 ROWS_AT_ONCE = 4096  # rows recovered together (SmolLM2's LM head has 49152)
 
 
-def grid_groups(w: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+def grid_groups(
+    w: torch.Tensor, levels: int, search: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """w [N, K] -> (codes int32 [N, K] in 0..levels-1, scale [N, K/32], lo [N, K/32], share exact),
     with w = lo + scale * code.
 
     A group of 32 whose weights already lie on such a grid (what a GGUF block dequantizes to:
     Q4_0, Q4_1 and Q4_K with 16 levels, Q8_0 with 255) keeps that grid exactly; any other group is
     rounded to the nearest of `levels` evenly spaced values between its min and max. The last
-    value is the share of groups kept exactly."""
+    value is the share of groups kept exactly. `search`: look for a grid whose step is not the
+    span over the levels (one whose codes do not reach both ends); pointless, and most of the
+    time taken, for weights that lie on no grid of this width (a Q6_K's, at 8 bits)."""
     n, k = w.shape
     if k % GROUP:
         raise ValueError(f"quantized layers need an input dimension divisible by {GROUP}, got {k}")
     if n > ROWS_AT_ONCE:  # the temporaries below are several copies of w: bound them
-        parts = [grid_groups(w[i : i + ROWS_AT_ONCE], levels) for i in range(0, n, ROWS_AT_ONCE)]
+        parts = [grid_groups(w[i : i + ROWS_AT_ONCE], levels, search) for i in range(0, n, ROWS_AT_ONCE)]
         exact = sum(p[3] * len(p[0]) for p in parts) / n
         return (*(torch.cat([p[j] for p in parts]) for j in range(3)), exact)
     g = w.float().reshape(-1, GROUP)
@@ -38,7 +42,7 @@ def grid_groups(w: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tenso
     # Groups whose codes do not reach both ends: hi and lo are still grid points, so the step is
     # span / (a whole number of steps), and the smallest gap between values is a whole number of
     # steps too (more than one when no two of the codes present are adjacent).
-    todo = (~exact).squeeze(-1).nonzero().squeeze(-1)
+    todo = (~exact).squeeze(-1).nonzero().squeeze(-1) if search else torch.zeros(0, dtype=torch.int64)
     t_g, t_lo, t_span = g[todo], lo[todo], span[todo]  # t_: the groups still without a grid
     gaps = t_g.sort(-1).values.diff(dim=-1)
     t_tol = t_span * 1e-4

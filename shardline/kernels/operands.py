@@ -38,6 +38,16 @@ def torch_operands(codes, scale, lo, bits: int) -> list:
     """torch's int4 kernel computes with w = (code - 8) * scale + zero; an 8-bit layer multiplies
     as two int4 halves: code = 16 * high + low, so w = [(high - 8) * 16 scale + (lo + 128 scale)] +
     [(low - 8) * scale + 8 scale]."""
+    n = codes.shape[0]
+    if n > ROWS_AT_ONCE:  # packed weights stack by rows, scales and zeros by their second dimension
+        parts = [
+            torch_operands(*(t[i : i + ROWS_AT_ONCE] for t in (codes, scale, lo)), bits)
+            for i in range(0, n, ROWS_AT_ONCE)
+        ]
+        return [
+            (torch.cat([p[h][0] for p in parts]), torch.cat([p[h][1] for p in parts], 1)) for h in range(len(parts[0]))
+        ]
+    codes = codes.to(torch.int32)
     if bits == 4:
         return [_int4_operands(codes, scale, lo + 8 * scale)]
     return [_int4_operands(codes >> 4, 16 * scale, lo + 128 * scale), _int4_operands(codes & 15, scale, 8 * scale)]
@@ -51,12 +61,23 @@ SCALE_BYTES = 2 * LANES * 2
 INT4_RECORD = CODE_BYTES[4] + SCALE_BYTES
 
 
+ROWS_AT_ONCE = 4096  # rows packed together: the temporaries are several copies of the codes
+
+
 def native_operands(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int):
     """The operands of Shardline's kernels: one record per block of 8 outputs and group of 32
     weights, the block's codes interleaved beside its scales and los, both rounded to fp16 (4 bits:
     `int4_pack`; 8 bits, 0..254: shifted to int8, the shift folded into lo, `int8_pack`). N is
     padded with zero weights to whole blocks; the kernels return those outputs too (zeros), and
-    `QuantizedLinear` drops them."""
+    `QuantizedLinear` drops them. Codes of any integer dtype (uint8 holds them in a quarter)."""
+    n = codes.shape[0]
+    if n > ROWS_AT_ONCE:  # blocks of 8 rows: whole ones per slice
+        parts = [
+            native_operands(*(t[i : i + ROWS_AT_ONCE] for t in (codes, scale, lo)), bits)[0]
+            for i in range(0, n, ROWS_AT_ONCE)
+        ]
+        return (torch.cat(parts),)
+    codes = codes.to(torch.int32)
     pad = -codes.shape[0] % LANES
     if pad:
         codes, scale, lo = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale, lo))
@@ -91,15 +112,15 @@ def _counted_down_where_fp16_holds_it(codes, scale, lo, levels: int):
 def _int8_grid(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The codes 0..254 as int8, and lo with the shift folded in. A group counts from its code of
     zero where zero lies on its grid (Q8_0's blocks), so that its lo is exactly 0, which fp16
-    holds (lo + 128 * scale would round); any other group from 128."""
+    holds (lo + 128 * scale would round); else from 0 where its codes fit int8 as they are (a
+    4-bit block's, say: its lo stays as it was); any other group from 128."""
     groups = codes.view(codes.shape[0], -1, GROUP)
     zero = (-lo / scale.clamp_min(torch.finfo(torch.float32).tiny)).round()
+    high = groups.amax(-1)
     on_grid = (
-        ((lo + zero * scale).abs() <= 1e-6 * scale.abs())
-        & (groups.amin(-1) - zero >= -128)
-        & (groups.amax(-1) - zero <= 127)
+        ((lo + zero * scale).abs() <= 1e-6 * scale.abs()) & (groups.amin(-1) - zero >= -128) & (high - zero <= 127)
     )
-    shift = torch.where(on_grid, zero, torch.full_like(zero, 128.0)).to(codes.dtype)
+    shift = torch.where(on_grid, zero, torch.where(high <= 127, 0.0, 128.0)).to(codes.dtype)
     folded = torch.where(on_grid, torch.zeros_like(lo), lo + shift * scale)
     return (codes - shift.repeat_interleave(GROUP, 1)).to(torch.int8), folded
 

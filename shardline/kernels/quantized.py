@@ -20,10 +20,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardline.kernels import native
 from shardline.kernels.choice import ALWAYS, DenseKind, crossover, dense_kind, kernel_for
 from shardline.kernels.grid import grid_groups, grid_weights
 from shardline.kernels.linear import onednn_linear
-from shardline.kernels.operands import Kernel, multiply, native_rows, operands, torch_operands
+from shardline.kernels.operands import (
+    ROWS_AT_ONCE,
+    Kernel,
+    multiply,
+    native_operands,
+    native_rows,
+    operands,
+    torch_operands,
+)
 
 
 def _flat(nested) -> list[torch.Tensor]:
@@ -52,16 +61,17 @@ def _clone(nested):
 
 
 class DenseCopy(nn.Module):
-    """A quantized layer's weights, dense, for steps of many rows (see `dense_kind`)."""
+    """A quantized layer's weights, dense, for steps of many rows (see `dense_kind`), made from its
+    groups a slice of rows at a time (no fp32 copy of a large layer beside a bf16 one)."""
 
-    def __init__(self, weights: torch.Tensor):
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor):
         super().__init__()
         self.kind = dense_kind()
-        self.register_buffer(
-            "weight",
-            weights.bfloat16() if self.kind is DenseKind.BF16 else weights.float().to_mkldnn(),
-            persistent=False,
-        )
+        dense = torch.empty(codes.shape, dtype=torch.bfloat16 if self.kind is DenseKind.BF16 else torch.float32)
+        for i in range(0, len(codes), ROWS_AT_ONCE):
+            rows = slice(i, i + ROWS_AT_ONCE)
+            dense[rows] = grid_weights(codes[rows].float(), scale[rows].float(), lo[rows].float())
+        self.register_buffer("weight", dense if self.kind is DenseKind.BF16 else dense.to_mkldnn(), persistent=False)
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [n, K] -> fp32 [n, N]."""
@@ -79,10 +89,33 @@ class QuantizedLinear(nn.Module):
     `keep_rows`: keep what `rows` needs to look up weight rows (a tied embedding's)."""
 
     def __init__(self, linear: nn.Linear, bits: int, dense_copy: bool = False, keep_rows: bool = False):
-        super().__init__()
-        self.bits = bits
-        self.out_features, self.in_features = linear.weight.shape
-        codes, scale, lo, self.exact = grid_groups(linear.weight.detach(), 16 if bits == 4 else 255)
+        codes, scale, lo, exact = grid_groups(linear.weight.detach(), 16 if bits == 4 else 255)
+        self._init(codes, scale, lo, bits, linear.bias, exact, dense_copy, keep_rows)
+        self._forward_hooks = linear._forward_hooks
+
+    @classmethod
+    def from_groups(
+        cls,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        lo: torch.Tensor,
+        bits: int,
+        bias: torch.Tensor | None = None,
+        exact: float = 1.0,
+        dense_copy: bool = False,
+        keep_rows: bool = False,
+    ) -> QuantizedLinear:
+        """A layer of weights already in groups (`codes` [N, K] in 0..15 or 0..254, `scale` and
+        `lo` [N, K/32]): a GGUF's blocks, read straight into them (kernels/gguf_groups.py).
+        `exact`: the share of groups the records' fp16 holds exactly."""
+        layer = cls.__new__(cls)
+        layer._init(codes, scale, lo, bits, bias, exact, dense_copy, keep_rows)
+        return layer
+
+    def _init(self, codes, scale, lo, bits, bias, exact, dense_copy, keep_rows) -> None:
+        nn.Module.__init__(self)
+        self.bits, self.exact = bits, exact
+        self.out_features, self.in_features = codes.shape
         self.kernel = kernel_for(bits)
         self.operands = operands(self.kernel, codes, scale, lo, bits)
         if keep_rows:  # rows as the kept kernel's operands hold them, or the codes as well
@@ -90,12 +123,11 @@ class QuantizedLinear(nn.Module):
         # as buffers too, so that the shard's weight bytes (Info) count them
         for i, t in enumerate(_flat([self.operands, getattr(self, "rows_from", ())])):
             self.register_buffer(f"held{i}", t, persistent=False)
-        self.dense = DenseCopy(grid_weights(codes, scale, lo)) if dense_copy or bits == 8 else None
-        if linear.bias is None:
+        self.dense = DenseCopy(codes, scale, lo) if dense_copy or bits == 8 else None
+        if bias is None:
             self.bias = None
         else:  # a buffer, so that the shard's weight bytes count it
-            self.register_buffer("bias", linear.bias.detach(), persistent=False)
-        self._forward_hooks = linear._forward_hooks
+            self.register_buffer("bias", bias.detach(), persistent=False)
         shape = f"{self.out_features}x{self.in_features}-{torch.get_num_threads()}threads"
         self.direct_rows, self.torch_rows, self.torch_operands = ALWAYS, ALWAYS, None
         if self.kernel is Kernel.NATIVE and bits == 4:
@@ -162,3 +194,26 @@ class Int8Embedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.table.rows(tokens).to(self.dtype)
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding held as int8 groups (a GGUF's blocks read straight, kernels/gguf_groups.py: 4-bit
+    codes fit the 8-bit grid), in the records Shardline's int8 kernel reads where it is built,
+    each lookup dequantizing its rows: 1.125 bytes a weight where the dtype took 2 or 4."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        self.dtype, self.num_embeddings = dtype, codes.shape[0]
+        if native.available():
+            self.held = native_operands(codes, scale, lo, 8)
+        else:
+            self.held = (codes.to(torch.uint8), scale.half(), lo.half())
+        for i, t in enumerate(self.held):  # buffers, so that the shard's weight bytes count them
+            self.register_buffer(f"held{i}", t, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if native.available():
+            codes, scale, lo = native_rows(self.held, tokens)
+        else:
+            codes, scale, lo = (t.index_select(0, tokens) for t in self.held)
+        return grid_weights(codes.float(), scale.float(), lo.float()).to(self.dtype)

@@ -20,11 +20,12 @@ from shardline.kernels.operands import Kernel
 from shardline.kernels.quantized import Int8Embedding, QuantizedLinear
 from shardline.protos import shard_pb2
 from shardline.shard.footprint import check_layout
+from shardline.shard.gguf_loader import GgufLoader
 from shardline.shard.kv_cache import bytes_per_page
 from shardline.shard.layout import Layout
 from shardline.shard.model import Transformer
-from shardline.shard.parallel import group_id, init_distributed
-from shardline.shard.transforms import is_quantized, prepare
+from shardline.shard.parallel import connect_tensor_parallel, group_id, init_distributed
+from shardline.shard.transforms import finish, is_quantized, prepare
 from shardline.shard.weights import build_model
 
 log = logging.getLogger("shardline.shard")
@@ -109,20 +110,29 @@ def load_shard(args) -> LoadedShard:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache if cache.name == build else cache / build)
     decode_graphs = args.decode_graphs == "on" or (args.decode_graphs == "auto" and device.type == "cuda")
     t0 = time.perf_counter()
-    model = build_model(source, dtype, device)
-    full = model.cfg
-    tp_group = init_distributed(layout, args.dist_init, device) if layout.world > 1 else None
-    prepare(
-        model,
-        source,
-        layout,
-        tp_group,
-        device,
-        weights=args.weights,
-        quantize_to="" if args.quantize == "none" else args.quantize,
-        dense_copy=args.dense_prefill == "on",
-        onednn=device.type == "cpu" and dtype == torch.float32 and not decode_graphs,
-    )
+    onednn = device.type == "cpu" and dtype == torch.float32 and not decode_graphs
+    if source.kind == "gguf" and args.weights == "native" and args.quantize == "none" and device.type == "cpu":
+        loader = GgufLoader(source, layout, dtype, dense_copy=args.dense_prefill == "on")
+        full, model = loader.cfg, loader.load()
+        tp_group = init_distributed(layout, args.dist_init, device) if layout.world > 1 else None
+        if layout.tp > 1:
+            connect_tensor_parallel(model, layout, tp_group)
+        finish(model, device, onednn=onednn)
+    else:
+        model = build_model(source, dtype, device)
+        full = model.cfg
+        tp_group = init_distributed(layout, args.dist_init, device) if layout.world > 1 else None
+        prepare(
+            model,
+            source,
+            layout,
+            tp_group,
+            device,
+            weights=args.weights,
+            quantize_to="" if args.quantize == "none" else args.quantize,
+            dense_copy=args.dense_prefill == "on",
+            onednn=onednn,
+        )
     log.info(
         "loaded %s (stage %d/%d, TP rank %d/%d, %d layers) in %.1f s",
         source.name,

@@ -78,6 +78,13 @@ def head_split(heads: int, kv_heads: int, tp: int, rank: int) -> tuple[range, ra
     return range(kv * group + q.start, kv * group + q.stop), range(kv, kv + 1)
 
 
+def tp_slice(cfg, layout: Layout) -> tuple[range, range, range]:
+    """This TP rank's (q heads, KV heads, MLP units): what `shard_tensor_parallel` keeps of each
+    layer, and what a GGUF is read for (shard/gguf_loader.py)."""
+    q_heads, kv = head_split(cfg.num_heads, cfg.num_kv_heads, layout.tp, layout.tp_rank)
+    return q_heads, kv, layer_range(cfg.intermediate_size, layout.tp_rank, layout.tp)
+
+
 def shard_tensor_parallel(model: Transformer, layout: Layout, group) -> None:
     """Splits attention heads and the MLP across the stage's TP ranks, in place.
 
@@ -86,12 +93,11 @@ def shard_tensor_parallel(model: Transformer, layout: Layout, group) -> None:
     shard that samples: it then needs no collective per step, which on gloo costs more than the
     replicated weights save.
     """
-    tp, r, cfg = layout.tp, layout.tp_rank, model.cfg
+    tp, cfg = layout.tp, model.cfg
     if tp == 1:
         return
     hd, inter = cfg.head_dim, cfg.intermediate_size
-    q_heads, kv = head_split(cfg.num_heads, cfg.num_kv_heads, tp, r)
-    units = layer_range(inter, r, tp)
+    q_heads, kv, units = tp_slice(cfg, layout)
     q_size, kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
 
     def split_qkv(t: torch.Tensor) -> torch.Tensor:
@@ -103,21 +109,30 @@ def shard_tensor_parallel(model: Transformer, layout: Layout, group) -> None:
             ]
         )
 
-    def all_reduce(_module, _inputs, output):
-        dist.all_reduce(output, group=group)
-        return output
-
     for block in model.layers:
         attn, mlp = block.attn, block.mlp
         attn.wqkv.weight = nn.Parameter(split_qkv(attn.wqkv.weight), requires_grad=False)
         if attn.wqkv.bias is not None:
             attn.wqkv.bias = nn.Parameter(split_qkv(attn.wqkv.bias), requires_grad=False)
-        attn.num_heads, attn.num_kv_heads = len(q_heads), len(kv)
         attn.wo.weight = nn.Parameter(_cols(attn.wo.weight, q_heads.start * hd, len(q_heads) * hd), requires_grad=False)
-        attn.wo.register_forward_hook(all_reduce)
         gate = _rows(mlp.w13.weight, units.start, len(units))
         up = _rows(mlp.w13.weight, inter + units.start, len(units))
         mlp.w13.weight = nn.Parameter(torch.cat([gate, up]), requires_grad=False)
         mlp.w2.weight = nn.Parameter(_cols(mlp.w2.weight, units.start, len(units)), requires_grad=False)
-        mlp.w2.register_forward_hook(all_reduce)
-    model.cfg = replace(cfg, num_heads=len(q_heads), num_kv_heads=len(kv), intermediate_size=len(units))
+    connect_tensor_parallel(model, layout, group)
+
+
+def connect_tensor_parallel(model: Transformer, layout: Layout, group) -> None:
+    """A model whose layers hold this TP rank's slice (`tp_slice`): each attention's head counts,
+    and an all-reduce of the row-parallel outputs (wo's, w2's)."""
+
+    def all_reduce(_module, _inputs, output):
+        dist.all_reduce(output, group=group)
+        return output
+
+    q_heads, kv, units = tp_slice(model.cfg, layout)
+    for block in model.layers:
+        block.attn.num_heads, block.attn.num_kv_heads = len(q_heads), len(kv)
+        block.attn.wo.register_forward_hook(all_reduce)
+        block.mlp.w2.register_forward_hook(all_reduce)
+    model.cfg = replace(model.cfg, num_heads=len(q_heads), num_kv_heads=len(kv), intermediate_size=len(units))

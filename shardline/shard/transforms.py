@@ -61,7 +61,13 @@ def prepare(
         keep_stage(model, layout)
         shard_tensor_parallel(model, layout, tp_group)
     quantize(model, dense_copy=dense_copy)
-    if cpu:
+    finish(model, device, onednn=onednn)
+
+
+def finish(model: Transformer, device: torch.device, *, onednn: bool) -> None:
+    """Steps 5 to 7, also of a model read straight into the serving layout (shard/gguf_loader.py),
+    which has its quantized layers and this shard's slice of them already."""
+    if device.type == "cpu":
         use_native_ops(model)
         log.info("%d layers decode as one operator each", fuse_decode(model))
     if onednn:

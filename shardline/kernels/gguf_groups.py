@@ -1,0 +1,79 @@
+"""GGUF blocks as groups of 32 weights on a grid (kernels/grid.py: w = lo + scale * code), read
+straight from a tensor's bytes: no fp32 weights, and no grid to recover.
+
+- Q4_0: d * (q - 8): scale d, lo -8d, 4-bit codes;
+- Q4_1: d * q + m: scale d, lo m;
+- Q4_K: 8 sub-blocks of 32 in a super-block of 256, d * sc_j * q - dmin * m_j: scale d * sc_j,
+  lo -dmin * m_j (exact in fp32; the records' fp16 rounds them where the product needs more
+  than 11 bits);
+- Q8_0: d * q, q in -127..127 (llama.cpp's quantizer never writes -128): scale d, lo -127d,
+  8-bit codes q + 127.
+
+Other types have no such grid of their own here: their rows are dequantized (the `gguf`
+package) for a grid to be found (`grid_groups`), a slice of rows at a time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+GROUP = 32
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q8_0": 34}
+BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q8_0": 32}
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Little-endian fp16 bytes [..., 2] -> fp32 [...]."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] codes: the low nibbles are weights 0-15, the high 16-31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def groups_of(kind: str, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tensor's rows of `kind` blocks, uint8 [N, blocks * block bytes] -> (codes int32 [N, K],
+    scale fp32 [N, K/32], lo fp32 [N, K/32])."""
+    n = rows.shape[0]
+    b = np.ascontiguousarray(rows).reshape(n, -1, BLOCK_BYTES[kind])
+    if kind == "Q4_0":
+        d = _f16(b[..., 0:2])
+        codes, scale, lo = _nibbles(b[..., 2:18]), d, -8 * d
+    elif kind == "Q4_1":
+        codes, scale, lo = _nibbles(b[..., 4:20]), _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    elif kind == "Q8_0":
+        d = _f16(b[..., 0:2])
+        codes, scale, lo = b[..., 2:34].view(np.int8).astype(np.int16) + 127, d, -127 * d
+    elif kind == "Q4_K":
+        d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
+        sc, m = _k4_scales(b[..., 4:16])  # [N, blocks, 8] each
+        # 128 bytes = 4 chunks of 32: a chunk's low nibbles are sub-block 2c, its high ones 2c + 1
+        qs = b[..., 16:144].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        codes, scale, lo = (qs & 0x0F).reshape(n, -1, 8, 32), d * sc, -(dmin * m)
+    else:
+        raise ValueError(f"{kind} blocks have no grid of their own here")
+    return (
+        torch.from_numpy(np.ascontiguousarray(codes).reshape(n, -1).astype(np.int32)),
+        torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(n, -1)),
+        torch.from_numpy(np.ascontiguousarray(lo, dtype=np.float32).reshape(n, -1)),
+    )
+
+
+def _k4_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes of 6-bit scales and mins per super-block -> (sc, m), fp32 [..., 8]: bytes
+    0-3 hold sc 0-3 and their top bits of sc 4-7, 4-7 likewise m, 8-11 the low bits of sc and m 4-7."""
+    d, m, low = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (low & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mins = np.concatenate([m & 0x3F, (low >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mins.astype(np.float32)
+
+
+def dequantized(kind: str, rows: np.ndarray, k: int) -> torch.Tensor:
+    """Rows of any GGUF type as fp32 [N, K] (the `gguf` package's reference dequantization)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(np.ascontiguousarray(dequantize(rows, GGMLQuantizationType[kind])).reshape(-1, k))

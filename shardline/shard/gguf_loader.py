@@ -1,0 +1,235 @@
+"""A GGUF's weights read straight into the serving layout, tensor by tensor: `--weights native` on
+the CPU. The model is built on the meta device and each of its layers is made from the blocks of
+the file's tensors (memory-mapped), so no fp32 copy of the model exists at any time; only this
+shard's pipeline stage is read, and of its layers only this TP rank's rows and columns.
+
+How each linear layer is held is `mark_quantized`'s rule (shard/transforms.py): layers whose
+tensors are all 4-bit blocks (Q4_0, Q4_1, Q4_K) as int4 groups, any other quantized ones as int8,
+float ones dense in the serving dtype. A tensor's 4-bit or Q8_0 blocks become groups directly
+(kernels/gguf_groups.py); other types' rows, and slices that cut a block, are dequantized a
+tensor at a time for a grid to be found, as before. The embedding stays quantized (int8 groups,
+or the tied LM head's own).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from shardline.common.model_source import ModelSource
+from shardline.kernels.gguf_groups import BITS, BLOCK_WEIGHTS, dequantized, groups_of
+from shardline.kernels.grid import grid_groups
+from shardline.kernels.operands import ROWS_AT_ONCE
+from shardline.kernels.quantized import Int8Embedding, QuantizedEmbedding, QuantizedLinear
+from shardline.shard.config import ModelConfig
+from shardline.shard.footprint import Unservable
+from shardline.shard.layout import Layout, layer_range
+from shardline.shard.model import Rotary, Transformer
+from shardline.shard.parallel import keep_stage, tp_slice
+
+log = logging.getLogger(__name__)
+FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}
+FLOAT = {"F32", "F16", "BF16", "F64"}
+
+
+class _Part:
+    """Rows (and columns) of one GGUF tensor that go into a layer: `rows` index the tensor's rows
+    as the model orders them (llama.cpp's Q/K rows are permuted for its RoPE: undone here)."""
+
+    def __init__(self, tensor, rows: np.ndarray | None = None, cols: range | None = None):
+        self.tensor, self.kind = tensor, tensor.tensor_type.name
+        self.n, self.k = (
+            (int(tensor.shape[1]), int(tensor.shape[0])) if len(tensor.shape) == 2 else (int(tensor.shape[0]), 1)
+        )
+        self.rows = np.arange(self.n) if rows is None else rows
+        self.cols = range(self.k) if cols is None else cols
+
+    def raw(self) -> np.ndarray:
+        """The selected rows' bytes (quantized) or values (float), whole rows."""
+        data = self.tensor.data
+        return data[self.rows] if len(self.rows) != self.n or not np.array_equal(self.rows, np.arange(self.n)) else data
+
+    def aligned(self) -> bool:
+        """Whether the columns kept start and end on block boundaries."""
+        b = BLOCK_WEIGHTS.get(self.kind, 1)
+        return self.cols.start % b == 0 and len(self.cols) % b == 0
+
+    def values(self) -> torch.Tensor:
+        """fp32 [rows, cols]."""
+        raw = self.raw()
+        if self.kind in ("F32", "F16"):
+            w = torch.from_numpy(np.array(raw, dtype=np.float32))  # a copy: the mapping is read-only
+        else:
+            w = dequantized(self.kind, raw, self.k)
+        return w.reshape(len(self.rows), self.k)[:, self.cols.start : self.cols.stop]
+
+    def groups(self, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+        """(codes uint8, scale, lo, share exact) at `bits`: from the blocks where they are a grid
+        of that width or less and the columns cut no block; else found in the dequantized values.
+        A slice of rows at a time, so that the temporaries stay a few copies of one slice."""
+        parts = [self._slice(rows, bits) for rows in np.array_split(self.rows, -(-len(self.rows) // ROWS_AT_ONCE))]
+        exact = sum(p[3] * len(p[0]) for p in parts) / len(self.rows)
+        return (*(torch.cat([p[i] for p in parts]) for i in range(3)), exact)
+
+    def _slice(self, rows: np.ndarray, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+        part = _Part(self.tensor, rows, self.cols)
+        if self.kind in BITS and BITS[self.kind] <= bits and self.aligned():
+            raw = part.raw()
+            per_block = BLOCK_WEIGHTS[self.kind]
+            nbytes = raw.shape[1] * per_block // self.k
+            codes, scale, lo = groups_of(
+                self.kind, raw[:, self.cols.start * nbytes // per_block : self.cols.stop * nbytes // per_block]
+            )
+            if self.kind != "Q8_0" or codes.min() >= 0:  # a Q8_0 -128: no 255-level grid holds the group
+                return codes.to(torch.uint8), scale, lo, _fp16_share(scale, lo, bits)
+        # a block type of this width (a slice that cuts its blocks) lies on a grid to be found
+        search = self.kind in BITS and BITS[self.kind] <= bits
+        codes, scale, lo, exact = grid_groups(part.values(), 16 if bits == 4 else 255, search)
+        return codes.to(torch.uint8), scale, lo, exact
+
+
+def _fp16_share(scale: torch.Tensor, lo: torch.Tensor, bits: int) -> float:
+    """The share of groups whose scale and lo fp16 holds (a Q8_0 lo folds to 0: kernels/operands.py)."""
+    held = (scale.half().float() == scale) & ((lo.half().float() == lo) | ((bits == 8) & (lo == -127 * scale)))
+    return held.float().mean().item()
+
+
+def _bits(kinds: set[str]) -> int | None:
+    """`mark_quantized`'s width for a layer of these tensor types; None: dense."""
+    if kinds <= FOUR_BIT:
+        return 4
+    return None if kinds <= FLOAT else 8
+
+
+def _unpermuted(n_rows: int, n_head: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's Q/K permutation (weights.unpermute_rope, as indices)."""
+    return np.arange(n_rows).reshape(n_head, n_rows // n_head // 2, 2).swapaxes(1, 2).reshape(-1)
+
+
+class GgufLoader:
+    def __init__(self, source: ModelSource, layout: Layout, dtype: torch.dtype, dense_copy: bool):
+        from gguf import GGUFReader
+
+        self.reader = GGUFReader(str(source.path))
+        self.cfg = ModelConfig.from_gguf(self.reader, source.name)
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.name, self.layout, self.dtype, self.dense_copy = source.path.name, layout, dtype, dense_copy
+        self._read = []  # tensors read since the last `_release`
+
+    def _part(self, name: str, rows: np.ndarray | None = None, cols: range | None = None) -> _Part:
+        if name not in self.tensors:
+            raise Unservable(f"{self.name} has no tensor {name}, which a {self.cfg.architecture} layer needs")
+        self._read.append(self.tensors[name])
+        return _Part(self.tensors[name], rows, cols)
+
+    def _release(self) -> None:
+        """Drops the file's pages of the tensors read since the last call from this process's
+        memory (they stay in the page cache): a mapped page once read counts as resident, and the
+        whole file would, by the end of a load, beside the weights made of it."""
+        page = mmap.PAGESIZE
+        for t in self._read:
+            start = -(-t.data_offset // page) * page
+            end = (t.data_offset + t.n_bytes) // page * page
+            if end > start:
+                self.reader.data._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+        self._read = []
+
+    def _dense(self, name: str, rows: np.ndarray | None = None) -> torch.Tensor:
+        return self._part(name, rows).values().squeeze(-1).to(self.dtype)
+
+    def _linear(self, parts: list[_Part], bias: torch.Tensor | None = None, keep_rows: bool = False) -> nn.Module:
+        bits = _bits({p.kind for p in parts})
+        if bits is None:
+            linear = nn.Linear(1, 1, bias=bias is not None)
+            linear.weight = nn.Parameter(torch.cat([p.values() for p in parts]).to(self.dtype), requires_grad=False)
+            if bias is not None:
+                linear.bias = nn.Parameter(bias, requires_grad=False)
+            linear.in_features, linear.out_features = linear.weight.shape[1], linear.weight.shape[0]
+            return linear
+        groups = [p.groups(bits) for p in parts]
+        codes, scale, lo = (torch.cat([g[i] for g in groups]) for i in range(3))
+        exact = sum(g[3] * len(g[0]) for g in groups) / len(codes)
+        return QuantizedLinear.from_groups(
+            codes, scale, lo, bits, bias, exact, dense_copy=self.dense_copy, keep_rows=keep_rows
+        )
+
+    def load(self) -> Transformer:
+        cfg, layout, t0 = self.cfg, self.layout, time.perf_counter()
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        keep_stage(model, layout)
+        hd = cfg.head_dim
+        q_heads, kv, units = tp_slice(cfg, layout)
+        q_rows = np.arange(q_heads.start * hd, q_heads.stop * hd)
+        kv_rows = np.arange(kv.start * hd, kv.stop * hd)
+        unit_rows = np.arange(units.start, units.stop)
+        llama = cfg.architecture == "llama"
+        q_order = _unpermuted(cfg.num_heads * hd, cfg.num_heads) if llama else np.arange(cfg.num_heads * hd)
+        k_order = _unpermuted(cfg.num_kv_heads * hd, cfg.num_kv_heads) if llama else np.arange(cfg.num_kv_heads * hd)
+        for i, block in zip(layer_range(cfg.num_layers, layout.pp_stage, layout.pp), model.layers):
+            p = f"blk.{i}."
+            block.attn_norm.weight = nn.Parameter(self._dense(p + "attn_norm.weight"), requires_grad=False)
+            block.mlp_norm.weight = nn.Parameter(self._dense(p + "ffn_norm.weight"), requires_grad=False)
+            attn = block.attn
+            if cfg.qk_norm:
+                attn.q_norm.weight = nn.Parameter(self._dense(p + "attn_q_norm.weight"), requires_grad=False)
+                attn.k_norm.weight = nn.Parameter(self._dense(p + "attn_k_norm.weight"), requires_grad=False)
+            qkv = [
+                self._part(p + "attn_q.weight", q_order[q_rows]),
+                self._part(p + "attn_k.weight", k_order[kv_rows]),
+                self._part(p + "attn_v.weight", kv_rows),
+            ]
+            bias = None
+            if cfg.qkv_bias:
+                bias = torch.cat(
+                    [
+                        self._dense(p + "attn_q.bias", q_order[q_rows]),
+                        self._dense(p + "attn_k.bias", k_order[kv_rows]),
+                        self._dense(p + "attn_v.bias", kv_rows),
+                    ]
+                )
+            attn.wqkv = self._linear(qkv, bias)
+            attn.wo = self._linear([self._part(p + "attn_output.weight", cols=range(q_rows[0], q_rows[-1] + 1))])
+            mlp = block.mlp
+            mlp.w13 = self._linear(
+                [self._part(p + "ffn_gate.weight", unit_rows), self._part(p + "ffn_up.weight", unit_rows)]
+            )
+            mlp.w2 = self._linear([self._part(p + "ffn_down.weight", cols=units)])
+            self._release()
+        tied = "output.weight" not in self.tensors
+        if model.lm_head is not None:  # the sampling shard
+            model.norm.weight = nn.Parameter(self._dense("output_norm.weight"), requires_grad=False)
+            head = self._linear([self._part("token_embd.weight" if tied else "output.weight")], keep_rows=tied)
+            model.lm_head = head
+        if model.embed is not None:
+            model.embed = self._embedding(model, tied)
+        self._release()
+        with torch.device("cpu"):
+            model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position)
+        missing = [n for n, x in (*model.named_parameters(), *model.named_buffers()) if x.is_meta]
+        if missing:
+            raise Unservable(f"{self.name}: nothing in the file fills {', '.join(missing[:5])}")
+        del self.reader, self.tensors  # the file's mapping goes with them
+        log.info("read %s's weights into the serving layout in %.1f s", cfg.name, time.perf_counter() - t0)
+        return model.eval().requires_grad_(False)
+
+    def _embedding(self, model: Transformer, tied: bool) -> nn.Module:
+        part = self._part("token_embd.weight")
+        head = model.lm_head
+        if tied and isinstance(head, QuantizedLinear) and head.bits == 8:
+            return Int8Embedding(head, self.dtype)  # the LM head's codes serve the lookups too
+        if tied and isinstance(head, nn.Linear):
+            embed = nn.Embedding(1, 1)
+            embed.weight = head.weight  # one tensor, as a tied checkpoint holds it
+            return embed
+        if part.kind in FLOAT:
+            embed = nn.Embedding(1, 1)
+            embed.weight = nn.Parameter(part.values().to(self.dtype), requires_grad=False)
+            return embed
+        codes, scale, lo, _ = part.groups(8)
+        return QuantizedEmbedding(codes, scale, lo, self.dtype)

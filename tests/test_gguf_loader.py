@@ -1,0 +1,227 @@
+"""A GGUF read straight into the serving layout (shard/gguf_loader.py, kernels/gguf_groups.py):
+blocks of each type become the groups the `gguf` package dequantizes them to, a model of mixed
+types is served with those weights, wired as the dense loader wires them, and a TP rank or a
+pipeline stage reads its own slice."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+
+from shardline.common.model_source import resolve_model
+from shardline.kernels.gguf_groups import dequantized, groups_of
+from shardline.kernels.grid import grid_weights
+from shardline.kernels.quantized import QuantizedLinear
+from shardline.shard.gguf_loader import GgufLoader
+from shardline.shard.layout import Layout
+from shardline.shard.weights import build_model, unpermute_rope
+
+HIDDEN, INTER, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 320
+# (layer, part) -> type: every path the loader takes (int4 from 4-bit blocks, int8 from Q8_0,
+# a fused layer of mixed types in int8, Q6_K rounded to int8, a dense F16 layer)
+TYPES = {
+    (0, "attn_q"): "Q4_K", (0, "attn_k"): "Q4_K", (0, "attn_v"): "Q6_K", (0, "attn_output"): "Q4_0",
+    (0, "ffn_gate"): "Q4_1", (0, "ffn_up"): "Q4_1", (0, "ffn_down"): "Q8_0",
+    (1, "attn_q"): "Q8_0", (1, "attn_k"): "Q8_0", (1, "attn_v"): "Q8_0", (1, "attn_output"): "F16",
+    (1, "ffn_gate"): "Q4_K", (1, "ffn_up"): "Q4_K", (1, "ffn_down"): "Q6_K",
+}  # fmt: skip
+
+
+def _random_blocks(kind: str, n: int, k: int, rng) -> np.ndarray:
+    """Random bytes of `kind` blocks with finite fp16 scales: any such bytes are valid blocks."""
+    weights, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    blocks = rng.integers(0, 256, size=(n, k // weights, size), dtype=np.uint8)
+    scales = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}[kind]
+    for at in scales:
+        d = rng.uniform(0.001, 0.02, size=blocks.shape[:2]).astype(np.float16)
+        if kind == "Q4_K":  # powers of two, so that fp16 holds their products with the 6-bit scales
+            d = (2.0 ** -rng.integers(6, 10, size=blocks.shape[:2])).astype(np.float16)
+        blocks[..., at : at + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    if kind == "Q8_0":
+        q = blocks[..., 2:34].view(np.int8)
+        q[q == -128] = -127
+    return blocks.reshape(n, -1)
+
+
+def _tensor(writer, name: str, kind: str, n: int, k: int, rng) -> None:
+    if kind == "F16":
+        writer.add_tensor(name, (rng.standard_normal((n, k)) * 0.05).astype(np.float16))
+    else:
+        writer.add_tensor(name, _random_blocks(kind, n, k, rng), raw_dtype=GGMLQuantizationType[kind])
+
+
+def write_gguf(path, tied: bool, embed: str = "Q4_K", head: str = "Q6_K", seed: int = 0):
+    rng = np.random.default_rng(seed)
+    hd = HIDDEN // HEADS
+    writer = GGUFWriter(str(path), "llama")
+    for add, value in (
+        ("add_context_length", 256),
+        ("add_embedding_length", HIDDEN),
+        ("add_feed_forward_length", INTER),
+        ("add_block_count", 2),
+        ("add_head_count", HEADS),
+        ("add_head_count_kv", KV_HEADS),
+        ("add_layer_norm_rms_eps", 1e-5),
+        ("add_rope_freq_base", 10000.0),
+    ):
+        getattr(writer, add)(value)
+    writer.add_token_list([f"t{i}" for i in range(VOCAB)])
+    writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
+    _tensor(writer, "token_embd.weight", embed, VOCAB, HIDDEN, rng)
+    if not tied:
+        _tensor(writer, "output.weight", head, VOCAB, HIDDEN, rng)
+    shapes = {
+        "attn_q": (HEADS * hd, HIDDEN),
+        "attn_k": (KV_HEADS * hd, HIDDEN),
+        "attn_v": (KV_HEADS * hd, HIDDEN),
+        "attn_output": (HIDDEN, HEADS * hd),
+        "ffn_gate": (INTER, HIDDEN),
+        "ffn_up": (INTER, HIDDEN),
+        "ffn_down": (HIDDEN, INTER),
+    }
+    for i in range(2):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
+        for part, (n, k) in shapes.items():
+            _tensor(writer, f"blk.{i}.{part}.weight", TYPES[i, part], n, k, rng)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+def test_blocks_become_the_groups_the_gguf_package_dequantizes_them_to(kind):
+    rng = np.random.default_rng(1)
+    k = 512
+    if kind in ("Q4_0", "Q4_1", "Q8_0"):  # the gguf package writes these itself
+        raw = quantize(rng.standard_normal((16, k)).astype(np.float32) * 0.1, GGMLQuantizationType[kind])
+    else:
+        raw = _random_blocks(kind, 16, k, rng)
+    codes, scale, lo = groups_of(kind, raw)
+    want = dequantize(raw, GGMLQuantizationType[kind]).reshape(16, k)
+    assert torch.equal(grid_weights(codes.double(), scale.double(), lo.double()), torch.from_numpy(want).double())
+    assert codes.min() >= 0 and codes.max() <= (15 if kind != "Q8_0" else 254)
+
+
+def _served(layer) -> torch.Tensor:
+    """The weights a layer holds, [N, K]: its answers to the unit rows through its quantized
+    kernel (which of the dense copy or torch's kernel would serve a step of this many rows is
+    measured per machine and shape; their bf16 rounds)."""
+    eye = torch.eye(layer.in_features)
+    with torch.inference_mode():
+        if isinstance(layer, QuantizedLinear):  # its own kernel at any rows: no dense copy, no torch's
+            layer.max_rows = layer.torch_rows = 1 << 30
+            out = layer(eye)
+        else:
+            out = eye @ layer.weight.float().t()
+    return (out - (layer.bias if layer.bias is not None else 0)).t()
+
+
+def _reference(path, name: str) -> torch.Tensor:
+    from gguf import GGUFReader
+
+    t = next(t for t in GGUFReader(str(path)).tensors if t.name == name)
+    w = dequantized(t.tensor_type.name, t.data, int(t.shape[0])).numpy()
+    if name.endswith("attn_q.weight"):
+        w = unpermute_rope(w, HEADS)
+    elif name.endswith("attn_k.weight"):
+        w = unpermute_rope(w, KV_HEADS)
+    return torch.from_numpy(np.ascontiguousarray(w))
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, kind: str) -> bool:
+    """Equal up to what the served width rounds: nothing where the type is served at its own
+    width (the kernels compute in fp32; the Q4_K blocks here have scales whose products fp16
+    holds, which the records keep in), a Q6_K value rounded to an 8-bit grid."""
+    tol = (1 / 254 if kind == "Q6_K" else 1e-5) * want.abs().max().item()
+    return (got - want).abs().max().item() <= tol
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "mixed.gguf", tied=False)
+
+
+def test_each_layer_serves_the_weights_its_blocks_hold(untied):
+    model = GgufLoader(resolve_model(str(untied)), Layout(), torch.float32, dense_copy=False).load()
+    for i, block in enumerate(model.layers):
+        parts = {
+            "attn.wqkv": ["attn_q", "attn_k", "attn_v"],
+            "attn.wo": ["attn_output"],
+            "mlp.w13": ["ffn_gate", "ffn_up"],
+            "mlp.w2": ["ffn_down"],
+        }
+        for module, names in parts.items():
+            served = _served(block.get_submodule(module))
+            want = torch.cat([_reference(untied, f"blk.{i}.{n}.weight") for n in names])
+            kinds = {TYPES[i, n] for n in names}
+            worst = "Q6_K" if "Q6_K" in kinds else kinds.pop()
+            assert _close(served, want, worst), (i, module)
+    assert _close(_served(model.lm_head), _reference(untied, "output.weight"), "Q6_K")
+    tokens = torch.tensor([0, 7, VOCAB - 1])
+    assert _close(model.embed(tokens), _reference(untied, "token_embd.weight")[tokens], "Q4_K")
+
+
+@pytest.mark.parametrize("embed", ["Q8_0", "Q4_K"])
+def test_a_tied_model_serves_its_lm_head_from_the_embeddings_blocks(tmp_path, embed):
+    path = write_gguf(tmp_path / "tied.gguf", tied=True, embed=embed)
+    model = GgufLoader(resolve_model(str(path)), Layout(), torch.float32, dense_copy=False).load()
+    want = _reference(path, "token_embd.weight")
+    assert _close(_served(model.lm_head), want, embed)
+    tokens = torch.tensor([3, VOCAB - 2])
+    assert _close(model.embed(tokens), want[tokens], embed)
+
+
+def test_the_native_model_computes_what_the_dequantized_one_does(untied):
+    """The same file through both loaders: wired alike (unpermuted Q/K, fused order, norms)."""
+    source = resolve_model(str(untied))
+    native = GgufLoader(source, Layout(), torch.float32, dense_copy=False).load()
+    dense = build_model(source, torch.float32, torch.device("cpu"))
+    from shardline.kernels.attention import AttentionBatch
+    from shardline.shard.kv_cache import KVPages
+
+    outs = []
+    for model in (native, dense):
+        kv = KVPages(model.cfg, 4, 16, torch.float32, torch.device("cpu"))
+        tokens = torch.tensor([1, 5, 9, 40, 100])
+        batch = AttentionBatch(
+            slots=torch.arange(len(tokens)),
+            is_decode=False,
+            query_lens=[len(tokens)],
+            start_positions=[0],
+            block_tables_list=[torch.tensor([0])],
+        )
+        with torch.inference_mode():
+            outs.append(model.logits(model(tokens, torch.arange(len(tokens)), kv.layers, batch)))
+    cos = torch.nn.functional.cosine_similarity(outs[0].flatten(), outs[1].flatten(), dim=0)
+    assert cos > 0.999, cos
+
+
+def test_a_tp_rank_reads_its_rows_and_columns_and_a_stage_its_layers(untied):
+    source = resolve_model(str(untied))
+    whole = GgufLoader(source, Layout(), torch.float32, dense_copy=False).load()
+    ranks = [GgufLoader(source, Layout(tp=2, tp_rank=r), torch.float32, dense_copy=False).load() for r in (0, 1)]
+    hd = HIDDEN // HEADS
+    for i in range(2):
+        full = _served(whole.layers[i].attn.wqkv)
+        q, k, v = full.split([HEADS * hd, KV_HEADS * hd, KV_HEADS * hd])
+        halves = [
+            _served(r.layers[i].attn.wqkv).split([HEADS * hd // 2, KV_HEADS * hd // 2, KV_HEADS * hd // 2])
+            for r in ranks
+        ]
+        for whole_part, parts in zip((q, k, v), zip(*halves)):
+            assert torch.allclose(torch.cat(parts), whole_part, atol=1e-6)
+        assert torch.allclose(
+            torch.cat([_served(r.layers[i].mlp.w2) for r in ranks], 1), _served(whole.layers[i].mlp.w2), atol=1e-6
+        )
+        assert torch.allclose(
+            torch.cat([_served(r.layers[i].attn.wo) for r in ranks], 1), _served(whole.layers[i].attn.wo), atol=1e-6
+        )
+    assert ranks[0].lm_head is not None and ranks[1].lm_head is None  # the head sits with the sampler
+    stages = [GgufLoader(source, Layout(pp=2, pp_stage=s), torch.float32, dense_copy=False).load() for s in (0, 1)]
+    assert len(stages[0].layers) == len(stages[1].layers) == 1
+    assert stages[0].embed is not None and stages[0].lm_head is None and stages[1].embed is None
+    assert torch.equal(_served(stages[1].layers[0].mlp.w13), _served(whole.layers[1].mlp.w13))
