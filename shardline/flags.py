@@ -115,8 +115,8 @@ def _shard_flags(p):
         p,
         "dense-prefill",
         "off",
-        help="int4 layers also keep a dense copy for steps of many rows (prefill; "
-        "bf16, or fp32 without native bf16): prefill about 2x faster, 2 or 4 more bytes per weight",
+        help="quantized layers also keep a dense copy for steps of many rows (prefill; bf16, or fp32 "
+        "without native bf16) where it measures faster: prefill about 2x faster, 2 or 4 more bytes per weight",
         choices=["on", "off"],
     )
 

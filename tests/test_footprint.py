@@ -142,3 +142,10 @@ def test_shards_on_one_host_load_at_once(tiny_models):
     check_layout(source, args, [(0, 0)])
     with pytest.raises(Unservable, match="2 shard"):
         check_layout(source, args, [(0, 0), (0, 1)])
+
+
+def test_the_estimate_reads_slices_as_the_loader_does():
+    from shardline.kernels import grid
+    from shardline.shard import footprint
+
+    assert footprint.WEIGHTS_AT_ONCE == grid.WEIGHTS_AT_ONCE

@@ -51,40 +51,51 @@ def _tensor(writer, name: str, kind: str, n: int, k: int, rng) -> None:
         writer.add_tensor(name, _random_blocks(kind, n, k, rng), raw_dtype=GGMLQuantizationType[kind])
 
 
-def write_gguf(path, tied: bool, embed: str = "Q4_K", head: str = "Q6_K", seed: int = 0):
+def write_gguf(
+    path,
+    tied: bool,
+    embed: str = "Q4_K",
+    head: str = "Q6_K",
+    seed: int = 0,
+    shape: tuple[int, int, int, int, int, int] = (HIDDEN, INTER, 2, HEADS, KV_HEADS, VOCAB),
+    types=lambda layer, part: TYPES[layer, part],
+):
+    """A llama GGUF of random blocks: `shape` is (hidden, intermediate, layers, heads, KV heads,
+    vocabulary), `types(layer, part)` each linear layer's type."""
+    hidden, inter, layers, heads, kv_heads, vocab = shape
     rng = np.random.default_rng(seed)
-    hd = HIDDEN // HEADS
+    hd = hidden // heads
     writer = GGUFWriter(str(path), "llama")
     for add, value in (
         ("add_context_length", 256),
-        ("add_embedding_length", HIDDEN),
-        ("add_feed_forward_length", INTER),
-        ("add_block_count", 2),
-        ("add_head_count", HEADS),
-        ("add_head_count_kv", KV_HEADS),
+        ("add_embedding_length", hidden),
+        ("add_feed_forward_length", inter),
+        ("add_block_count", layers),
+        ("add_head_count", heads),
+        ("add_head_count_kv", kv_heads),
         ("add_layer_norm_rms_eps", 1e-5),
         ("add_rope_freq_base", 10000.0),
     ):
         getattr(writer, add)(value)
-    writer.add_token_list([f"t{i}" for i in range(VOCAB)])
-    writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
-    _tensor(writer, "token_embd.weight", embed, VOCAB, HIDDEN, rng)
+    writer.add_token_list([f"t{i}" for i in range(vocab)])
+    writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
+    _tensor(writer, "token_embd.weight", embed, vocab, hidden, rng)
     if not tied:
-        _tensor(writer, "output.weight", head, VOCAB, HIDDEN, rng)
+        _tensor(writer, "output.weight", head, vocab, hidden, rng)
     shapes = {
-        "attn_q": (HEADS * hd, HIDDEN),
-        "attn_k": (KV_HEADS * hd, HIDDEN),
-        "attn_v": (KV_HEADS * hd, HIDDEN),
-        "attn_output": (HIDDEN, HEADS * hd),
-        "ffn_gate": (INTER, HIDDEN),
-        "ffn_up": (INTER, HIDDEN),
-        "ffn_down": (HIDDEN, INTER),
+        "attn_q": (heads * hd, hidden),
+        "attn_k": (kv_heads * hd, hidden),
+        "attn_v": (kv_heads * hd, hidden),
+        "attn_output": (hidden, heads * hd),
+        "ffn_gate": (inter, hidden),
+        "ffn_up": (inter, hidden),
+        "ffn_down": (hidden, inter),
     }
-    for i in range(2):
+    for i in range(layers):
         for norm in ("attn_norm", "ffn_norm"):
-            writer.add_tensor(f"blk.{i}.{norm}.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
+            writer.add_tensor(f"blk.{i}.{norm}.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
         for part, (n, k) in shapes.items():
-            _tensor(writer, f"blk.{i}.{part}.weight", TYPES[i, part], n, k, rng)
+            _tensor(writer, f"blk.{i}.{part}.weight", types(i, part), n, k, rng)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -225,3 +236,28 @@ def test_a_tp_rank_reads_its_rows_and_columns_and_a_stage_its_layers(untied):
     assert len(stages[0].layers) == len(stages[1].layers) == 1
     assert stages[0].embed is not None and stages[0].lm_head is None and stages[1].embed is None
     assert torch.equal(_served(stages[1].layers[0].mlp.w13), _served(whole.layers[1].mlp.w13))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_kept_weights_serve_what_was_read_without_reading_the_file_again(tmp_path, tied):
+    """shard/served_cache.py: what a later start maps is what the first made (records, the
+    measured row counts, the embedding the LM head serves), the same to the bit."""
+    from shardline.shard import served_cache
+
+    path = write_gguf(tmp_path / "model.gguf", tied=tied, embed="Q8_0" if tied else "Q4_K")
+    source = resolve_model(str(path))
+    made = GgufLoader(source, Layout(), torch.float32, dense_copy=True).load()
+    served_cache.save(made, tmp_path / "kept.pt")
+    path.unlink()  # nothing is read from the GGUF any more
+    kept = served_cache.load(made.cfg, Layout(), torch.float32, tmp_path / "kept.pt")
+    for name, module in made.named_modules():
+        if isinstance(module, (QuantizedLinear, torch.nn.Linear)):
+            other = kept.get_submodule(name)
+            assert type(other) is type(module), name
+            if isinstance(module, QuantizedLinear):  # before `_served` sets them
+                rows = lambda layer: (layer.max_rows, layer.direct_rows, layer.torch_rows)  # noqa: E731
+                assert rows(other) == rows(module) and (other.dense is None) == (module.dense is None), name
+            assert torch.equal(_served(other), _served(module)), name
+    tokens = torch.tensor([0, 11, VOCAB - 1])
+    assert torch.equal(kept.embed(tokens), made.embed(tokens))
+    assert (type(kept.embed) is type(made.embed)) and (not tied or kept.embed.table is kept.lm_head)

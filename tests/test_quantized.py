@@ -79,6 +79,7 @@ def test_quantized_layers_compute_their_weights(rows):
         (QuantizedLinear(nn_linear(256, 96, weight=q4, bias=dense.bias), 4), q4),
         (QuantizedLinear(nn_linear(256, 96, weight=q4, bias=dense.bias), 4, dense_copy=True), q4),
         (QuantizedLinear(nn_linear(256, 96, weight=q8, bias=dense.bias), 8), q8),
+        (QuantizedLinear(nn_linear(256, 96, weight=q8, bias=dense.bias), 8, dense_copy=True), q8),
     ]:
         codes, scale, lo, _ = grid_groups(w, 16 if layer.bits == 4 else 255)
         kernels = {

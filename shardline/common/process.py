@@ -3,6 +3,7 @@ shard is waited for, how fast a lost peer is reconnected to, and whether the par
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 
@@ -45,3 +46,12 @@ FAST_RECONNECT = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 250),
 ]
+
+
+def trim_heap() -> None:
+    """Hands the heap's free memory back to the system: what loading the weights (and a previous
+    KV pool) left behind would otherwise stay resident."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

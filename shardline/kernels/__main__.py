@@ -25,5 +25,5 @@ print(
     flush=True,
 )
 with torch.inference_mode():
-    head = QuantizedLinear(torch.nn.Linear(576, 49152, bias=False), bits=8)
+    head = QuantizedLinear(torch.nn.Linear(576, 49152, bias=False), bits=8, dense_copy=True)
 print(f" above {head.max_rows} rows (SmolLM2's LM head)")

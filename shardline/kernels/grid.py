@@ -11,7 +11,16 @@ from __future__ import annotations
 import torch
 
 GROUP = 32
-ROWS_AT_ONCE = 4096  # rows recovered together (SmolLM2's LM head has 49152)
+# What loading does to a layer's weights (recovering a grid, packing operands, a dense copy) it
+# does a slice of rows at a time, a few copies of the slice at once: this many weights a slice
+# (8 MB in fp32), so that the temporaries stay small beside a large model's widest layers.
+WEIGHTS_AT_ONCE = 1 << 21
+
+
+def rows_at_once(k: int) -> int:
+    """Rows of K weights in a slice: a whole number of 16 rows (ours pack blocks of 8, torch's
+    int4 packing 16), at least 16."""
+    return max(16, WEIGHTS_AT_ONCE // k // 16 * 16)
 
 
 def grid_groups(
@@ -29,8 +38,8 @@ def grid_groups(
     n, k = w.shape
     if k % GROUP:
         raise ValueError(f"quantized layers need an input dimension divisible by {GROUP}, got {k}")
-    if n > ROWS_AT_ONCE:  # the temporaries below are several copies of w: bound them
-        parts = [grid_groups(w[i : i + ROWS_AT_ONCE], levels, search) for i in range(0, n, ROWS_AT_ONCE)]
+    if n > (step := rows_at_once(k)):  # the temporaries below are several copies of w: bound them
+        parts = [grid_groups(w[i : i + step], levels, search) for i in range(0, n, step)]
         exact = sum(p[3] * len(p[0]) for p in parts) / n
         return (*(torch.cat([p[j] for p in parts]) for j in range(3)), exact)
     g = w.float().reshape(-1, GROUP)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from shardline.kernels import native
-from shardline.kernels.grid import GROUP
+from shardline.kernels.grid import GROUP, rows_at_once
 
 
 class Kernel(enum.Enum):
@@ -39,11 +39,8 @@ def torch_operands(codes, scale, lo, bits: int) -> list:
     as two int4 halves: code = 16 * high + low, so w = [(high - 8) * 16 scale + (lo + 128 scale)] +
     [(low - 8) * scale + 8 scale]."""
     n = codes.shape[0]
-    if n > ROWS_AT_ONCE:  # packed weights stack by rows, scales and zeros by their second dimension
-        parts = [
-            torch_operands(*(t[i : i + ROWS_AT_ONCE] for t in (codes, scale, lo)), bits)
-            for i in range(0, n, ROWS_AT_ONCE)
-        ]
+    if n > (step := rows_at_once(codes.shape[1])):  # packed weights stack by rows, scales and zeros by columns
+        parts = [torch_operands(*(t[i : i + step] for t in (codes, scale, lo)), bits) for i in range(0, n, step)]
         return [
             (torch.cat([p[h][0] for p in parts]), torch.cat([p[h][1] for p in parts], 1)) for h in range(len(parts[0]))
         ]
@@ -61,22 +58,19 @@ SCALE_BYTES = 2 * LANES * 2
 INT4_RECORD = CODE_BYTES[4] + SCALE_BYTES
 
 
-ROWS_AT_ONCE = 4096  # rows packed together: the temporaries are several copies of the codes
-
-
 def native_operands(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int):
     """The operands of Shardline's kernels: one record per block of 8 outputs and group of 32
     weights, the block's codes interleaved beside its scales and los, both rounded to fp16 (4 bits:
     `int4_pack`; 8 bits, 0..254: shifted to int8, the shift folded into lo, `int8_pack`). N is
     padded with zero weights to whole blocks; the kernels return those outputs too (zeros), and
     `QuantizedLinear` drops them. Codes of any integer dtype (uint8 holds them in a quarter)."""
-    n = codes.shape[0]
-    if n > ROWS_AT_ONCE:  # blocks of 8 rows: whole ones per slice
-        parts = [
-            native_operands(*(t[i : i + ROWS_AT_ONCE] for t in (codes, scale, lo)), bits)[0]
-            for i in range(0, n, ROWS_AT_ONCE)
-        ]
-        return (torch.cat(parts),)
+    n, k = codes.shape
+    if n > (step := rows_at_once(k)):  # the temporaries are several copies of the codes
+        records = torch.empty((-(-n // LANES), k // GROUP, CODE_BYTES[bits] + SCALE_BYTES), dtype=torch.uint8)
+        for i in range(0, n, step):  # whole blocks of 8 rows a slice, but for the last one's padding
+            part = native_operands(*(t[i : i + step] for t in (codes, scale, lo)), bits)[0]
+            records[i // LANES : i // LANES + len(part)] = part
+        return (records,)
     codes = codes.to(torch.int32)
     pad = -codes.shape[0] % LANES
     if pad:

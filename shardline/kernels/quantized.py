@@ -2,10 +2,10 @@
 Shardline's kernel or torch's int4 one, whichever the machine measured faster (kernels/choice.py,
 kernels/operands.py).
 
-A step of many rows is faster on dense weights, by how much depends on the CPU. So an int8 layer
-(in practice the LM head) always keeps a dense copy, and int4 layers keep one when asked (for
-prefill, `dense_copy`); its kind and the row count above which it multiplies are measured once per
-machine and layer shape. Shardline's int4 kernel needs no copy for that: above a row count it also
+A step of many rows is faster on dense weights, by how much depends on the CPU. So a layer keeps a
+dense copy when asked (`dense_copy`, for prefill), of a kind and used above a row count measured
+once per machine and layer shape, and none where it never measured faster: a copy costs 2 or 4
+bytes a weight beside the codes' 0.6 or 1.1. Shardline's int4 kernel needs no copy for that: above a row count it also
 measures (`direct_rows`), it multiplies through an fp32 GEMM on slices it dequantizes on the fly;
 and where torch's int4 kernel measured faster from some row count on (`torch_rows`: CPUs with
 native bf16), a layer keeps its operands too and uses it there.
@@ -22,10 +22,9 @@ from torch import nn
 
 from shardline.kernels import native
 from shardline.kernels.choice import ALWAYS, DenseKind, crossover, dense_kind, kernel_for
-from shardline.kernels.grid import grid_groups, grid_weights
+from shardline.kernels.grid import grid_groups, grid_weights, rows_at_once
 from shardline.kernels.linear import onednn_linear
 from shardline.kernels.operands import (
-    ROWS_AT_ONCE,
     Kernel,
     multiply,
     native_operands,
@@ -56,6 +55,22 @@ def _cold(make):
     yield from itertools.cycle([first, *(_clone(first) for _ in range(copies - 1))])
 
 
+def _shape_of(nested) -> list | None:
+    """The nesting of tuples and lists of tensors, with the tensors' places: [[-1], [-1, -1]]."""
+    if nested is None:
+        return None
+    if isinstance(nested, torch.Tensor):
+        return -1
+    return [_shape_of(part) for part in nested]
+
+
+def _from_shape(shape, tensors):
+    """Tensors (an iterator, in `_flat`'s order) nested as `_shape_of` said."""
+    if shape == -1:
+        return next(tensors)
+    return [_from_shape(part, tensors) for part in shape]
+
+
 def _clone(nested):
     return nested.clone() if isinstance(nested, torch.Tensor) else [_clone(part) for part in nested]
 
@@ -68,10 +83,20 @@ class DenseCopy(nn.Module):
         super().__init__()
         self.kind = dense_kind()
         dense = torch.empty(codes.shape, dtype=torch.bfloat16 if self.kind is DenseKind.BF16 else torch.float32)
-        for i in range(0, len(codes), ROWS_AT_ONCE):
-            rows = slice(i, i + ROWS_AT_ONCE)
+        step = rows_at_once(codes.shape[1])
+        for i in range(0, len(codes), step):
+            rows = slice(i, i + step)
             dense[rows] = grid_weights(codes[rows].float(), scale[rows].float(), lo[rows].float())
         self.register_buffer("weight", dense if self.kind is DenseKind.BF16 else dense.to_mkldnn(), persistent=False)
+
+    @classmethod
+    def of_weight(cls, weight: torch.Tensor, kind: DenseKind) -> DenseCopy:
+        """A copy kept between starts: bf16, or fp32 to lay out for oneDNN again."""
+        copy = cls.__new__(cls)
+        nn.Module.__init__(copy)
+        copy.kind = kind
+        copy.register_buffer("weight", weight if kind is DenseKind.BF16 else weight.to_mkldnn(), persistent=False)
+        return copy
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [n, K] -> fp32 [n, N]."""
@@ -85,7 +110,7 @@ class QuantizedLinear(nn.Module):
 
     `kernel_for` says which kernel multiplies it, per machine, and only that kernel's operands
     are kept. Above the rows where a dense copy measures faster (`crossover`), the copy
-    multiplies: 8-bit layers always keep one, 4-bit ones when asked (for prefill, `dense_copy`).
+    multiplies, where one was asked for (`dense_copy`).
     `keep_rows`: keep what `rows` needs to look up weight rows (a tied embedding's)."""
 
     def __init__(self, linear: nn.Linear, bits: int, dense_copy: bool = False, keep_rows: bool = False):
@@ -117,19 +142,17 @@ class QuantizedLinear(nn.Module):
         self.bits, self.exact = bits, exact
         self.out_features, self.in_features = codes.shape
         self.kernel = kernel_for(bits)
-        self.operands = operands(self.kernel, codes, scale, lo, bits)
+        self.operands, self.torch_operands = operands(self.kernel, codes, scale, lo, bits), None
         if keep_rows:  # rows as the kept kernel's operands hold them, or the codes as well
             self.rows_from = self.operands if self.kernel is Kernel.NATIVE else (codes.to(torch.uint8), scale, lo)
-        # as buffers too, so that the shard's weight bytes (Info) count them
-        for i, t in enumerate(_flat([self.operands, getattr(self, "rows_from", ())])):
-            self.register_buffer(f"held{i}", t, persistent=False)
-        self.dense = DenseCopy(codes, scale, lo) if dense_copy or bits == 8 else None
+        self._hold()
+        self.dense = DenseCopy(codes, scale, lo) if dense_copy else None
         if bias is None:
             self.bias = None
         else:  # a buffer, so that the shard's weight bytes count it
             self.register_buffer("bias", bias.detach(), persistent=False)
         shape = f"{self.out_features}x{self.in_features}-{torch.get_num_threads()}threads"
-        self.direct_rows, self.torch_rows, self.torch_operands = ALWAYS, ALWAYS, None
+        self.direct_rows, self.torch_rows = ALWAYS, ALWAYS
         if self.kernel is Kernel.NATIVE and bits == 4:
             self.direct_rows = crossover(
                 f"int4-direct-{shape}",
@@ -150,8 +173,7 @@ class QuantizedLinear(nn.Module):
             )  # ours rounds activations to int16, torch's to bf16
             if self.torch_rows < ALWAYS:
                 self.torch_operands = held()
-                for i, t in enumerate(_flat(self.torch_operands)):
-                    self.register_buffer(f"torch_held{i}", t, persistent=False)
+                self._hold()
         self.max_rows = (
             ALWAYS
             if self.dense is None
@@ -162,6 +184,64 @@ class QuantizedLinear(nn.Module):
                 self.in_features,
             )
         )
+        if self.max_rows >= ALWAYS:  # a copy that never measured faster is memory for nothing
+            self.dense = None
+
+    def _hold(self) -> None:
+        """Every tensor kept as a buffer too, so that the shard's weight bytes (Info) count them."""
+        held = [self.operands, getattr(self, "rows_from", ()), self.torch_operands or ()]
+        for i, t in enumerate(dict.fromkeys(_flat(held))):  # rows_from may be the operands themselves
+            self.register_buffer(f"held{i}", t, persistent=False)
+
+    # -- kept between starts (shard/served_cache.py) ------------------------------------------------
+    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """What the layer is, as plain values, and the tensors it holds, by name: `from_state`
+        makes it again without packing or measuring anything."""
+        rows_from = getattr(self, "rows_from", None)
+        spec = {
+            "bits": self.bits,
+            "exact": self.exact,
+            "kernel": self.kernel.value,
+            "shape": [self.out_features, self.in_features],
+            "direct_rows": self.direct_rows,
+            "torch_rows": self.torch_rows,
+            "max_rows": self.max_rows,
+            "operands": _shape_of(self.operands),
+            "torch_operands": _shape_of(self.torch_operands),
+            "rows_from": "operands" if rows_from is self.operands else _shape_of(rows_from),
+            "dense": self.dense.kind.value if self.dense is not None else None,
+        }
+        tensors = {}
+        for part in ("operands", "torch_operands", "rows_from"):
+            if isinstance(spec[part], list):
+                tensors.update({f"{part}.{i}": t for i, t in enumerate(_flat(getattr(self, part)))})
+        if self.bias is not None:
+            tensors["bias"] = self.bias
+        if self.dense is not None:
+            w = self.dense.weight
+            tensors["dense"] = w.to_dense() if w.is_mkldnn else w
+        return spec, tensors
+
+    @classmethod
+    def from_state(cls, spec: dict, tensors: dict[str, torch.Tensor]) -> QuantizedLinear:
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.bits, layer.exact, layer.kernel = spec["bits"], spec["exact"], Kernel(spec["kernel"])
+        layer.out_features, layer.in_features = spec["shape"]
+        layer.direct_rows, layer.torch_rows, layer.max_rows = spec["direct_rows"], spec["torch_rows"], spec["max_rows"]
+        for part in ("operands", "torch_operands", "rows_from"):
+            if isinstance(spec[part], list):
+                setattr(layer, part, _from_shape(spec[part], iter(tensors[f"{part}.{i}"] for i in range(len(tensors)))))
+        if spec["torch_operands"] is None:
+            layer.torch_operands = None
+        if spec["rows_from"] == "operands":
+            layer.rows_from = layer.operands
+        layer._hold()
+        layer.bias = None
+        if "bias" in tensors:
+            layer.register_buffer("bias", tensors["bias"], persistent=False)
+        layer.dense = None if spec["dense"] is None else DenseCopy.of_weight(tensors["dense"], DenseKind(spec["dense"]))
+        return layer
 
     def _quantized(self, rows: torch.Tensor) -> torch.Tensor:
         if rows.shape[0] > self.torch_rows:
@@ -210,6 +290,16 @@ class QuantizedEmbedding(nn.Module):
             self.held = (codes.to(torch.uint8), scale.half(), lo.half())
         for i, t in enumerate(self.held):  # buffers, so that the shard's weight bytes count them
             self.register_buffer(f"held{i}", t, persistent=False)
+
+    @classmethod
+    def of_held(cls, held: list[torch.Tensor], rows: int, dtype: torch.dtype) -> QuantizedEmbedding:
+        """An embedding kept between starts: the tensors `held` as this machine held them."""
+        embed = cls.__new__(cls)
+        nn.Module.__init__(embed)
+        embed.dtype, embed.num_embeddings, embed.held = dtype, rows, tuple(held)
+        for i, t in enumerate(held):
+            embed.register_buffer(f"held{i}", t, persistent=False)
+        return embed
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if native.available():

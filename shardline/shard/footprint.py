@@ -8,13 +8,15 @@ status 2 and the message, once, and the launcher does not start the shards again
 A shard's memory, from the file's header and the flags (torch-free: the launcher checks every
 shard of its host before it starts one):
 - its weights as it serves them: a GGUF's 4-bit blocks as int4 records, its other quantized
-  blocks as int8 ones, float tensors and the embedding in the serving dtype (shard/transforms.py);
+  blocks as int8 ones, float tensors in the serving dtype (shard/transforms.py);
   only its pipeline stage's layers, its TP rank's slice of them, the LM head on the sampling shard;
 - its KV page pool, `--kv-memory-gb`;
 - a step's working buffers: a prefill piece's activations (at most PREFILL_PIECE_BYTES) and the
   logits of a batch;
-- while loading, the whole model in fp32 twice over: the dequantized tensors and the model built
-  from them (GGUF files are converted through fp32), which is the peak.
+- while loading: with a GGUF read straight into the serving layout (`--weights native` on the
+  CPU), its weights, the largest layer being made and a few copies of the slice of one tensor
+  being read; otherwise the whole model in fp32 twice over (the tensors, and the model built from
+  them), which is the peak.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ FLOAT = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 INT4_BYTES, INT8_BYTES = 160 / 256, 288 / 256  # a record per 8 outputs x 32 inputs, fp16 scales and los
 PREFILL_PIECE_BYTES = 128 << 20  # shard/runner.py's bound on a prefill piece's MLP activations
+WEIGHTS_AT_ONCE = 1 << 21  # weights of a slice the GGUF loader (and the operand packing) takes at once
+STREAM_COPIES = 8  # fp32-sized copies of such a slice the loader's steps hold at their peak
+# a layer being made holds its codes (a byte a weight), scales and los (8 bytes a group of 32) and
+# the records packed from them (up to 288 bytes a block of 256) at once
+MAKING_BYTES = 1 + 8 / 32 + 288 / 256
+LOADER_BYTES = 64 << 20  # and what reading brings in besides: the gguf package's code, malloc's slack
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
@@ -51,6 +59,8 @@ class Tensor:
     name: str  # GGUF's name (blk.3.attn_q.weight, token_embd.weight, ...)
     params: int
     kind: str  # GGUF type name (Q4_K, F32, ...), or the checkpoint's dtype for a Hugging Face folder
+    dims: tuple[int, ...] = ()  # a GGUF tensor's, innermost first, as the file lists them
+    offset: int = -1  # where a GGUF tensor's data starts in the file, in bytes
 
 
 @dataclass(frozen=True)
@@ -73,14 +83,16 @@ class Footprint:
 
 def read_model(source: ModelSource) -> tuple[ModelConfig, list[Tensor]]:
     """The model's config and tensors from its header alone; Unservable for what is not served.
-    A GGUF's header takes seconds to parse: what it says is kept beside its converted weights."""
+    A GGUF's header takes seconds to parse (and 165 MB for a vocabulary of 49,152: its fields are
+    read into many small arrays): what it says is kept beside its converted weights, where the
+    shard's loader reads where each tensor lies too (shard/gguf_loader.py)."""
     if source.kind == "gguf":
-        header = source.cache_dir / "gguf_header.json"
+        header = source.cache_dir / f"gguf_header-{HEADER_VERSION}.json"
         if not header.is_file():
             cfg, tensors = _read_gguf_header(source)
             publish(header, lambda tmp: tmp.write_text(json.dumps({"config": asdict(cfg), "tensors": tensors})))
         kept = json.loads(header.read_text())
-        return ModelConfig(**kept["config"]), [Tensor(*t) for t in kept["tensors"]]
+        return ModelConfig(**kept["config"]), [Tensor(n, p, k, tuple(d), o) for n, p, k, d, o in kept["tensors"]]
     raw = json.loads((source.path / "config.json").read_text())
     arch = raw.get("model_type", "llama")
     if arch not in SERVED or any(raw.get(k) for k in _MOE_KEYS):
@@ -96,7 +108,10 @@ def read_model(source: ModelSource) -> tuple[ModelConfig, list[Tensor]]:
     return cfg, _safetensors_tensors(source.path)
 
 
-def _read_gguf_header(source: ModelSource) -> tuple[ModelConfig, list[tuple[str, int, str]]]:
+HEADER_VERSION = 2  # what a kept header holds: a new version is read from the file again
+
+
+def _read_gguf_header(source: ModelSource) -> tuple[ModelConfig, list[tuple]]:
     from gguf import GGUFReader
 
     reader = GGUFReader(str(source.path))
@@ -104,7 +119,8 @@ def _read_gguf_header(source: ModelSource) -> tuple[ModelConfig, list[tuple[str,
     if arch not in SERVED:
         raise Unservable(f"{source.path.name}: the architecture {arch!r} is not served ({', '.join(SERVED)} are)")
     return ModelConfig.from_gguf(reader, source.name), [
-        (t.name, int(t.n_elements), t.tensor_type.name) for t in reader.tensors
+        (t.name, int(t.n_elements), t.tensor_type.name, [int(d) for d in t.shape], int(t.data_offset))
+        for t in reader.tensors
     ]
 
 
@@ -149,14 +165,12 @@ def _bits(kinds: set[str], layer: str, weights: str, quantize: str) -> int | Non
 
 def _held(params: int, bits: int | None, dtype: str, dense_copy: bool = False) -> float:
     """A linear layer's bytes as it is held (kernels/quantized.py): its int4 or int8 records, and
-    a dense copy for steps of many rows, which an int8 layer always keeps (bf16 here; where
-    oneDNN's fp32 layout measured faster, 2 bytes a weight more) and an int4 one when asked."""
+    where asked (`--dense-prefill`) a dense copy for steps of many rows, counted at the serving
+    dtype's width (bf16 where that measured faster: then less)."""
     dense = DTYPE_BYTES[dtype] * params
     if bits is None:
         return dense
-    if bits == 8:
-        return (INT8_BYTES + 2) * params
-    return INT4_BYTES * params + (dense if dense_copy else 0)
+    return (INT4_BYTES if bits == 4 else INT8_BYTES) * params + (dense if dense_copy else 0)
 
 
 def shard_footprint(
@@ -173,8 +187,10 @@ def shard_footprint(
     dense_copy: bool,
     kv_memory_gb: float,
     max_batch: int,
+    streamed: bool = False,
 ) -> Footprint:
-    """One shard's bytes (the module docstring says what each part holds)."""
+    """One shard's bytes (the module docstring says what each part holds). `streamed`: its GGUF
+    is read straight into the serving layout (shard/gguf_loader.py), not through fp32."""
     layers = layer_range(cfg.num_layers, pp_stage, pp)
     first, samples = pp_stage == 0, pp_stage == pp - 1 and tp_rank == 0
     by_name = {t.name: t for t in tensors}
@@ -204,12 +220,19 @@ def shard_footprint(
         elif t.name != "output.weight" and samples:  # the final norm (and rope tables)
             held += t.params * DTYPE_BYTES[dtype]
     logits = 2 * max_batch * cfg.vocab_size * 4 if samples else 0
-    total_params = sum(t.params for t in tensors)
+    if streamed:  # a layer at a time, a slice of rows at a time, beside what is made
+        largest = max(
+            (t.params * (2 if t.name.endswith(("ffn_gate.weight", "ffn_up.weight")) else 1) for t in tensors),
+            default=0,
+        )
+        loading = held + MAKING_BYTES * largest + STREAM_COPIES * WEIGHTS_AT_ONCE * 4 + LOADER_BYTES
+    else:
+        loading = 8 * sum(t.params for t in tensors)
     return Footprint(
         weights=int(held),
         kv_pool=int(kv_memory_gb * 2**30),
         buffers=PREFILL_PIECE_BYTES + logits,
-        loading=8 * total_params,
+        loading=int(loading),
     )
 
 
@@ -270,6 +293,10 @@ def check_layout(source: ModelSource, args, shards: list[tuple[int, int]]) -> No
             dense_copy=args.dense_prefill == "on",
             kv_memory_gb=args.kv_memory_gb,
             max_batch=getattr(args, "max_batch", 32),
+            streamed=source.kind == "gguf"
+            and args.weights == "native"
+            and args.quantize == "none"
+            and args.device != "cuda",
         )
         for stage, rank in shards
     ]

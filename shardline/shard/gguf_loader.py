@@ -19,17 +19,17 @@ import time
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from shardline.common.model_source import ModelSource
+from shardline.common.process import trim_heap
 from shardline.kernels.gguf_groups import BITS, BLOCK_WEIGHTS, dequantized, groups_of
-from shardline.kernels.grid import grid_groups
-from shardline.kernels.operands import ROWS_AT_ONCE
+from shardline.kernels.grid import GROUP, grid_groups, rows_at_once
 from shardline.kernels.quantized import Int8Embedding, QuantizedEmbedding, QuantizedLinear
-from shardline.shard.config import ModelConfig
-from shardline.shard.footprint import Unservable
+from shardline.shard.footprint import Tensor, Unservable, read_model
 from shardline.shard.layout import Layout, layer_range
-from shardline.shard.model import Rotary, Transformer
+from shardline.shard.model import Rotary, Transformer, uninitialized
 from shardline.shard.parallel import keep_stage, tp_slice
 
 log = logging.getLogger(__name__)
@@ -37,15 +37,31 @@ FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}
 FLOAT = {"F32", "F16", "BF16", "F64"}
 
 
+class _Stored:
+    """One tensor of the file: its header entry (shard/footprint.py keeps the header read) and its
+    data in the file's mapping, as rows of block bytes, or values for F32 and F16."""
+
+    def __init__(self, entry: Tensor, file: np.memmap):
+        self.name, self.kind, self.dims, self.offset = entry.name, entry.kind, entry.dims, entry.offset
+        if self.kind not in GGMLQuantizationType.__members__:
+            raise Unservable(f"{self.name} is of a type this gguf package does not know: {self.kind}")
+        block_weights, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[self.kind]]
+        rows = int(np.prod(self.dims[1:], dtype=np.int64))
+        row_bytes = self.dims[0] // block_weights * block_bytes
+        self.n_bytes = rows * row_bytes
+        data = file[self.offset : self.offset + self.n_bytes]
+        if self.kind in ("F32", "F16"):
+            data = data.view(np.float32 if self.kind == "F32" else np.float16)
+        self.data = data.reshape(tuple(reversed(self.dims))) if self.kind in ("F32", "F16") else data.reshape(rows, -1)
+
+
 class _Part:
     """Rows (and columns) of one GGUF tensor that go into a layer: `rows` index the tensor's rows
     as the model orders them (llama.cpp's Q/K rows are permuted for its RoPE: undone here)."""
 
-    def __init__(self, tensor, rows: np.ndarray | None = None, cols: range | None = None):
-        self.tensor, self.kind = tensor, tensor.tensor_type.name
-        self.n, self.k = (
-            (int(tensor.shape[1]), int(tensor.shape[0])) if len(tensor.shape) == 2 else (int(tensor.shape[0]), 1)
-        )
+    def __init__(self, tensor: _Stored, rows: np.ndarray | None = None, cols: range | None = None):
+        self.tensor, self.kind = tensor, tensor.kind
+        self.n, self.k = (tensor.dims[1], tensor.dims[0]) if len(tensor.dims) == 2 else (tensor.dims[0], 1)
         self.rows = np.arange(self.n) if rows is None else rows
         self.cols = range(self.k) if cols is None else cols
 
@@ -68,13 +84,18 @@ class _Part:
             w = dequantized(self.kind, raw, self.k)
         return w.reshape(len(self.rows), self.k)[:, self.cols.start : self.cols.stop]
 
-    def groups(self, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-        """(codes uint8, scale, lo, share exact) at `bits`: from the blocks where they are a grid
-        of that width or less and the columns cut no block; else found in the dequantized values.
-        A slice of rows at a time, so that the temporaries stay a few copies of one slice."""
-        parts = [self._slice(rows, bits) for rows in np.array_split(self.rows, -(-len(self.rows) // ROWS_AT_ONCE))]
-        exact = sum(p[3] * len(p[0]) for p in parts) / len(self.rows)
-        return (*(torch.cat([p[i] for p in parts]) for i in range(3)), exact)
+    def groups_into(self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int) -> float:
+        """Fills codes (uint8 [rows, cols]), scale and lo ([rows, cols / 32]) at `bits` and says
+        the share held exactly: from the blocks where they are a grid of that width or less and the
+        columns cut no block; else found in the dequantized values. A slice of rows at a time, so
+        that the temporaries stay a few copies of one slice."""
+        step, exact = rows_at_once(len(self.cols)), 0.0
+        for i in range(0, len(self.rows), step):
+            part = self._slice(self.rows[i : i + step], bits)
+            for into, made in zip((codes, scale, lo), part):
+                into[i : i + step] = made
+            exact += part[3] * len(part[0])
+        return exact / len(self.rows)
 
     def _slice(self, rows: np.ndarray, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
         part = _Part(self.tensor, rows, self.cols)
@@ -86,11 +107,23 @@ class _Part:
                 self.kind, raw[:, self.cols.start * nbytes // per_block : self.cols.stop * nbytes // per_block]
             )
             if self.kind != "Q8_0" or codes.min() >= 0:  # a Q8_0 -128: no 255-level grid holds the group
-                return codes.to(torch.uint8), scale, lo, _fp16_share(scale, lo, bits)
+                return codes, scale, lo, _fp16_share(scale, lo, bits)
         # a block type of this width (a slice that cuts its blocks) lies on a grid to be found
         search = self.kind in BITS and BITS[self.kind] <= bits
-        codes, scale, lo, exact = grid_groups(part.values(), 16 if bits == 4 else 255, search)
-        return codes.to(torch.uint8), scale, lo, exact
+        return grid_groups(part.values(), 16 if bits == 4 else 255, search)
+
+
+def groups(parts: list[_Part], bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """The parts' groups one above the other, made in place: (codes uint8, scale, lo, share exact)."""
+    n, k = sum(len(p.rows) for p in parts), len(parts[0].cols)
+    codes = torch.empty((n, k), dtype=torch.uint8)
+    scale, lo = torch.empty((n, k // GROUP)), torch.empty((n, k // GROUP))
+    at, exact = 0, 0.0
+    for p in parts:
+        rows = slice(at, at + len(p.rows))
+        exact += p.groups_into(codes[rows], scale[rows], lo[rows], bits) * len(p.rows)
+        at = rows.stop
+    return codes, scale, lo, exact / n
 
 
 def _fp16_share(scale: torch.Tensor, lo: torch.Tensor, bits: int) -> float:
@@ -113,11 +146,9 @@ def _unpermuted(n_rows: int, n_head: int) -> np.ndarray:
 
 class GgufLoader:
     def __init__(self, source: ModelSource, layout: Layout, dtype: torch.dtype, dense_copy: bool):
-        from gguf import GGUFReader
-
-        self.reader = GGUFReader(str(source.path))
-        self.cfg = ModelConfig.from_gguf(self.reader, source.name)
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.cfg, entries = read_model(source)
+        self.file = np.memmap(source.path, dtype=np.uint8, mode="r")
+        self.tensors = {t.name: _Stored(t, self.file) for t in entries}
         self.name, self.layout, self.dtype, self.dense_copy = source.path.name, layout, dtype, dense_copy
         self._read = []  # tensors read since the last `_release`
 
@@ -130,14 +161,17 @@ class GgufLoader:
     def _release(self) -> None:
         """Drops the file's pages of the tensors read since the last call from this process's
         memory (they stay in the page cache): a mapped page once read counts as resident, and the
-        whole file would, by the end of a load, beside the weights made of it."""
+        whole file would, by the end of a load, beside the weights made of it. And hands the heap's
+        free memory back: the slices' temporaries, freed, would otherwise stay resident, layer
+        upon layer (malloc keeps them for reuse once it has raised its mmap threshold)."""
         page = mmap.PAGESIZE
         for t in self._read:
-            start = -(-t.data_offset // page) * page
-            end = (t.data_offset + t.n_bytes) // page * page
+            start = -(-t.offset // page) * page
+            end = (t.offset + t.n_bytes) // page * page
             if end > start:
-                self.reader.data._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+                self.file._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
         self._read = []
+        trim_heap()
 
     def _dense(self, name: str, rows: np.ndarray | None = None) -> torch.Tensor:
         return self._part(name, rows).values().squeeze(-1).to(self.dtype)
@@ -151,16 +185,14 @@ class GgufLoader:
                 linear.bias = nn.Parameter(bias, requires_grad=False)
             linear.in_features, linear.out_features = linear.weight.shape[1], linear.weight.shape[0]
             return linear
-        groups = [p.groups(bits) for p in parts]
-        codes, scale, lo = (torch.cat([g[i] for g in groups]) for i in range(3))
-        exact = sum(g[3] * len(g[0]) for g in groups) / len(codes)
+        codes, scale, lo, exact = groups(parts, bits)
         return QuantizedLinear.from_groups(
             codes, scale, lo, bits, bias, exact, dense_copy=self.dense_copy, keep_rows=keep_rows
         )
 
     def load(self) -> Transformer:
         cfg, layout, t0 = self.cfg, self.layout, time.perf_counter()
-        with torch.device("meta"):
+        with torch.device("meta"), uninitialized():
             model = Transformer(cfg)
         keep_stage(model, layout)
         hd = cfg.head_dim
@@ -214,7 +246,7 @@ class GgufLoader:
         missing = [n for n, x in (*model.named_parameters(), *model.named_buffers()) if x.is_meta]
         if missing:
             raise Unservable(f"{self.name}: nothing in the file fills {', '.join(missing[:5])}")
-        del self.reader, self.tensors  # the file's mapping goes with them
+        del self.file, self.tensors  # the file's mapping goes with them
         log.info("read %s's weights into the serving layout in %.1f s", cfg.name, time.perf_counter() - t0)
         return model.eval().requires_grad_(False)
 
@@ -231,5 +263,5 @@ class GgufLoader:
             embed = nn.Embedding(1, 1)
             embed.weight = nn.Parameter(part.values().to(self.dtype), requires_grad=False)
             return embed
-        codes, scale, lo, _ = part.groups(8)
+        codes, scale, lo, _ = groups([part], 8)
         return QuantizedEmbedding(codes, scale, lo, self.dtype)

@@ -13,13 +13,15 @@ import torch
 from torch import nn
 
 from shardline.common.model_source import resolve_model
+from shardline.common.process import trim_heap
 from shardline.kernels import native
 from shardline.kernels.grid import GROUP
 from shardline.kernels.linear import OneDnnLinear
 from shardline.kernels.operands import Kernel
 from shardline.kernels.quantized import Int8Embedding, QuantizedLinear
 from shardline.protos import shard_pb2
-from shardline.shard.footprint import check_layout
+from shardline.shard import served_cache
+from shardline.shard.footprint import check_layout, read_model
 from shardline.shard.gguf_loader import GgufLoader
 from shardline.shard.kv_cache import bytes_per_page
 from shardline.shard.layout import Layout
@@ -112,8 +114,16 @@ def load_shard(args) -> LoadedShard:
     t0 = time.perf_counter()
     onednn = device.type == "cpu" and dtype == torch.float32 and not decode_graphs
     if source.kind == "gguf" and args.weights == "native" and args.quantize == "none" and device.type == "cpu":
-        loader = GgufLoader(source, layout, dtype, dense_copy=args.dense_prefill == "on")
-        full, model = loader.cfg, loader.load()
+        dense_copy = args.dense_prefill == "on"
+        full, kept = read_model(source)[0], served_cache.path_for(source, layout, dtype, dense_copy)
+        if kept.is_file():
+            model = served_cache.load(full, layout, dtype, kept)
+        else:
+            model = GgufLoader(source, layout, dtype, dense_copy).load()
+            served_cache.save(model, kept)
+            del model  # served from the kept file, whose pages the page cache holds
+            trim_heap()
+            model = served_cache.load(full, layout, dtype, kept)
         tp_group = init_distributed(layout, args.dist_init, device) if layout.world > 1 else None
         if layout.tp > 1:
             connect_tensor_parallel(model, layout, tp_group)

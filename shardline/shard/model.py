@@ -7,6 +7,7 @@ samples and only those go through the final norm and LM head (`logits`).
 
 from __future__ import annotations
 
+import contextlib
 from itertools import islice
 
 import torch
@@ -41,6 +42,12 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, theta: float, max_position: int):
         super().__init__()
+        if torch.get_default_device().type == "meta":
+            # a model built to be loaded: its tables are made where it is loaded (computing them
+            # on meta tensors would import torch's symbolic machinery, sympy and all: 75 MB)
+            for name in ("cos", "sin"):
+                self.register_buffer(name, torch.empty(max_position, head_dim), persistent=False)
+            return
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -139,3 +146,18 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden)).float()
+
+
+@contextlib.contextmanager
+def uninitialized():
+    """Modules built inside leave their weights uninitialized (every one is loaded right after):
+    torch.nn.init's random fills cost seconds on a large model, and on the meta device they load
+    torch's compiler (2 s of a tiny model's start, and 75 MB that stay resident)."""
+    inits = {name: getattr(nn.init, name) for name in ("normal_", "uniform_", "kaiming_uniform_")}
+    for name in inits:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, init in inits.items():
+            setattr(nn.init, name, init)

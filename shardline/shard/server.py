@@ -13,7 +13,6 @@ router closes it, for up to `--drain-timeout-s`.
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import logging
 import os
@@ -29,7 +28,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry import propagate, trace
 
-from shardline.common.process import exit_soon, parent_gone
+from shardline.common.process import exit_soon, parent_gone, trim_heap
 from shardline.common.telemetry import setup_tracing
 from shardline.common.tls import ShardTls
 from shardline.protos import shard_pb2, shard_pb2_grpc
@@ -166,7 +165,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         )
         self.runner.step(shard_pb2.StepPlan(seqs=[shard_pb2.SequenceStep(**seq, token_ids=[1], start_pos=2)]))
         self.runner.table.release_all()
-        _trim_heap()
+        trim_heap()
 
     def Steps(self, request_iterator, context):
         self._refuse_if_leaving(context)
@@ -240,15 +239,6 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             exit_soon(0.5)  # time for the abort to reach the router
 
 
-def _trim_heap() -> None:
-    """Hands the heap's free memory back to the system: what loading the weights (and a previous
-    pool) left behind would otherwise stay resident beside the new pool."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 def serve_shard(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -257,7 +247,7 @@ def serve_shard(args) -> int:
     except Unservable as e:  # refused once, with status 2: nothing restarts it (shardline/launcher.py)
         print(f"shardline shard: {e}", file=sys.stderr, flush=True)
         return REFUSED
-    _trim_heap()
+    trim_heap()
     layout, info = shard.layout, shard.info
     runner = ModelRunner(
         shard.model,

@@ -5,20 +5,18 @@ A GGUF file is converted once to safetensors in the cache folder, so later start
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Collection
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from torch import nn
 from tqdm import tqdm
 
 from shardline.common.files import publish
 from shardline.common.model_source import ModelSource
 from shardline.shard.config import ModelConfig
-from shardline.shard.model import Rotary, Transformer
+from shardline.shard.model import Rotary, Transformer, uninitialized
 
 log = logging.getLogger(__name__)
 
@@ -133,24 +131,9 @@ def load_hf_state_dict(model: Transformer, sd: dict[str, torch.Tensor]) -> None:
         model.lm_head.weight = model.embed.weight
 
 
-@contextlib.contextmanager
-def _uninitialized():
-    """Modules built inside leave their weights uninitialized (every one is loaded right after):
-    torch.nn.init's random fills cost seconds on a large model, and on the meta device they load
-    torch's compiler (2 s of a tiny model's start)."""
-    inits = {name: getattr(nn.init, name) for name in ("normal_", "uniform_", "kaiming_uniform_")}
-    for name in inits:
-        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
-    try:
-        yield
-    finally:
-        for name, init in inits.items():
-            setattr(nn.init, name, init)
-
-
 def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device) -> Transformer:
     cfg, sd = load_state_dict(source)
-    with _uninitialized():
+    with uninitialized():
         model = Transformer(cfg)
     load_hf_state_dict(model, {k: v.to(device=device, dtype=dtype) for k, v in sd.items()})
     with torch.device(device):  # computed where it is used, as the reference computes it

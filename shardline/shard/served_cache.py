@@ -1,0 +1,105 @@
+"""A shard's weights as it serves them, kept between starts: what `GgufLoader` made of a GGUF (its
+int4 and int8 records, the rest in the serving dtype), for this file, pipeline stage and TP rank,
+dtype, build of the kernels (their records and the choices measured for them) and thread count.
+A later start memory-maps it: nothing is read, packed or measured again, and the pages are the
+page cache's, resident as decode touches them.
+
+It is kept per version of the code that made it (`MAKERS`). The file is `torch.save`'s, read
+back with `weights_only` (plain values and tensors, no code): per module of the model, what kind
+it is and its values (`spec`), and its tensors under its name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardline.common.files import publish
+from shardline.common.model_source import ModelSource
+from shardline.kernels import gguf_groups, grid, native, operands, quantized
+from shardline.kernels.quantized import Int8Embedding, QuantizedEmbedding, QuantizedLinear
+from shardline.shard import gguf_loader
+from shardline.shard.config import ModelConfig
+from shardline.shard.layout import Layout
+from shardline.shard.model import RMSNorm, Rotary, Transformer, uninitialized
+from shardline.shard.parallel import keep_stage
+
+# What makes the kept weights what they are, besides the file and the flags: a change to any of
+# these sources starts a new file (as a change to the kernels' starts a new build of them).
+MAKERS = [gguf_loader, gguf_groups, quantized, operands, grid, sys.modules[__name__]]
+
+
+def path_for(source: ModelSource, layout: Layout, dtype: torch.dtype, dense_copy: bool) -> Path:
+    key = hashlib.sha256(
+        f"{layout}:{dtype}:{dense_copy}:{native.build_folder().name}:{torch.get_num_threads()}".encode()
+    )
+    for module in MAKERS:
+        key.update(Path(module.__file__).read_bytes())
+    return source.cache_dir / f"served-{key.hexdigest()[:16]}.pt"
+
+
+def save(model: Transformer, path: Path) -> None:
+    spec, tensors = {}, {}
+    # A tied int8 LM head is the embedding's table too: kept once, as the LM head.
+    for name, module in model.named_modules(remove_duplicate=False):
+        if name.startswith("embed.") or isinstance(module, Transformer):
+            continue
+        if isinstance(module, QuantizedLinear):
+            spec[name], held = module.state()
+            spec[name]["kind"] = "quantized"
+            tensors.update({f"{name}/{k}": t for k, t in held.items()})
+        elif isinstance(module, QuantizedEmbedding):
+            spec[name] = {"kind": "quantized_embedding", "rows": module.num_embeddings, "held": len(module.held)}
+            tensors.update({f"{name}/{i}": t for i, t in enumerate(module.held)})
+        elif isinstance(module, Int8Embedding):
+            spec[name] = {"kind": "int8_embedding"}  # the LM head's codes
+        elif isinstance(module, nn.Embedding) and model.lm_head is not None and module.weight is model.lm_head.weight:
+            spec[name] = {"kind": "tied_embedding"}
+        elif isinstance(module, (nn.Linear, nn.Embedding, RMSNorm)):
+            spec[name] = {"kind": type(module).__name__}
+            tensors.update({f"{name}/{k}": t for k, t in module.named_parameters(recurse=False)})
+    publish(path, lambda tmp: torch.save({"spec": spec, "tensors": tensors}, tmp))
+
+
+def load(cfg: ModelConfig, layout: Layout, dtype: torch.dtype, path: Path) -> Transformer:
+    kept = torch.load(path, mmap=True, weights_only=True)
+    tensors = kept["tensors"]
+    with torch.device("meta"), uninitialized():
+        model = Transformer(cfg)
+    keep_stage(model, layout)
+    later = []
+    for name, spec in kept["spec"].items():
+        own = {k.partition("/")[2]: t for k, t in tensors.items() if k.partition("/")[0] == name}
+        kind = spec["kind"]
+        if kind == "quantized":
+            module = QuantizedLinear.from_state(spec, own)
+        elif kind == "quantized_embedding":
+            module = QuantizedEmbedding.of_held([own[str(i)] for i in range(spec["held"])], spec["rows"], dtype)
+        elif kind in ("int8_embedding", "tied_embedding"):
+            later.append((name, kind))
+            continue
+        else:
+            module = model.get_submodule(name)
+            for k, t in own.items():
+                setattr(module, k, nn.Parameter(t, requires_grad=False))
+            continue
+        _set(model, name, module)
+    for name, kind in later:  # what the LM head serves too
+        if kind == "int8_embedding":
+            _set(model, name, Int8Embedding(model.lm_head, dtype))
+        else:
+            embed = nn.Embedding(1, 1)
+            embed.weight = model.lm_head.weight
+            _set(model, name, embed)
+    with torch.device("cpu"):
+        model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position)
+    return model.eval().requires_grad_(False)
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)
