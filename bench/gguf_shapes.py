@@ -103,17 +103,23 @@ def quantize(f16: Path, out: Path, kind: str, llama_quantize: str) -> Path:
 
 
 def make(shape: str, kind: str, folder: Path, llama_quantize: str | None) -> Path:
-    """`folder`/<shape>-<kind>.gguf, made unless it is there; the f16 source is deleted after."""
+    """`folder`/<shape>-<kind>.gguf, made unless it is there; the f16 source is deleted after.
+    Files are written under a `.part` name and renamed when whole, so that a run stopped midway
+    leaves nothing that a later one would take for the model."""
     out = folder / f"{shape}-{kind}.gguf"
     if out.is_file():
         return out
     folder.mkdir(parents=True, exist_ok=True)
-    f16 = write_f16(shape, folder / f"{shape}-F16.gguf")
+    f16 = write_f16(shape, folder / f"{shape}-F16.gguf.part")
     if kind == "F16":
         return f16.rename(out)
-    quantize(f16, out, kind, llama_quantize or shutil.which("llama-quantize"))
-    f16.unlink()
-    return out
+    part = out.with_name(out.name + ".part")
+    try:
+        quantize(f16, part, kind, llama_quantize or shutil.which("llama-quantize"))
+        return part.rename(out)
+    finally:
+        f16.unlink()
+        part.unlink(missing_ok=True)
 
 
 def main() -> None:

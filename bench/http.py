@@ -100,9 +100,10 @@ def against_grpc(args, streams: list[int]) -> dict:
 
 
 @contextlib.contextmanager
-def llama_server(path: str, slots: int):
-    """llama.cpp's `llama-server` on SmolLM2's GGUF with `slots` (`-np`, continuous batching) of
-    2048 tokens of context each, on every core; yields its base URL (".../v1") once healthy."""
+def llama_server(path: str, slots: int, model: str | None = None, context: int | None = None):
+    """llama.cpp's `llama-server` on a GGUF (SmolLM2's by default) with `slots` (`-np`, continuous
+    batching) sharing `context` tokens of KV cache (2048 a slot by default), on every core; yields
+    its base URL (".../v1") once healthy."""
     from shardline.common.model_source import resolve_model
 
     port = free_port()
@@ -110,11 +111,11 @@ def llama_server(path: str, slots: int):
         [
             path,
             "-m",
-            str(resolve_model("smollm2").path),
+            str(resolve_model(model).path),
             "-np",
             str(slots),
             "-c",
-            str(2048 * slots),
+            str(context or 2048 * slots),
             "-t",
             str(os.cpu_count()),
             "--host",
@@ -127,7 +128,7 @@ def llama_server(path: str, slots: int):
     )
     try:
         base = f"http://127.0.0.1:{port}"
-        for _ in range(600):
+        for _ in range(6000):
             try:
                 if httpx.get(base + "/health", timeout=1).status_code == 200:
                     break
@@ -137,7 +138,7 @@ def llama_server(path: str, slots: int):
                 raise RuntimeError(f"llama-server exited with {proc.returncode}")
             time.sleep(0.1)
         else:
-            raise RuntimeError("llama-server did not become healthy within 60 s")
+            raise RuntimeError("llama-server did not become healthy within 10 minutes")
         yield base + "/v1"
     finally:
         proc.terminate()
