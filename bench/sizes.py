@@ -183,7 +183,7 @@ def llama_bench(gguf: Path, args) -> dict:
 
 def kv_bytes_per_token(gguf: Path) -> int:
     """fp16 K and V of every layer, as both servers keep them for quantized weights."""
-    hidden, _, layers, heads, kv_heads, _ = SHAPES[gguf.stem.rsplit("-", 2)[0]]
+    hidden, _, layers, heads, kv_heads, _ = SHAPES[gguf.stem.rsplit("-", 1)[0]]
     return 2 * layers * kv_heads * (hidden // heads) * 2
 
 
@@ -254,6 +254,7 @@ def main() -> None:
         "benchmark": "sizes",
         **machine(),
         "type": args.type,
+        "llama_server": args.llama_server,
         "kv_tokens": KV_TOKENS,
         "read_gb_s": read_gb_s(mb=1024, runs=7),
         "shapes": {},

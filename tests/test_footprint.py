@@ -148,4 +148,7 @@ def test_the_estimate_reads_slices_as_the_loader_does():
     from shardline.kernels import grid
     from shardline.shard import footprint
 
+    from shardline.kernels import quantized
+
     assert footprint.WEIGHTS_AT_ONCE == grid.WEIGHTS_AT_ONCE
+    assert footprint.MEASURING_BYTES == 2 * quantized.COLD_BYTES

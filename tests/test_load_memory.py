@@ -80,8 +80,9 @@ def test_a_gguf_loads_without_a_dense_copy_of_the_model(tmp_path):
         grew = start["peak"] - start["before"]
         # what the launcher checks a host's memory against is an upper bound
         assert grew <= estimate.loading, (grew, estimate.loading)
-        # the served weights, the largest layer as it is made, and slices of a tensor: the fp32
-        # detour this replaced held the model twice over (8 bytes a weight, 530 MB here)
-        assert grew < 1.5 * start["weights"] + (96 << 20), (grew, start["weights"], fp32)
+        # the served weights, the largest layer as it is made (and timed, where its shape is new
+        # to the machine), and slices of a tensor: the fp32 detour this replaced held the model
+        # twice over (8 bytes a weight, 530 MB here)
+        assert grew < 1.5 * start["weights"] + (160 << 20), (grew, start["weights"], fp32)
     # a second start maps what the first kept: the weights and little else
     assert second["peak"] - second["before"] < 1.25 * second["weights"] + (16 << 20), (second, first)

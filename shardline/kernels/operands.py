@@ -58,7 +58,7 @@ SCALE_BYTES = 2 * LANES * 2
 INT4_RECORD = CODE_BYTES[4] + SCALE_BYTES
 
 
-def native_operands(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int):
+def native_operands(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int, count_down: bool = True):
     """The operands of Shardline's kernels: one record per block of 8 outputs and group of 32
     weights, the block's codes interleaved beside its scales and los, both rounded to fp16 (4 bits:
     `int4_pack`; 8 bits, 0..254: shifted to int8, the shift folded into lo, `int8_pack`). N is
@@ -68,7 +68,7 @@ def native_operands(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, 
     if n > (step := rows_at_once(k)):  # the temporaries are several copies of the codes
         records = torch.empty((-(-n // LANES), k // GROUP, CODE_BYTES[bits] + SCALE_BYTES), dtype=torch.uint8)
         for i in range(0, n, step):  # whole blocks of 8 rows a slice, but for the last one's padding
-            part = native_operands(*(t[i : i + step] for t in (codes, scale, lo)), bits)[0]
+            part = native_operands(*(t[i : i + step] for t in (codes, scale, lo)), bits, count_down)[0]
             records[i // LANES : i // LANES + len(part)] = part
         return (records,)
     codes = codes.to(torch.int32)
@@ -77,7 +77,9 @@ def native_operands(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, 
         codes, scale, lo = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale, lo))
     scale, lo = scale.float(), lo.float()
     if bits == 4:
-        return (native.ops().int4_pack(*_counted_down_where_fp16_holds_it(codes, scale, lo, 16)),)
+        if count_down:
+            codes, scale, lo = _counted_down_where_fp16_holds_it(codes, scale, lo, 16)
+        return (native.ops().int4_pack(codes, scale, lo),)
     codes, lo = _int8_grid(codes, scale, lo)
     return (native.ops().int8_pack(codes, scale, lo),)
 
@@ -91,16 +93,28 @@ def _counted_down_where_fp16_holds_it(codes, scale, lo, levels: int):
     if not unheld.any():  # Q4_1's layers, say: every lo is an fp16 number already
         return codes, scale, lo
     groups = codes.view(codes.shape[0], -1, GROUP)
-    low, high = groups.amin(-1), groups.amax(-1)
-    origin, top, todo = lo.clone(), torch.zeros_like(low), unheld
-    for j in range(levels):
-        value = lo + j * scale
+    at = unheld.nonzero(as_tuple=True)  # only the groups in question: Q4_K's are most, Q4_0's few
+    low, high, base, step = groups.amin(-1)[at], groups.amax(-1)[at], lo[at], scale[at]
+    origin, top, todo = base.clone(), torch.zeros_like(low), torch.ones_like(low, dtype=torch.bool)
+    for j_over_high in range(levels):  # the lowest j that fits: from high up, while j - low < levels
+        j = high + j_over_high
+        can = todo & (j <= levels - 1) & (j - low <= levels - 1)
+        if not can.any():
+            break
+        value = base + j * step
         held = value.half().float()
-        fits = todo & (high <= j) & (j - low <= levels - 1) & ((held - value).abs() <= 1e-6 * scale.abs())
+        fits = can & ((held - value).abs() <= 1e-6 * step.abs())
         origin, top, todo = torch.where(fits, held, origin), torch.where(fits, j, top), todo & ~fits
-    down = unheld & ~todo
-    codes = torch.where(down.repeat_interleave(GROUP, 1), top.repeat_interleave(GROUP, 1) - codes, codes)
-    return codes, torch.where(down, -scale, scale), origin
+    down = ~todo
+    if not down.any():
+        return codes, scale, lo
+    flip, top_at = torch.zeros_like(unheld), torch.zeros(unheld.shape, dtype=top.dtype)
+    flip[at], top_at[at] = down, top
+    new_lo, new_scale = lo.clone(), scale.clone()
+    new_lo[at] = torch.where(down, origin, base)
+    new_scale[at] = torch.where(down, -step, step)
+    codes = torch.where(flip.repeat_interleave(GROUP, 1), top_at.repeat_interleave(GROUP, 1) - codes, codes)
+    return codes, new_scale, new_lo
 
 
 def _int8_grid(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,10 +145,10 @@ def native_rows(held, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     return codes.reshape(len(tokens), -1), scales[t, :, lane], scales[t, :, LANES + lane]
 
 
-def operands(kernel: Kernel, codes, scale, lo, bits: int):
-    return (
-        native_operands(codes, scale, lo, bits) if kernel is Kernel.NATIVE else torch_operands(codes, scale, lo, bits)
-    )
+def operands(kernel: Kernel, codes, scale, lo, bits: int, count_down: bool = True):
+    if kernel is Kernel.NATIVE:
+        return native_operands(codes, scale, lo, bits, count_down)
+    return torch_operands(codes, scale, lo, bits)
 
 
 def multiply(kernel: Kernel, operands, rows: torch.Tensor, direct_rows: int = 1 << 30) -> torch.Tensor:

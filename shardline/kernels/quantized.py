@@ -115,7 +115,7 @@ class QuantizedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, bits: int, dense_copy: bool = False, keep_rows: bool = False):
         codes, scale, lo, exact = grid_groups(linear.weight.detach(), 16 if bits == 4 else 255)
-        self._init(codes, scale, lo, bits, linear.bias, exact, dense_copy, keep_rows)
+        self._init(codes, scale, lo, bits, linear.bias, exact, dense_copy, keep_rows, count_down=True)
         self._forward_hooks = linear._forward_hooks
 
     @classmethod
@@ -132,17 +132,20 @@ class QuantizedLinear(nn.Module):
     ) -> QuantizedLinear:
         """A layer of weights already in groups (`codes` [N, K] in 0..15 or 0..254, `scale` and
         `lo` [N, K/32]): a GGUF's blocks, read straight into them (kernels/gguf_groups.py).
-        `exact`: the share of groups the records' fp16 holds exactly."""
+        `exact`: the share of groups the records' fp16 holds exactly. A block's grid starts where the
+        file's does (Q4_0's -8d and Q4_1's m are fp16 numbers already; of Q4_K's -dmin * m, no value
+        of its grid is one in 99% of groups), so no origin that fp16 holds is looked for: at 7 ns a
+        weight, that search took the 8B shape's load 50 s for nothing."""
         layer = cls.__new__(cls)
-        layer._init(codes, scale, lo, bits, bias, exact, dense_copy, keep_rows)
+        layer._init(codes, scale, lo, bits, bias, exact, dense_copy, keep_rows, count_down=False)
         return layer
 
-    def _init(self, codes, scale, lo, bits, bias, exact, dense_copy, keep_rows) -> None:
+    def _init(self, codes, scale, lo, bits, bias, exact, dense_copy, keep_rows, count_down: bool) -> None:
         nn.Module.__init__(self)
         self.bits, self.exact = bits, exact
         self.out_features, self.in_features = codes.shape
         self.kernel = kernel_for(bits)
-        self.operands, self.torch_operands = operands(self.kernel, codes, scale, lo, bits), None
+        self.operands, self.torch_operands = operands(self.kernel, codes, scale, lo, bits, count_down), None
         if keep_rows:  # rows as the kept kernel's operands hold them, or the codes as well
             self.rows_from = self.operands if self.kernel is Kernel.NATIVE else (codes.to(torch.uint8), scale, lo)
         self._hold()

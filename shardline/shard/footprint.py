@@ -42,6 +42,9 @@ STREAM_COPIES = 8  # fp32-sized copies of such a slice the loader's steps hold a
 # the records packed from them (up to 288 bytes a block of 256) at once
 MAKING_BYTES = 1 + 8 / 32 + 288 / 256
 LOADER_BYTES = 64 << 20  # and what reading brings in besides: the gguf package's code, malloc's slack
+# a layer shape new to the machine is timed once (kernels/choice.py) on copies of its operands
+# beyond the caches (kernels/quantized.py's COLD_BYTES, ours and torch's) and torch's of the layer
+MEASURING_BYTES = 2 * (16 << 20)
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
@@ -225,7 +228,8 @@ def shard_footprint(
             (t.params * (2 if t.name.endswith(("ffn_gate.weight", "ffn_up.weight")) else 1) for t in tensors),
             default=0,
         )
-        loading = held + MAKING_BYTES * largest + STREAM_COPIES * WEIGHTS_AT_ONCE * 4 + LOADER_BYTES
+        making = (MAKING_BYTES + INT4_BYTES) * largest + MEASURING_BYTES
+        loading = held + making + STREAM_COPIES * WEIGHTS_AT_ONCE * 4 + LOADER_BYTES
     else:
         loading = 8 * sum(t.params for t in tensors)
     return Footprint(
