@@ -145,10 +145,8 @@ def test_shards_on_one_host_load_at_once(tiny_models):
 
 
 def test_the_estimate_reads_slices_as_the_loader_does():
-    from shardline.kernels import grid
+    from shardline.kernels import grid, quantized
     from shardline.shard import footprint
-
-    from shardline.kernels import quantized
 
     assert footprint.WEIGHTS_AT_ONCE == grid.WEIGHTS_AT_ONCE
     assert footprint.MEASURING_BYTES == 2 * quantized.COLD_BYTES
