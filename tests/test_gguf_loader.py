@@ -15,6 +15,7 @@ from shardline.kernels.grid import grid_weights
 from shardline.kernels.quantized import QuantizedLinear
 from shardline.shard.gguf_loader import GgufLoader
 from shardline.shard.layout import Layout
+from shardline.shard.load import weight_formats
 from shardline.shard.weights import build_model, unpermute_rope
 
 HIDDEN, INTER, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 320
@@ -26,6 +27,20 @@ TYPES = {
     (1, "attn_q"): "Q8_0", (1, "attn_k"): "Q8_0", (1, "attn_v"): "Q8_0", (1, "attn_output"): "F16",
     (1, "ffn_gate"): "Q4_K", (1, "ffn_up"): "Q4_K", (1, "ffn_down"): "Q6_K",
 }  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _our_kernel_at_every_row_count(monkeypatch):
+    """Layers keep Shardline's operands whatever torch's int4 kernel measured on this machine (a
+    layer where torch's won at every row count keeps only torch's, which computes in bf16): what
+    these tests compare is what the loader read, not which kernel the machine chose."""
+    from shardline.kernels import quantized
+    from shardline.kernels.choice import ALWAYS
+
+    measured = quantized.crossover
+    monkeypatch.setattr(
+        quantized, "crossover", lambda key, *a, **k: ALWAYS if key.startswith("int4-torch-") else measured(key, *a, **k)
+    )
 
 
 def _random_blocks(kind: str, n: int, k: int, rng) -> np.ndarray:
@@ -174,6 +189,11 @@ def test_each_layer_serves_the_weights_its_blocks_hold(untied):
     assert _close(_served(model.lm_head), _reference(untied, "output.weight"), "Q6_K")
     tokens = torch.tensor([0, 7, VOCAB - 1])
     assert _close(model.embed(tokens), _reference(untied, "token_embd.weight")[tokens], "Q4_K")
+    # and the shard can say how it holds each (its startup log, Info)
+    formats = weight_formats(model)
+    assert (
+        formats["embed"] == "int8 g32 rows" and formats["w2"].startswith("int8") and formats["w13"].startswith("int4")
+    )
 
 
 @pytest.mark.parametrize("embed", ["Q8_0", "Q4_K"])

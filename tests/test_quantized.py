@@ -165,6 +165,23 @@ def test_a_native_int4_layer_hands_batch_rows_to_torchs_kernel_where_that_measur
         torch.testing.assert_close(layer(x), want, rtol=0, atol=0)
 
 
+def test_a_layer_where_torchs_kernel_won_at_every_row_count_keeps_only_its_operands(monkeypatch):
+    measured = choice.crossover
+    monkeypatch.setattr(
+        "shardline.kernels.quantized.crossover",
+        lambda name, *a, **kw: 0 if name.startswith("int4-torch") else measured(name, *a, **kw),
+    )
+    monkeypatch.setattr("shardline.kernels.quantized.kernel_for", lambda bits: Kernel.NATIVE)
+    weight = torch.randn(96, 256) / 10
+    layer = QuantizedLinear(nn_linear(256, 96, weight=weight, bias=None), 4)
+    assert layer.kernel is Kernel.TORCH and layer.torch_operands is None
+    held = {id(t) for t in layer.buffers()}
+    assert held == {id(t) for pair in layer.operands for t in pair}  # torch's operands, and nothing else
+    for rows in (1, 8):
+        x = torch.randn(rows, 256)
+        torch.testing.assert_close(layer(x), multiply(Kernel.TORCH, layer.operands, x), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("k", [64, 288, 576])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
 def test_the_native_int4_kernel_computes_the_dequantized_weights(rows, k):

@@ -108,10 +108,11 @@ class DenseCopy(nn.Module):
 class QuantizedLinear(nn.Module):
     """A linear layer on `bits`-bit codes in groups of 32 (w = lo + scale * code).
 
-    `kernel_for` says which kernel multiplies it, per machine, and only that kernel's operands
-    are kept. Above the rows where a dense copy measures faster (`crossover`), the copy
-    multiplies, where one was asked for (`dense_copy`).
-    `keep_rows`: keep what `rows` needs to look up weight rows (a tied embedding's)."""
+        `kernel_for` says which kernel multiplies it, per machine, and only that kernel's operands
+        are kept (torch's alone where it measured faster at every row count, ours too where it did from
+    some row count on). Above the rows where a dense copy measures faster (`crossover`), the copy
+        multiplies, where one was asked for (`dense_copy`).
+        `keep_rows`: keep what `rows` needs to look up weight rows (a tied embedding's)."""
 
     def __init__(self, linear: nn.Linear, bits: int, dense_copy: bool = False, keep_rows: bool = False):
         codes, scale, lo, exact = grid_groups(linear.weight.detach(), 16 if bits == 4 else 255)
@@ -174,7 +175,11 @@ class QuantizedLinear(nn.Module):
                 self.in_features,
                 margin=1.1,
             )  # ours rounds activations to int16, torch's to bf16
-            if self.torch_rows < ALWAYS:
+            if self.torch_rows == 0 and not keep_rows:  # torch's faster at every row count: ours go
+                self.kernel, self.operands = Kernel.TORCH, held()
+                self.direct_rows = self.torch_rows = ALWAYS
+                self._hold()
+            elif self.torch_rows < ALWAYS:
                 self.torch_operands = held()
                 self._hold()
         self.max_rows = (
@@ -192,6 +197,8 @@ class QuantizedLinear(nn.Module):
 
     def _hold(self) -> None:
         """Every tensor kept as a buffer too, so that the shard's weight bytes (Info) count them."""
+        for name in [name for name in self._buffers if name.startswith("held")]:
+            del self._buffers[name]
         held = [self.operands, getattr(self, "rows_from", ()), self.torch_operands or ()]
         for i, t in enumerate(dict.fromkeys(_flat(held))):  # rows_from may be the operands themselves
             self.register_buffer(f"held{i}", t, persistent=False)

@@ -18,7 +18,7 @@ from shardline.kernels import native
 from shardline.kernels.grid import GROUP
 from shardline.kernels.linear import OneDnnLinear
 from shardline.kernels.operands import Kernel
-from shardline.kernels.quantized import Int8Embedding, QuantizedLinear
+from shardline.kernels.quantized import Int8Embedding, QuantizedEmbedding, QuantizedLinear
 from shardline.protos import shard_pb2
 from shardline.shard import served_cache
 from shardline.shard.footprint import check_layout, read_model
@@ -82,6 +82,8 @@ def weight_format(module: nn.Module) -> str:
         return f"int{module.bits} g{GROUP} ({module.exact:.0%} of groups exact), {kernel}{copy}"
     if isinstance(module, Int8Embedding):
         return "the LM head's int8 codes"
+    if isinstance(module, QuantizedEmbedding):
+        return f"int8 g{GROUP} rows"
     if isinstance(module, OneDnnLinear):
         return "float32 oneDNN"
     return str(module.weight.dtype).removeprefix("torch.")
