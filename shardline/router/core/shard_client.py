@@ -4,13 +4,16 @@ A shard is judged failed when its stream breaks (it died, or its connection did)
 step with an error, or when a step has run for `step_timeout_s` and the shard then does not
 answer a health check within `probe_timeout_s` (a hung or SIGSTOPped process). A step that runs
 long on shards that still answer may be a long prefill, and is left to finish, up to
-HUNG_AFTER_TIMEOUTS step timeouts: past that its compute hangs (a deadlock that leaves the gRPC
-threads alive), and the shard fails all the same.
+HUNG_AFTER_TIMEOUTS step timeouts, or longer for a step of many tokens where the steps measured
+so far say it needs more (SLOW_STEP_MARGIN times its tokens at the slowest rate yet: a Llama-3.1-8B
+shape's prefill of 16 prompts runs past a minute on two cores): past that its compute hangs (a
+deadlock that leaves the gRPC threads alive), and the shard fails all the same.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import grpc
@@ -20,6 +23,7 @@ from shardline.common.process import FAST_RECONNECT, hang_detection_s
 from shardline.protos import shard_pb2, shard_pb2_grpc
 
 HUNG_AFTER_TIMEOUTS = 3
+SLOW_STEP_MARGIN = 4
 
 
 class ShardError(RuntimeError):
@@ -125,6 +129,7 @@ class ShardGroup:
         self.sampler = len(self.shards) - 1
         self.step_timeout_s = step_timeout_s
         self.probe_timeout_s, _ = hang_detection_s(step_timeout_s)
+        self.ms_per_token = 0.0  # the slowest a step's tokens have run, from the steps measured so far
         self.group_id = ""  # the start of the shards' process group last answering Info
         self.abandoned_group: str | None = None  # a multi-rank start whose streams were abandoned: it exits
 
@@ -189,9 +194,10 @@ class ShardGroup:
     async def receive(self, plan: shard_pb2.StepPlan) -> shard_pb2.StepResult:
         """Every shard's answer to `plan`, the oldest plan sent and not yet answered."""
         tasks = [asyncio.ensure_future(s.receive(plan)) for s in self.shards]
-        t0 = time.monotonic()
+        t0, tokens = time.monotonic(), max(1, sum(len(seq.token_ids) for seq in plan.seqs))
+        hung_after = max(HUNG_AFTER_TIMEOUTS, SLOW_STEP_MARGIN * self.ms_per_token * tokens / 1e3 / self.step_timeout_s)
         try:
-            for _ in range(HUNG_AFTER_TIMEOUTS):
+            for _ in range(math.ceil(hung_after)):
                 done, pending = await asyncio.wait(
                     tasks, timeout=self.step_timeout_s, return_when=asyncio.FIRST_EXCEPTION
                 )
@@ -203,6 +209,7 @@ class ShardGroup:
                     result.graph_launches = sum(t.result().graph_launches for t in tasks)
                     result.eager_decode_steps = sum(t.result().eager_decode_steps for t in tasks)
                     result.compute_ms = max(t.result().compute_ms for t in tasks)  # the slowest rank
+                    self.ms_per_token = max(self.ms_per_token, result.compute_ms / tokens)
                     return result
                 # A long step: it may be a long prefill, or a shard that hangs. Ask them all.
                 answers = await asyncio.gather(*(s.answers(self.probe_timeout_s) for s in self.shards))
@@ -216,7 +223,7 @@ class ShardGroup:
             late = [s.address for s, t in zip(self.shards, tasks) if not t.done()]
             raise ShardError(
                 f"step {plan.step_id} has not returned after {time.monotonic() - t0:.0f} s "
-                f"({HUNG_AFTER_TIMEOUTS} step timeouts) on shard(s) {', '.join(late)}, which "
+                f"({math.ceil(hung_after)} step timeouts) on shard(s) {', '.join(late)}, which "
                 "still answer health checks: their compute hangs"
             )
         finally:
