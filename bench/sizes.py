@@ -276,6 +276,9 @@ def main() -> None:
                 per[server]["read_share_1_stream"] = one * per["weight_bytes_read"] / 1e9 / result["read_gb_s"]
             print(f"  ratios {json.dumps({k: round(v, 2) for k, v in per['ratios'].items()})}", flush=True)
             result["shapes"][shape] = per
+        except Exception as e:  # noqa: BLE001 - a shape that fails is a result too; the others still run
+            result.setdefault("failed", {})[shape] = f"{type(e).__name__}: {e}"
+            print(f"  {shape} failed: {e}", flush=True)
         finally:
             if made and not args.keep:
                 shutil.rmtree(resolve_model(str(gguf)).cache_dir, ignore_errors=True)
