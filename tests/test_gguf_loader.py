@@ -29,6 +29,19 @@ TYPES = {
 }  # fmt: skip
 
 
+_WRITTEN = []  # cache folders of the GGUFs written here: what the loaders keep of them goes after the tests
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_cache_left_behind():
+    import shutil
+
+    yield
+    for folder in _WRITTEN:
+        shutil.rmtree(folder, ignore_errors=True)
+    _WRITTEN.clear()
+
+
 @pytest.fixture(autouse=True)
 def _our_kernel_at_every_row_count(monkeypatch):
     """Layers keep Shardline's operands whatever torch's int4 kernel measured on this machine (a
@@ -115,6 +128,7 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    _WRITTEN.append(resolve_model(str(path)).cache_dir)
     return path
 
 

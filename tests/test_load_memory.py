@@ -56,9 +56,9 @@ def test_a_gguf_loads_without_a_dense_copy_of_the_model(tmp_path):
     source = resolve_model(str(path))
     try:
         first, second = _load(path), _load(path)
+        cfg, tensors = read_model(source)
     finally:
         shutil.rmtree(source.cache_dir, ignore_errors=True)
-    cfg, tensors = read_model(source)
     fp32 = 4 * sum(t.params for t in tensors)
     estimate = shard_footprint(
         cfg,
