@@ -80,8 +80,12 @@ def load(cfg: ModelConfig, layout: Layout, dtype: torch.dtype, path: Path) -> Tr
         model = Transformer(cfg)
     keep_stage(model, layout)
     later = []
+    by_module = {}  # module name -> its tensors by their own names
+    for key, t in tensors.items():
+        module, _, own_name = key.partition("/")
+        by_module.setdefault(module, {})[own_name] = t
     for name, spec in kept["spec"].items():
-        own = {k.partition("/")[2]: t for k, t in tensors.items() if k.partition("/")[0] == name}
+        own = by_module.get(name, {})
         kind = spec["kind"]
         if kind == "quantized":
             module = QuantizedLinear.from_state(spec, own)
