@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from shardline.common.model_source import resolve_model
-from shardline.shard.footprint import read_model, shard_footprint
+from shardline.shard.footprint import read_model
 from tests.support import ROOT
+from tests.test_footprint import _footprint
 from tests.test_gguf_loader import write_gguf
 
 # hidden, intermediate, layers, heads, KV heads, vocabulary: 66M weights, 266 MB in fp32
@@ -56,25 +57,10 @@ def test_a_gguf_loads_without_a_dense_copy_of_the_model(tmp_path):
     source = resolve_model(str(path))
     try:
         first, second = _load(path), _load(path)
-        cfg, tensors = read_model(source)
+        estimate = _footprint(source, kv_memory_gb=0, streamed=True)
+        fp32 = 4 * sum(t.params for t in read_model(source)[1])
     finally:
         shutil.rmtree(source.cache_dir, ignore_errors=True)
-    fp32 = 4 * sum(t.params for t in tensors)
-    estimate = shard_footprint(
-        cfg,
-        tensors,
-        pp_stage=0,
-        pp=1,
-        tp_rank=0,
-        tp=1,
-        weights="native",
-        quantize="",
-        dtype="float32",
-        dense_copy=False,
-        kv_memory_gb=0,
-        max_batch=32,
-        streamed=True,
-    )
     assert first["weights"] == second["weights"] == estimate.weights
     for start in (first, second):
         grew = start["peak"] - start["before"]

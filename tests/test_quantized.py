@@ -146,13 +146,18 @@ def test_a_native_int8_layer_of_outputs_not_whole_blocks_of_8_drops_the_padding(
     torch.testing.assert_close(layer.rows(tokens), grid[tokens], rtol=0, atol=1e-6)
 
 
-def test_a_native_int4_layer_hands_batch_rows_to_torchs_kernel_where_that_measured_faster(monkeypatch):
+def _torch_measured_faster_above(rows: int, monkeypatch) -> None:
+    """Shardline's kernel for int4 layers, and torch's int4 kernel measured faster above `rows`."""
     measured = choice.crossover
     monkeypatch.setattr(
         "shardline.kernels.quantized.crossover",
-        lambda name, *a, **kw: 2 if name.startswith("int4-torch") else measured(name, *a, **kw),
+        lambda name, *a, **kw: rows if name.startswith("int4-torch") else measured(name, *a, **kw),
     )
     monkeypatch.setattr("shardline.kernels.quantized.kernel_for", lambda bits: Kernel.NATIVE)
+
+
+def test_a_native_int4_layer_hands_batch_rows_to_torchs_kernel_where_that_measured_faster(monkeypatch):
+    _torch_measured_faster_above(2, monkeypatch)
     layer = QuantizedLinear(nn_linear(256, 96, weight=torch.randn(96, 256) / 10, bias=None), 4)
     assert layer.torch_rows == 2 and layer.torch_operands is not None
     for rows in (1, 2, 3, 8):
@@ -166,12 +171,7 @@ def test_a_native_int4_layer_hands_batch_rows_to_torchs_kernel_where_that_measur
 
 
 def test_a_layer_where_torchs_kernel_won_at_every_row_count_keeps_only_its_operands(monkeypatch):
-    measured = choice.crossover
-    monkeypatch.setattr(
-        "shardline.kernels.quantized.crossover",
-        lambda name, *a, **kw: 0 if name.startswith("int4-torch") else measured(name, *a, **kw),
-    )
-    monkeypatch.setattr("shardline.kernels.quantized.kernel_for", lambda bits: Kernel.NATIVE)
+    _torch_measured_faster_above(0, monkeypatch)
     weight = torch.randn(96, 256) / 10
     layer = QuantizedLinear(nn_linear(256, 96, weight=weight, bias=None), 4)
     assert layer.kernel is Kernel.TORCH and layer.torch_operands is None
