@@ -35,11 +35,15 @@ for bits, levels in ((4, 16), (8, 255)):
         # the activations' rounding to int16 per group of 32 (both widths; 4 bits straight from the codes)
         half_step = (x.abs().reshape(rows, -1, 32).amax(-1) / 32767 / 2).repeat_interleave(32, 1)
         rounding = half_step.double() @ weights.abs().double().t() + 1e-5 * want.abs().max()
-        for direct_rows in (0, 1 << 30):
-            got = multiply(Kernel.NATIVE, held, x, direct_rows).double()
-            exact = bits == 4 and direct_rows == 0  # through the fp32 GEMM
-            limit = 1e-5 * want.abs().max() if exact else rounding
-            assert ((got - want).abs() <= limit).all(), (bits, rows, direct_rows, (got - want).abs().max())
+        # through a bf16 GEMM: activations, weights and outputs rounded to 8 bits of mantissa
+        bf16 = 2**-8 * (x.abs().double() @ weights.abs().double().t()) + 2**-8 * want.abs()
+        limits = {(0, False): 1e-5 * want.abs().max(), (0, True): bf16, (1 << 30, False): rounding}  # fp32 GEMM: exact
+        for (direct_rows, bf16_gemm), limit in limits.items():
+            got = multiply(Kernel.NATIVE, held, x, direct_rows, bf16_gemm).double()
+            assert ((got - want).abs() <= limit).all(), (bits, rows, direct_rows, bf16_gemm, (got - want).abs().max())
+    # one-hot rows read each weight back, rounded to bf16 to nearest even (ties included)
+    got = multiply(Kernel.NATIVE, held, torch.eye(288), direct_rows=0, bf16_gemm=True)
+    assert torch.equal(got, weights.t().bfloat16().float()), bits
 print("ok")
 """
 

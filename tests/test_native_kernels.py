@@ -146,7 +146,8 @@ def test_the_kernels_reject_records_of_another_width_or_shape(bits):
 
     (records,) = native_operands(torch.zeros(8, 64, dtype=torch.int32), torch.zeros(8, 2), torch.zeros(8, 2), bits)
     (other,) = native_operands(torch.zeros(8, 64, dtype=torch.int32), torch.zeros(8, 2), torch.zeros(8, 2), 12 - bits)
-    linear = (lambda x, r: native.ops().int4_linear(x, r, 1 << 30)) if bits == 4 else native.ops().int8_linear
+    op = native.ops().int4_linear if bits == 4 else native.ops().int8_linear
+    linear = lambda x, r: op(x, r, 1 << 30, False)  # noqa: E731
     assert linear(torch.ones(1, 64), records).shape == (1, 8)
     for x, held in ((torch.zeros(1, 96), records), (torch.zeros(1, 64), other)):  # K of 96, or 8-bit records for 4
         with pytest.raises(RuntimeError, match="must be packed records"):
@@ -169,7 +170,11 @@ def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_
         from shardline.kernels import quantized  # faster from 2 rows on (the batch's 3 take it), or never, and our
 
         measured = quantized.crossover  # direct kernel (int16 activations) for every batch of the test
-        pinned = {"int4-torch": 1 if kernel == "native+torch" else 1 << 30, "int4-direct": 1 << 30}
+        pinned = {
+            "int4-torch": 1 if kernel == "native+torch" else 1 << 30,
+            "int4-direct": 1 << 30,
+            "int8-direct": 1 << 30,
+        }
 
         def crossover(name, *args, **kw):
             rows = next((rows for prefix, rows in pinned.items() if name.startswith(prefix)), None)

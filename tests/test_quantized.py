@@ -118,8 +118,12 @@ def test_the_native_records_hold_ggufs_blocks_exactly(qtype, bits):
         codes, scale, lo = native_rows(held, torch.arange(16))
         assert (lo == 0).all()
         torch.testing.assert_close(grid_weights(codes.float(), scale, lo), w, rtol=0, atol=0)
-    else:  # one-hot rows through the GEMM path read back each weight, fp32 products of exact values
-        torch.testing.assert_close(multiply(Kernel.NATIVE, held, torch.eye(128), direct_rows=0), w.t(), rtol=0, atol=0)
+    # one-hot rows through the GEMM path read back each weight, fp32 products of exact values, or
+    # those rounded to bf16 (to nearest even) where the GEMM computes in bf16
+    eye = torch.eye(128)
+    torch.testing.assert_close(multiply(Kernel.NATIVE, held, eye, direct_rows=0), w.t(), rtol=0, atol=0)
+    in_bf16 = multiply(Kernel.NATIVE, held, eye, direct_rows=0, bf16_gemm=True)
+    torch.testing.assert_close(in_bf16, w.t().bfloat16().float(), rtol=0, atol=0)
 
 
 def test_a_native_int8_layer_of_outputs_not_whole_blocks_of_8_drops_the_padding(monkeypatch):
@@ -186,7 +190,8 @@ def test_a_layer_where_torchs_kernel_won_at_every_row_count_keeps_only_its_opera
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
 def test_the_native_int4_kernel_computes_the_dequantized_weights(rows, k):
     """At every row count, whether or not the input dimension is whole tiles of 64 (288: a TP
-    rank's slice): through the GEMM, the fp32 product up to the order of summation; straight from
+    rank's slice): through the GEMM, the fp32 product up to the order of summation (in bf16, within
+    its rounding of activations, weights and outputs); straight from
     the codes, within the rounding of the activations to int16 per group of 32 (half a step of
     the group's largest value over 32767, times each weight)."""
     torch.manual_seed(rows * k)
@@ -202,9 +207,12 @@ def test_the_native_int4_kernel_computes_the_dequantized_weights(rows, k):
     rounding = half_step.double() @ weights.abs().double().t()
     held = native_operands(codes, scale, lo, 4)
     fp32 = 1e-5 * want.abs().max()
-    for direct_rows, allowed in ((0, fp32), (1 << 30, rounding + fp32)):
-        got = multiply(Kernel.NATIVE, held, x, direct_rows).double()
-        assert ((got - want).abs() <= allowed).all(), direct_rows
+    # bf16 (8 bits of mantissa): activations and weights rounded, each product's error within 2^-8
+    # of |x| |w|, and the output rounded once more
+    bf16 = 2**-8 * (x.abs().double() @ weights.abs().double().t()) + 2**-8 * want.abs()
+    for direct_rows, bf16_gemm, allowed in ((0, False, fp32), (1 << 30, False, rounding + fp32), (0, True, bf16)):
+        got = multiply(Kernel.NATIVE, held, x, direct_rows, bf16_gemm).double()
+        assert ((got - want).abs() <= allowed).all(), (direct_rows, bf16_gemm)
 
 
 def test_the_crossover_is_the_last_row_count_before_the_dense_kernel_measures_faster(own_machine_choices):

@@ -1,6 +1,6 @@
 """Choices measured once per machine and kept beside the built kernels: which kernel multiplies
-8-bit layers, which dense kernel a layer's dense copy uses, and from how many rows on the copy
-takes over from the quantized kernel.
+quantized layers, in which dtype their GEMM path computes, which dense kernel a layer's dense copy
+uses, and from how many rows on the copy (or the GEMM path) takes over.
 
 Each changes which arithmetic computes a step's logits, so a greedy token at a near-tie: measured
 per process, the noise of timing could make two starts of one server (or two shards of one
@@ -121,6 +121,34 @@ def kernel_for(bits: int) -> Kernel:
         return (Kernel.TORCH if times[Kernel.TORCH] < 0.9 * times[Kernel.NATIVE] else Kernel.NATIVE).value
 
     return Kernel(machine_choice(f"kernel-int{bits}", measure))
+
+
+GEMM_MARGIN = 1.25  # bf16 rounds the activations 2^8 times coarser than fp32: asked to pay for it
+
+
+@functools.cache
+def gemm_in_bf16() -> bool:
+    """Whether the native kernels' GEMM path (many rows: kernels/interleaved.h) multiplies its
+    dequantized slices in bf16 rather than fp32, per machine: bf16 where it measured at least
+    `GEMM_MARGIN` times faster, on a 4-bit layer of 2048x2048 at 128 rows (a prefill chunk's
+    shape). CPUs that compute bf16 natively (AMX, AVX-512-bf16) do; on AVX2, torch's bf16 GEMM is
+    emulated and several times slower than fp32."""
+    if not native.available():
+        return False
+
+    def measure() -> str:
+        n = k = 2048
+        codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
+        held = native_operands(codes, torch.rand(n, k // GROUP) / 100, torch.randn(n, k // GROUP) / 10, 4)
+        with torch.inference_mode():
+            x = torch.randn(128, k)
+            times = {
+                bf16: median_ms(functools.partial(multiply, Kernel.NATIVE, held, direct_rows=0, bf16_gemm=bf16), x, 5)
+                for bf16 in (False, True)
+            }
+        return str(times[False] > GEMM_MARGIN * times[True])
+
+    return machine_choice("gemm-bf16", measure) == "True"
 
 
 def crossover(name: str, quantized: Callable, dense: Callable, in_features: int, margin: float = 1.0) -> int:

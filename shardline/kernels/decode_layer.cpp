@@ -7,9 +7,9 @@
 // kernel each was loaded for (kernels/quantized.py), one of:
 //   0: torch's int4 kernel                 [packed, scales_zeros]
 //   1: torch's int4 kernel, 8 bits as two  [high packed, high scales_zeros, low packed, low scales_zeros]
-//   2: Shardline's int8 kernel             [records]
-//   3: Shardline's int4 kernel             [records], straight from the codes up to the layer's
-//      `direct_rows`, through the GEMM above; with [.., packed, scales_zeros] of torch's int4
+//   2: Shardline's int8 kernel             [records], straight from the codes up to the layer's
+//      `direct_rows`, through the GEMM above (in bf16 where the machine chose `bf16_gemm`)
+//   3: Shardline's int4 kernel             the same; with [.., packed, scales_zeros] of torch's int4
 //      kernel as well, that kernel above the layer's `torch_rows`
 
 #include "decode_layer.h"
@@ -18,7 +18,8 @@
 
 namespace {
 
-at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind, int64_t direct_rows, int64_t torch_rows) {
+at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind, int64_t direct_rows, int64_t torch_rows,
+                  bool bf16_gemm) {
   switch (kind) {
     case 0:
       return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w[0], 32, w[1]).to(at::kFloat);
@@ -28,11 +29,11 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind, int64_t d
           at::_weight_int4pack_mm_for_cpu(xb, w[2], 32, w[3]));
     }
     case 2:
-      return shardline::int8_linear(x, w[0]);
+      return shardline::int8_linear(x, w[0], direct_rows, bf16_gemm);
     case 3:
       if (w.size() == 3 && x.size(0) > torch_rows)
         return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w[1], 32, w[2]).to(at::kFloat);
-      return shardline::int4_linear(x, w[0], direct_rows);
+      return shardline::int4_linear(x, w[0], direct_rows, bf16_gemm);
   }
   TORCH_CHECK(false, "unknown linear kind ", kind);
 }
@@ -50,11 +51,11 @@ namespace shardline {
 DecodeLayer::DecodeLayer(at::Tensor attn_norm, at::Tensor mlp_norm, double eps, std::vector<at::Tensor> qkv,
                          std::vector<at::Tensor> wo, std::vector<at::Tensor> w13, std::vector<at::Tensor> w2,
                          std::vector<int64_t> kinds, std::vector<int64_t> direct_rows, std::vector<int64_t> torch_rows,
-                         std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> q_norm,
+                         bool bf16_gemm, std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> q_norm,
                          std::optional<at::Tensor> k_norm, double qk_eps, int64_t heads, double scale)
     : attn_norm_(std::move(attn_norm)), mlp_norm_(std::move(mlp_norm)), eps_(eps), qkv_(std::move(qkv)),
       wo_(std::move(wo)), w13_(std::move(w13)), w2_(std::move(w2)), kinds_(std::move(kinds)),
-      direct_rows_(std::move(direct_rows)), torch_rows_(std::move(torch_rows)), qkv_bias_(std::move(qkv_bias)),
+      direct_rows_(std::move(direct_rows)), torch_rows_(std::move(torch_rows)), bf16_gemm_(bf16_gemm), qkv_bias_(std::move(qkv_bias)),
       q_norm_(std::move(q_norm)), k_norm_(std::move(k_norm)), qk_eps_(qk_eps), heads_(heads), scale_(scale) {
   TORCH_CHECK(kinds_.size() == 4 && direct_rows_.size() == 4 && torch_rows_.size() == 4,
               "one kind, direct_rows and torch_rows per linear layer");
@@ -65,13 +66,13 @@ at::Tensor DecodeLayer::forward(const at::Tensor& x_in, const at::Tensor& cos, c
                                 const at::Tensor& block_tables, const at::Tensor& context_lens) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be [tokens, hidden] float32");
   const at::Tensor x = x_in.contiguous();
-  at::Tensor qkv = linear(normed(x, attn_norm_, eps_), qkv_, kinds_[0], direct_rows_[0], torch_rows_[0]);
+  at::Tensor qkv = linear(normed(x, attn_norm_, eps_), qkv_, kinds_[0], direct_rows_[0], torch_rows_[0], bf16_gemm_);
   if (qkv_bias_) qkv.add_(*qkv_bias_);
   const at::Tensor attended = paged_decode(qkv, cos, sin, q_norm_, k_norm_, qk_eps_, k_pages, v_pages, slots,
                                            block_tables, context_lens, heads_, scale_);
-  at::Tensor h = linear(attended, wo_, kinds_[1], direct_rows_[1], torch_rows_[1]).add_(x);
-  const at::Tensor gate_up = linear(normed(h, mlp_norm_, eps_), w13_, kinds_[2], direct_rows_[2], torch_rows_[2]);
-  return linear(silu_mul(gate_up), w2_, kinds_[3], direct_rows_[3], torch_rows_[3]).add_(h);
+  at::Tensor h = linear(attended, wo_, kinds_[1], direct_rows_[1], torch_rows_[1], bf16_gemm_).add_(x);
+  const at::Tensor gate_up = linear(normed(h, mlp_norm_, eps_), w13_, kinds_[2], direct_rows_[2], torch_rows_[2], bf16_gemm_);
+  return linear(silu_mul(gate_up), w2_, kinds_[3], direct_rows_[3], torch_rows_[3], bf16_gemm_).add_(h);
 }
 
 }  // namespace shardline

@@ -17,7 +17,7 @@ class DecodeLayer : public torch::CustomClassHolder {
   DecodeLayer(at::Tensor attn_norm, at::Tensor mlp_norm, double eps, std::vector<at::Tensor> qkv,
               std::vector<at::Tensor> wo, std::vector<at::Tensor> w13, std::vector<at::Tensor> w2,
               std::vector<int64_t> kinds, std::vector<int64_t> direct_rows, std::vector<int64_t> torch_rows,
-              std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
+              bool bf16_gemm, std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
               double qk_eps, int64_t heads, double scale);
   // x [rows, hidden] -> the layer's output [rows, hidden]; writes each row's K/V at its slot.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_pages,
@@ -29,6 +29,7 @@ class DecodeLayer : public torch::CustomClassHolder {
   double eps_;
   std::vector<at::Tensor> qkv_, wo_, w13_, w2_;  // each linear's operands (decode_layer.cpp: by kind)
   std::vector<int64_t> kinds_, direct_rows_, torch_rows_;
+  bool bf16_gemm_;
   std::optional<at::Tensor> qkv_bias_, q_norm_, k_norm_;
   double qk_eps_;
   int64_t heads_;

@@ -20,17 +20,15 @@
 // for 8 outputs are converted and scaled once, the group's lo term (lo times the group's fp32 sum
 // of x) one more FMA.
 //
-// More rows (prefill, long chunks) dequantize the weights in slices of output rows into an fp32
-// buffer and multiply each slice with torch's GEMM in fp32: the unpacking is paid once per slice
-// for all rows, and no dense copy is kept. (An int8 GEMM there, activations per row and weights
-// requantized per output row, was 1.7x faster at 512 rows on AVX2 and cost SmolLM2 its quality
-// gate: same top-1 90.5%.)
+// More rows (prefill, long chunks) go through a GEMM on slices dequantized on the fly
+// (interleaved.h, `through_gemm`): the unpacking is paid once per slice for all rows, and no dense
+// copy is kept. (An int8 GEMM there, activations per row and weights requantized per output row,
+// was 1.7x faster at 512 rows on AVX2 and cost SmolLM2 its quality gate: same top-1 90.5%.)
 
 #include "interleaved.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mm.h>
 
 #include <algorithm>
 #include <cmath>
@@ -42,7 +40,6 @@ namespace {
 using shardline::interleaved::B;
 using shardline::interleaved::G;
 constexpr int64_t WORDS = 4 * B;          // int32 words of a record's codes: 4 loads of 8 lanes
-constexpr int64_t SLICE_BYTES = 1 << 20;  // fp32 weights dequantized at once on the GEMM path
 
 // A record's codes, as the shared direct path reads them (interleaved.h).
 struct Int4Codes {
@@ -66,54 +63,6 @@ struct Int4Codes {
     return static_cast<int32_t>((words(rec)[word(i, k)] >> shift(k)) & 0xF);
   }
 };
-
-using shardline::interleaved::los;
-using shardline::interleaved::record;
-using shardline::interleaved::scales;
-
-// Output rows [8 b0, 8 b1) of the weights, fp32 and transposed, into wt [K, ld]: a block's 8
-// outputs are 8 adjacent columns, so each pair of codes unpacks to two rows of 8 floats.
-void dequantize(const char* records, int64_t K, int64_t b0, int64_t b1, float* wt, int64_t ld) {
-  const int64_t groups = K / G;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = b0; b < b1; ++b) {
-        const char* rec = record<Int4Codes>(records, groups, b, g);
-        const c10::Half *scale = scales<Int4Codes>(rec), *lo = los<Int4Codes>(rec);
-        float* out = wt + g * G * ld + (b - b0) * B;
-#if defined(__AVX2__)
-        const __m256 s = shardline::load_half8(scale), z = shardline::load_half8(lo);
-        const __m256i nibble = _mm256_set1_epi32(0xF);
-        for (int l = 0; l < 4; ++l) {
-          const __m256i w = Int4Codes::load(rec, l);
-#pragma GCC unroll 8
-          for (int h = 0; h < 8; ++h) {  // weight 2p + h % 2 of the group, p = 4l + h / 2
-            const __m256 c = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 4 * (h / 2) + 16 * (h % 2)), nibble));
-            _mm256_storeu_ps(out + (8 * l + h) * ld, _mm256_fmadd_ps(c, s, z));
-          }
-        }
-#else
-        for (int64_t k = 0; k < G; ++k)
-          for (int64_t i = 0; i < B; ++i)
-            out[k * ld + i] = static_cast<float>(lo[i]) + static_cast<float>(scale[i]) * static_cast<float>(Int4Codes::at(rec, i, k));
-#endif
-      }
-  });
-}
-
-at::Tensor through_gemm(const at::Tensor& x, const char* records, int64_t N, int64_t K) {
-  const int64_t M = x.size(0);
-  const int64_t slice = std::max<int64_t>(2, SLICE_BYTES / (4 * K * B)) * B;  // outputs, whole blocks
-  at::Tensor y = at::empty({M, N}, x.options());
-  at::Tensor wt = at::empty({K, std::min(slice, N)}, x.options());
-  for (int64_t n0 = 0; n0 < N; n0 += slice) {
-    const int64_t n1 = std::min(N, n0 + slice);
-    dequantize(records, K, n0 / B, n1 / B, wt.data_ptr<float>(), wt.size(1));
-    y.slice(1, n0, n1).copy_(at::mm(x, wt.slice(1, 0, n1 - n0)));
-  }
-  return y;
-}
-
 
 }  // namespace
 
@@ -171,13 +120,8 @@ at::Tensor int4_pack(const at::Tensor& codes, const at::Tensor& scale, const at:
   });
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& records, int64_t max_direct_rows) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, K] float32");
-  if (x.size(0) <= max_direct_rows) return interleaved::multiply<Int4Codes>(records, x);
-  const int64_t K = x.size(1);
-  interleaved::check_records<Int4Codes>(records, K);
-  return through_gemm(x.contiguous(), reinterpret_cast<const char*>(records.const_data_ptr<uint8_t>()),
-                      records.size(0) * B, K);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& records, int64_t max_direct_rows, bool bf16_gemm) {
+  return interleaved::linear<Int4Codes>(x, records, max_direct_rows, bf16_gemm);
 }
 
 }  // namespace shardline

@@ -1,4 +1,5 @@
-// Shardline's 8-bit linear kernel (shardline_native::int8_linear), in practice the LM head.
+// Shardline's 8-bit linear kernel (shardline_native::int8_linear): LM heads, and the layers that
+// a GGUF holds in more than 4 bits.
 //
 // Weights are groups of 32 along the input dimension, w = lo + scale * code, with codes as int8
 // (the 0..254 grid shifted per group, the shift folded into lo: kernels/operands.py) and scale and
@@ -60,8 +61,8 @@ at::Tensor int8_pack(const at::Tensor& codes, const at::Tensor& scale, const at:
   });
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& records) {
-  return interleaved::multiply<Int8Codes>(records, x);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& records, int64_t max_direct_rows, bool bf16_gemm) {
+  return interleaved::linear<Int8Codes>(x, records, max_direct_rows, bf16_gemm);
 }
 
 }  // namespace shardline

@@ -10,6 +10,11 @@
 // and a decode step at one row streams its weights at the machine's read bandwidth: a 4-bit
 // record of 160 bytes rather than 192 with fp32 scales is a sixth less to read.
 //
+// Many rows (prefill, long chunks) go through a GEMM instead (`linear`, above `max_direct_rows`):
+// slices of output rows dequantized on the fly, in fp32 or, where the machine measured it faster
+// (kernels/choice.py, `gemm_in_bf16`), in bf16 with the activations rounded to bf16 as well.
+// CPUs that compute bf16 natively (AMX, AVX-512-bf16) multiply it several times faster than fp32.
+//
 // Only how a record's codes are held differs, and a `Codes` type says it (AVX2 first):
 //   PAIRS:          pairs of weights per load (a group's 16 pairs take 16 / PAIRS loads);
 //   CODE_BYTES:     bytes of a record's codes;
@@ -23,6 +28,8 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -179,6 +186,87 @@ at::Tensor multiply(const at::Tensor& records, const at::Tensor& x) {
       DOT_ROWS[std::min(ROW_BLOCK, M - m0)](base, rows, m0, b0, b1, K, out, N);
   });
   return y;
+}
+
+#if defined(__AVX2__)
+// 8 floats stored as 8 bf16, rounded to nearest even (NaNs aside: weights and activations have none).
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(v)));
+#else
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+#endif
+}
+#endif
+
+// Output rows [8 b0, 8 b1) of the weights, transposed, into wt [K, ld] (fp32 or bf16): a block's 8
+// outputs are 8 adjacent columns, so each pair of codes unpacks to two rows of 8 values.
+template <typename Codes, typename T>
+void dequantize(const char* records, int64_t K, int64_t b0, int64_t b1, T* wt, int64_t ld) {
+  const int64_t groups = K / G;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = b0; b < b1; ++b) {
+        const char* rec = record<Codes>(records, groups, b, g);
+        T* out = wt + g * G * ld + (b - b0) * B;
+#if defined(__AVX2__)
+        const __m256 s = load_half8(scales<Codes>(rec)), z = load_half8(los<Codes>(rec));
+        for (int l = 0; l < G / 2 / Codes::PAIRS; ++l) {
+          const __m256i w = Codes::load(rec, l);
+#pragma GCC unroll 4
+          for (int q = 0; q < Codes::PAIRS; ++q) {  // per lane, the int16 codes of weights 2p and 2p + 1
+            const __m256i c = Codes::pairs(w, q);
+            const int64_t p = l * Codes::PAIRS + q;
+            const __m256i even = _mm256_srai_epi32(_mm256_slli_epi32(c, 16), 16), odd = _mm256_srai_epi32(c, 16);
+            store8(out + 2 * p * ld, _mm256_fmadd_ps(_mm256_cvtepi32_ps(even), s, z));
+            store8(out + (2 * p + 1) * ld, _mm256_fmadd_ps(_mm256_cvtepi32_ps(odd), s, z));
+          }
+        }
+#else
+        const c10::Half *scale = scales<Codes>(rec), *lo = los<Codes>(rec);
+        for (int64_t k = 0; k < G; ++k)
+          for (int64_t i = 0; i < B; ++i)
+            out[k * ld + i] = static_cast<float>(lo[i]) + static_cast<float>(scale[i]) * static_cast<float>(Codes::at(rec, i, k));
+#endif
+      }
+  });
+}
+
+// x [M, K] fp32 times the weights that `records` hold, through torch's GEMM on slices of about
+// a MB of weights dequantized at a time (no dense copy is kept) -> [M, N] fp32.
+template <typename Codes>
+at::Tensor through_gemm(const at::Tensor& x, const at::Tensor& records, bool bf16) {
+  constexpr int64_t SLICE_BYTES = 1 << 20;
+  const int64_t M = x.size(0), K = x.size(1), N = records.size(0) * B, size = bf16 ? 2 : 4;
+  const char* base = reinterpret_cast<const char*>(records.const_data_ptr<uint8_t>());
+  const int64_t slice = std::max<int64_t>(2, SLICE_BYTES / (size * K * B)) * B;  // outputs, whole blocks
+  const at::Tensor xs = bf16 ? x.to(at::kBFloat16) : x;
+  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor wt = at::empty({K, std::min(slice, N)}, xs.options());
+  for (int64_t n0 = 0; n0 < N; n0 += slice) {
+    const int64_t n1 = std::min(N, n0 + slice);
+    if (bf16)
+      dequantize<Codes>(base, K, n0 / B, n1 / B, wt.data_ptr<c10::BFloat16>(), wt.size(1));
+    else
+      dequantize<Codes>(base, K, n0 / B, n1 / B, wt.data_ptr<float>(), wt.size(1));
+    y.slice(1, n0, n1).copy_(at::mm(xs, wt.slice(1, 0, n1 - n0)));
+  }
+  return y;
+}
+
+// x [M, K] fp32 times the weights that `records` hold -> [M, N] fp32: up to `max_direct_rows`
+// rows straight from the codes, more through the GEMM (in bf16 where `bf16_gemm`).
+template <typename Codes>
+at::Tensor linear(const at::Tensor& x, const at::Tensor& records, int64_t max_direct_rows, bool bf16_gemm) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, K] float32");
+  if (x.size(0) <= max_direct_rows) return multiply<Codes>(records, x);
+  check_records<Codes>(records, x.size(1));
+  return through_gemm<Codes>(x.contiguous(), records, bf16_gemm);
 }
 
 }  // namespace shardline::interleaved

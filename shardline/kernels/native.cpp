@@ -8,9 +8,9 @@
 
 TORCH_LIBRARY(shardline_native, m) {
   m.def("int8_pack(Tensor codes, Tensor scale, Tensor lo) -> Tensor");
-  m.def("int8_linear(Tensor x, Tensor records) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor records, int max_direct_rows, bool bf16_gemm) -> Tensor");
   m.def("int4_pack(Tensor codes, Tensor scale, Tensor lo) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor records, int max_direct_rows) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor records, int max_direct_rows, bool bf16_gemm) -> Tensor");
   m.def("paged_decode(Tensor qkv, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, "
         "Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor slots, Tensor block_tables, Tensor context_lens, "
         "int heads, float scale) -> Tensor");
@@ -19,7 +19,7 @@ TORCH_LIBRARY(shardline_native, m) {
   m.class_<shardline::DecodeLayer>("DecodeLayer")
       .def(torch::init<at::Tensor, at::Tensor, double, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
-                       std::vector<int64_t>, std::optional<at::Tensor>, std::optional<at::Tensor>,
+                       std::vector<int64_t>, bool, std::optional<at::Tensor>, std::optional<at::Tensor>,
                        std::optional<at::Tensor>, double, int64_t, double>())
       .def("forward", &shardline::DecodeLayer::forward);
 }

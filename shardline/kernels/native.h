@@ -18,8 +18,9 @@ namespace shardline {
 // [N/8, K/32, 288] uint8, 8 outputs interleaved (int8_linear.cpp, interleaved.h).
 at::Tensor int8_pack(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& lo);
 
-// x [M, K] fp32 times the weights lo + scale * code that int8_pack's records hold -> [M, N].
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& records);
+// x [M, K] fp32 times the weights lo + scale * code that int8_pack's records hold -> [M, N]: up to
+// `max_direct_rows` rows straight from the codes, more through a GEMM (in bf16 where `bf16_gemm`).
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& records, int64_t max_direct_rows, bool bf16_gemm);
 
 // Rows of activations quantized to int16 per group of 32, for the 4- and 8-bit kernels.
 struct Int16Rows {
@@ -33,8 +34,8 @@ Int16Rows int16_rows(const float* x, int64_t M, int64_t K);
 // [N/8, K/32, 160] uint8, 8 outputs interleaved (int4_linear.cpp, interleaved.h).
 at::Tensor int4_pack(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& lo);
 
-// x [M, K] fp32 times the weights lo + scale * code that int4_pack's records hold -> [M, N].
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& records, int64_t max_direct_rows);
+// The same for int4_pack's records.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& records, int64_t max_direct_rows, bool bf16_gemm);
 
 at::Tensor paged_decode(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                         const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,

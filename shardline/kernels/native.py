@@ -117,13 +117,11 @@ def _load() -> bool:
 def _register_fakes() -> None:
     """Output shapes for tracing (a compiled decode graph calls the linear and MLP kernels)."""
 
-    @torch.library.register_fake("shardline_native::int8_linear")
-    def _(x, records):
-        return x.new_empty(x.shape[0], records.shape[0] * 8)
+    for name in ("int8_linear", "int4_linear"):
 
-    @torch.library.register_fake("shardline_native::int4_linear")
-    def _(x, records, max_direct_rows):
-        return x.new_empty(x.shape[0], records.shape[0] * 8)
+        @torch.library.register_fake(f"shardline_native::{name}")
+        def _(x, records, max_direct_rows, bf16_gemm):
+            return x.new_empty(x.shape[0], records.shape[0] * 8)
 
     @torch.library.register_fake("shardline_native::silu_mul")
     def _(x):

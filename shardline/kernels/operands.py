@@ -6,7 +6,7 @@ takes:
 - `Kernel.NATIVE`: Shardline's own, fp16 scales beside the codes, 8 outputs across the vector
   lanes, activations rounded to int16 per group of 32 and integer dot products:
   kernels/int8_linear.cpp for 8 bits, kernels/int4_linear.cpp for 4 (codes unpacked in
-  registers; many rows through an fp32 GEMM on slices dequantized on the fly).
+  registers; many rows through a GEMM on slices dequantized on the fly).
 """
 
 from __future__ import annotations
@@ -151,14 +151,16 @@ def operands(kernel: Kernel, codes, scale, lo, bits: int, count_down: bool = Tru
     return torch_operands(codes, scale, lo, bits)
 
 
-def multiply(kernel: Kernel, operands, rows: torch.Tensor, direct_rows: int = 1 << 30) -> torch.Tensor:
-    """rows [n, K] times the weights that `operands` hold for `kernel` -> fp32 [n, N]. A native 4-bit
-    layer multiplies up to `direct_rows` rows straight from its codes, more through the GEMM."""
+def multiply(
+    kernel: Kernel, operands, rows: torch.Tensor, direct_rows: int = 1 << 30, bf16_gemm: bool = False
+) -> torch.Tensor:
+    """rows [n, K] times the weights that `operands` hold for `kernel` -> fp32 [n, N]. A native
+    layer multiplies up to `direct_rows` rows straight from its codes, more through a GEMM on
+    slices it dequantizes (in bf16 where `bf16_gemm`: kernels/choice.py, `gemm_in_bf16`)."""
     if kernel is Kernel.NATIVE:
         records = operands[0]
-        if records.shape[-1] == INT4_RECORD:
-            return native.ops().int4_linear(rows.float(), records, direct_rows)
-        return native.ops().int8_linear(rows.float(), records)
+        linear = native.ops().int4_linear if records.shape[-1] == INT4_RECORD else native.ops().int8_linear
+        return linear(rows.float(), records, direct_rows, bf16_gemm)
     rows = rows.bfloat16()
     out = [torch._weight_int4pack_mm_for_cpu(rows, packed, GROUP, scales_zeros) for packed, scales_zeros in operands]
     return out[0].float() if len(out) == 1 else out[0].float() + out[1].float()

@@ -5,8 +5,9 @@ kernels/operands.py).
 A step of many rows is faster on dense weights, by how much depends on the CPU. So a layer keeps a
 dense copy when asked (`dense_copy`, for prefill), of a kind and used above a row count measured
 once per machine and layer shape, and none where it never measured faster: a copy costs 2 or 4
-bytes a weight beside the codes' 0.6 or 1.1. Shardline's int4 kernel needs no copy for that: above a row count it also
-measures (`direct_rows`), it multiplies through an fp32 GEMM on slices it dequantizes on the fly;
+bytes a weight beside the codes' 0.6 or 1.1. Shardline's kernels need no copy for that: above a row
+count they also measure (`direct_rows`), they multiply through a GEMM on slices they dequantize on
+the fly (fp32, or bf16 where the machine computes it natively: `gemm_in_bf16`);
 and where torch's int4 kernel measured faster from some row count on (`torch_rows`: CPUs with
 native bf16), a layer keeps its operands too and uses it there.
 """
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardline.kernels import native
-from shardline.kernels.choice import ALWAYS, DenseKind, crossover, dense_kind, kernel_for
+from shardline.kernels.choice import ALWAYS, DenseKind, crossover, dense_kind, gemm_in_bf16, kernel_for
 from shardline.kernels.grid import grid_groups, grid_weights, rows_at_once
 from shardline.kernels.linear import onednn_linear
 from shardline.kernels.operands import (
@@ -156,21 +157,23 @@ class QuantizedLinear(nn.Module):
         else:  # a buffer, so that the shard's weight bytes count it
             self.register_buffer("bias", bias.detach(), persistent=False)
         shape = f"{self.out_features}x{self.in_features}-{torch.get_num_threads()}threads"
-        self.direct_rows, self.torch_rows = ALWAYS, ALWAYS
-        if self.kernel is Kernel.NATIVE and bits == 4:
+        self.direct_rows, self.torch_rows, self.bf16_gemm = ALWAYS, ALWAYS, gemm_in_bf16()
+        if self.kernel is Kernel.NATIVE:
+            gemm = "bf16" if self.bf16_gemm else "fp32"
             self.direct_rows = crossover(
-                f"int4-direct-{shape}",
+                f"int{bits}-direct-{gemm}-{shape}",
                 self._quantized,
-                lambda rows: multiply(self.kernel, self.operands, rows, direct_rows=0),
+                lambda rows: multiply(self.kernel, self.operands, rows, direct_rows=0, bf16_gemm=self.bf16_gemm),
                 self.in_features,
             )
+        if self.kernel is Kernel.NATIVE and bits == 4:
             # Where the CPU computes bf16 natively, torch's int4 kernel may beat ours at batch rows:
             # kept for those only where it measured faster (measured cold, never with the AVX2 build).
             held = functools.cache(lambda: torch_operands(codes, scale, lo, bits))  # built only if needed
             ours, theirs = _cold(lambda: self.operands), _cold(held)
             self.torch_rows = crossover(
                 f"int4-torch-{shape}",
-                lambda rows: multiply(self.kernel, next(ours), rows, self.direct_rows),
+                lambda rows: multiply(self.kernel, next(ours), rows, self.direct_rows, self.bf16_gemm),
                 lambda rows: multiply(Kernel.TORCH, next(theirs), rows),
                 self.in_features,
                 margin=1.1,
@@ -239,6 +242,7 @@ class QuantizedLinear(nn.Module):
         layer.bits, layer.exact, layer.kernel = spec["bits"], spec["exact"], Kernel(spec["kernel"])
         layer.out_features, layer.in_features = spec["shape"]
         layer.direct_rows, layer.torch_rows, layer.max_rows = spec["direct_rows"], spec["torch_rows"], spec["max_rows"]
+        layer.bf16_gemm = gemm_in_bf16()
         for part in ("operands", "torch_operands", "rows_from"):
             if isinstance(spec[part], list):
                 setattr(layer, part, _from_shape(spec[part], iter(tensors[f"{part}.{i}"] for i in range(len(tensors)))))
@@ -256,7 +260,7 @@ class QuantizedLinear(nn.Module):
     def _quantized(self, rows: torch.Tensor) -> torch.Tensor:
         if rows.shape[0] > self.torch_rows:
             return multiply(Kernel.TORCH, self.torch_operands, rows)
-        y = multiply(self.kernel, self.operands, rows, self.direct_rows)
+        y = multiply(self.kernel, self.operands, rows, self.direct_rows, self.bf16_gemm)
         return y if y.shape[1] == self.out_features else y[:, : self.out_features]  # a padded block's zeros
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

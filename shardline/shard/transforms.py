@@ -211,6 +211,7 @@ class FusedDecodeBlock(nn.Module):
             [_LAYOUTS[(layer.kernel, layer.bits)] for layer in linears],
             [layer.direct_rows for layer in linears],
             [layer.torch_rows for layer in linears],
+            linears[0].bf16_gemm,  # a machine's choice: the same for every layer
             attn.wqkv.bias,
             *qk_norms,
             attn.num_heads,
