@@ -54,6 +54,11 @@ struct Int4Codes {
   static __m256i pairs(__m256i w, int q) {
     return _mm256_and_si256(q == 0 ? w : _mm256_srli_epi32(w, 4 * q), _mm256_set1_epi32(0x000F000F));
   }
+#if defined(SHARDLINE_WIDE)
+  static __m512i pairs(__m512i w, int q) {
+    return _mm512_and_si512(q == 0 ? w : _mm512_srli_epi32(w, 4 * q), _mm512_set1_epi32(0x000F000F));
+  }
+#endif
 #endif
   // the word of the record's codes, and the bit in it, where output i's code for weight k of the
   // group begins (the layout above)

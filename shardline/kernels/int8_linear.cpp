@@ -38,6 +38,9 @@ struct Int8Codes {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes(rec) + 2 * l * B)));
   }
   static __m256i pairs(__m256i w, int) { return w; }
+#if defined(SHARDLINE_WIDE)
+  static __m512i pairs(__m512i w, int) { return w; }
+#endif
 #endif
   // where output i's code for weight k of the group lies among the record's codes
   static int64_t position(int64_t i, int64_t k) { return (k - k % 2) * B + 2 * i + k % 2; }

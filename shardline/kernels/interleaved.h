@@ -147,12 +147,69 @@ void dot_block(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0,
 #endif
 }
 
-// Blocks [b0, b1) in runs of NB, the last ones one at a time.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SHARDLINE_WIDE 1
+// dot_block for AVX-512: two blocks of 8 outputs in one 512-bit register (block b's in the low
+// lanes, b + 1's in the high ones), so the records serve both widths, and a block pair's 16
+// outputs are adjacent in y. Half the instructions per product of the 256-bit path, which at
+// batch rows is bound by them (one row streams the weights from memory either way).
+template <typename Codes, int NP, int R>  // NP pairs of blocks
+void dot_block_pairs(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0, int64_t K, float* y,
+                     int64_t N) {
+  const int64_t groups = K / G;
+  __m512 total[NP][R];
+  for (int p = 0; p < NP; ++p)
+    for (int r = 0; r < R; ++r) total[p][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const char* rec[2 * NP];
+    for (int b = 0; b < 2 * NP; ++b) rec[b] = record<Codes>(records, groups, b0 + b, g);
+    for (int b = 0; b < 2 * NP; ++b)  // two runs ahead, into L2, as dot_block says why
+      for (int64_t line = 0; line < RECORD<Codes>; line += 64)
+        _mm_prefetch(record<Codes>(records, groups, b0 + 4 * NP + b, g) + line, _MM_HINT_T2);
+    __m512i acc[NP][R];
+    for (int p = 0; p < NP; ++p)
+      for (int r = 0; r < R; ++r) acc[p][r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int l = 0; l < G / 2 / Codes::PAIRS; ++l) {
+      __m512i w[NP];
+      for (int p = 0; p < NP; ++p)
+        w[p] = _mm512_inserti64x4(_mm512_castsi256_si512(Codes::load(rec[2 * p], l)), Codes::load(rec[2 * p + 1], l), 1);
+#pragma GCC unroll 4
+      for (int q = 0; q < Codes::PAIRS; ++q) {
+        __m512i c[NP];
+        for (int p = 0; p < NP; ++p) c[p] = Codes::pairs(w[p], q);
+        for (int r = 0; r < R; ++r) {
+          const int32_t* pairs = reinterpret_cast<const int32_t*>(xs.q.data() + (m0 + r) * K + g * G);
+          const __m512i x = _mm512_set1_epi32(pairs[l * Codes::PAIRS + q]);
+          for (int p = 0; p < NP; ++p) acc[p][r] = dot_pairs(acc[p][r], c[p], x);
+        }
+      }
+    }
+    for (int p = 0; p < NP; ++p) {
+      const __m512 s = load_half16(scales<Codes>(rec[2 * p]), scales<Codes>(rec[2 * p + 1]));
+      const __m512 z = load_half16(los<Codes>(rec[2 * p]), los<Codes>(rec[2 * p + 1]));
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m0 + r) * groups + g;
+        total[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[p][r]), _mm512_mul_ps(s, _mm512_set1_ps(xs.d[i])), total[p][r]);
+        total[p][r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs.sum[i]), total[p][r]);
+      }
+    }
+  }
+  for (int p = 0; p < NP; ++p)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + (b0 + 2 * p) * B, total[p][r]);
+}
+#endif
+
+// Blocks [b0, b1) in runs of NB (in pairs where the CPU has AVX-512), the last ones one at a time.
 template <typename Codes, int NB, int R>
 void dot_rows(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0, int64_t b1, int64_t K, float* y,
               int64_t N) {
   int64_t b = b0;
+#if defined(SHARDLINE_WIDE)
+  for (; b + NB <= b1; b += NB) dot_block_pairs<Codes, NB / 2, R>(records, xs, m0, b, K, y, N);
+#else
   for (; b + NB <= b1; b += NB) dot_block<Codes, NB, R>(records, xs, m0, b, K, y, N);
+#endif
   for (; b < b1; ++b) dot_block<Codes, 1, R>(records, xs, m0, b, K, y, N);
 }
 
@@ -166,12 +223,17 @@ void check_records(const at::Tensor& records, int64_t K) {
 
 // x [M, K] fp32 times the weights that `records` hold -> [M, N]. A block shape per activation
 // rows left (1 to ROW_BLOCK), measured (AVX2, SmolLM2's layers): four blocks at one row, two at
-// more.
+// more; with AVX-512's 32 registers, four (two pairs) at every row count.
 template <typename Codes>
 at::Tensor multiply(const at::Tensor& records, const at::Tensor& x) {
   using DotRows = void (*)(const char*, const Int16Rows&, int64_t, int64_t, int64_t, int64_t, float*, int64_t);
-  constexpr DotRows DOT_ROWS[ROW_BLOCK + 1] = {nullptr, dot_rows<Codes, 4, 1>, dot_rows<Codes, 2, 2>,
-                                               dot_rows<Codes, 2, 3>, dot_rows<Codes, 2, 4>};
+#if defined(SHARDLINE_WIDE)
+  constexpr int NB = 4;
+#else
+  constexpr int NB = 2;
+#endif
+  constexpr DotRows DOT_ROWS[ROW_BLOCK + 1] = {nullptr, dot_rows<Codes, 4, 1>, dot_rows<Codes, NB, 2>,
+                                               dot_rows<Codes, NB, 3>, dot_rows<Codes, NB, 4>};
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, K] float32");
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = records.size(0) * B;

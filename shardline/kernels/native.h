@@ -66,6 +66,26 @@ inline __m256i dot_pairs(__m256i acc, __m256i codes, __m256i x) {
 #endif
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// The same for 16 lanes (AVX512BW's vpmaddwd; VNNI's vpdpwssd).
+inline __m512i dot_pairs(__m512i acc, __m512i codes, __m512i x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, codes, x);
+#else
+  __m512i sum = _mm512_add_epi32(acc, _mm512_madd_epi16(codes, x));
+  asm("" : "+v"(sum));
+  return sum;
+#endif
+}
+
+// 8 fp16 values at a and 8 at b as 16 fp32.
+inline __m512 load_half16(const c10::Half* a, const c10::Half* b) {
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+}
+#endif
+
 // 8 fp16 values as fp32 (F16C: every AVX2 CPU has it, and x86-64-v3 includes it).
 inline __m256 load_half8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
