@@ -319,3 +319,26 @@ def test_quantize_swaps_tagged_layers_keeps_hooks_and_feeds_a_tied_embedding(ker
     assert calls == [1]
     tokens = torch.tensor([5, 0, 127])
     torch.testing.assert_close(model.embed(tokens), table[tokens], atol=table.abs().max().item() / 100, rtol=0)
+
+
+@pytest.mark.parametrize("kernel", [Kernel.TORCH, Kernel.NATIVE])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_layer_taller_than_a_slice_is_packed_slice_by_slice_into_the_same_operands(kernel, bits, monkeypatch):
+    """Large layers are packed a slice of rows at a time (grid.rows_at_once), and the slices'
+    operands stacked. Here a slice would be 80 rows of 64 weights: torch's int4 packing for the
+    CPU interleaves blocks of 64 rows, so slices of 80 rows stacked multiplied the wrong weights
+    (an 8B's FFN down projection, whose slices were 144 rows, and SmolLM2's every layer as two int4
+    halves, answered noise)."""
+    from shardline.kernels import grid
+
+    if kernel is Kernel.NATIVE:
+        assert native.available(), "Shardline's kernels did not build (the README's setup builds them)"
+    torch.manual_seed(bits)
+    codes = torch.randint(0, 16 if bits == 4 else 255, (224, 64), dtype=torch.int32)
+    scale, lo = (torch.rand(224, 2) / 50).half().float(), (torch.randn(224, 2) / 10).half().float()
+    make = torch_operands if kernel is Kernel.TORCH else native_operands
+    whole = make(codes, scale, lo, bits)
+    monkeypatch.setattr(grid, "WEIGHTS_AT_ONCE", 80 * 64)
+    sliced = make(codes, scale, lo, bits)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(multiply(kernel, sliced, x), multiply(kernel, whole, x), rtol=0, atol=0)

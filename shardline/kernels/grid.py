@@ -18,9 +18,10 @@ WEIGHTS_AT_ONCE = 1 << 21
 
 
 def rows_at_once(k: int) -> int:
-    """Rows of K weights in a slice: a whole number of 16 rows (ours pack blocks of 8, torch's
-    int4 packing 16), at least 16."""
-    return max(16, WEIGHTS_AT_ONCE // k // 16 * 16)
+    """Rows of K weights in a slice: a whole number of 64 rows, at least 64. Ours pack blocks of 8
+    rows; torch's int4 packing for the CPU interleaves blocks of 64, so that slices of any other
+    size, packed apart and stacked, multiply wrong weights."""
+    return max(64, WEIGHTS_AT_ONCE // k // 64 * 64)
 
 
 def grid_groups(
