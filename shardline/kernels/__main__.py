@@ -1,6 +1,6 @@
 """`python -m kernels` (./setup.sh): builds Shardline's CPU kernels and measures the per-machine
 choices now, on a quiet machine, rather than at a server's first start: the kernel of 4-bit and
-8-bit layers, the kind of dense copies, and the default model's (SmolLM2's) int8 LM head's
+8-bit layers, the dtype of their GEMM path, the kind of dense copies, and the default model's (SmolLM2's) int8 LM head's
 crossover to its dense copy. SHARDLINE_CPU_ISA=avx2 does the same for the AVX2 build. The choices
 are kept per torch level (kernels/choice.py: torch_level): cap torch as the README says to measure
 what a forced run uses."""
@@ -8,7 +8,7 @@ what a forced run uses."""
 import torch
 
 from shardline.kernels import native
-from shardline.kernels.choice import dense_kind, kernel_for
+from shardline.kernels.choice import dense_kind, gemm_in_bf16, kernel_for
 from shardline.kernels.quantized import QuantizedLinear
 
 print(
@@ -19,6 +19,8 @@ print(
     kernel_for(4).value,
     "- int8 layers use",
     kernel_for(8).value,
+    "- their GEMM path",
+    "bf16" if gemm_in_bf16() else "fp32",
     "- dense copies",
     dense_kind().value,
     end="",
