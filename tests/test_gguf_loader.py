@@ -60,10 +60,10 @@ def _random_blocks(kind: str, n: int, k: int, rng) -> np.ndarray:
     """Random bytes of `kind` blocks with finite fp16 scales: any such bytes are valid blocks."""
     weights, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
     blocks = rng.integers(0, 256, size=(n, k // weights, size), dtype=np.uint8)
-    scales = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}[kind]
+    scales = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q6_K": [208]}.get(kind, [0, 2])
     for at in scales:
         d = rng.uniform(0.001, 0.02, size=blocks.shape[:2]).astype(np.float16)
-        if kind == "Q4_K":  # powers of two, so that fp16 holds their products with the 6-bit scales
+        if kind in ("Q4_K", "Q5_K"):  # powers of two, so that fp16 holds their products with the 6-bit scales
             d = (2.0 ** -rng.integers(6, 10, size=blocks.shape[:2])).astype(np.float16)
         blocks[..., at : at + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
     if kind == "Q8_0":
@@ -132,18 +132,23 @@ def write_gguf(
     return path
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
-def test_blocks_become_the_groups_the_gguf_package_dequantizes_them_to(kind):
+ONE_SCALE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # the gguf package quantizes to these itself
+
+
+@pytest.mark.parametrize(
+    "kind, written_by", [(k, "gguf") for k in ONE_SCALE] + [(k, "random") for k in [*ONE_SCALE, "Q4_K", "Q5_K"]]
+)
+def test_blocks_become_the_groups_the_gguf_package_dequantizes_them_to(kind, written_by):
     rng = np.random.default_rng(1)
     k = 512
-    if kind in ("Q4_0", "Q4_1", "Q8_0"):  # the gguf package writes these itself
+    if written_by == "gguf":
         raw = quantize(rng.standard_normal((16, k)).astype(np.float32) * 0.1, GGMLQuantizationType[kind])
     else:
         raw = _random_blocks(kind, 16, k, rng)
     codes, scale, lo = groups_of(kind, raw)
     want = dequantize(raw, GGMLQuantizationType[kind]).reshape(16, k)
     assert torch.equal(grid_weights(codes.double(), scale.double(), lo.double()), torch.from_numpy(want).double())
-    assert codes.min() >= 0 and codes.max() <= (15 if kind != "Q8_0" else 254)
+    assert codes.min() >= 0 and codes.max() <= {"Q4": 15, "Q5": 31, "Q8": 254}[kind[:2]]
 
 
 def _served(layer) -> torch.Tensor:

@@ -7,10 +7,13 @@ straight from a tensor's bytes: no fp32 weights, and no grid to recover.
   lo -dmin * m_j (exact in fp32; the records' fp16 rounds them where the product needs more
   than 11 bits);
 - Q8_0: d * q, q in -127..127 (llama.cpp's quantizer never writes -128): scale d, lo -127d,
-  8-bit codes q + 127.
+  8-bit codes q + 127;
+- Q5_0, Q5_1, Q5_K: as Q4_0, Q4_1 and Q4_K with a fifth bit per code (codes 0..31, so served by
+  the 8-bit kernel: exactly, where a 4-bit grid cannot hold them).
 
 Other types have no such grid of their own here: their rows are dequantized (the `gguf`
-package) for a grid to be found (`grid_groups`), a slice of rows at a time.
+package) for a grid to be found (`grid_groups`), a slice of rows at a time. Q6_K is one: its
+scales are per 16 weights, two to a group of 32.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ import numpy as np
 import torch
 
 GROUP = 32
-BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8}
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q8_0": 34}
-BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q8_0": 32}
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q5_K": 176}
+BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q8_0": 32, "Q5_0": 32, "Q5_1": 32, "Q5_K": 256}
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -32,6 +35,13 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     """[..., 16] bytes -> [..., 32] codes: the low nibbles are weights 0-15, the high 16-31."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0 and Q5_1's 4 bytes of high bits [..., 4] -> [..., 32] values 0 or 16: bit j of the
+    little-endian word is weight j's."""
+    bits = np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")
+    return bits.astype(np.uint8) << 4
 
 
 def groups_of(kind: str, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -47,12 +57,21 @@ def groups_of(kind: str, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, 
     elif kind == "Q8_0":
         d = _f16(b[..., 0:2])
         codes, scale, lo = b[..., 2:34].view(np.int8).astype(np.int16) + 127, d, -127 * d
-    elif kind == "Q4_K":
+    elif kind == "Q5_0":
+        d = _f16(b[..., 0:2])
+        codes, scale, lo = _nibbles(b[..., 6:22]) | _fifth_bits(b[..., 2:6]), d, -16 * d
+    elif kind == "Q5_1":
+        codes, scale, lo = _nibbles(b[..., 8:24]) | _fifth_bits(b[..., 4:8]), _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    elif kind in ("Q4_K", "Q5_K"):
         d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
         sc, m = _k4_scales(b[..., 4:16])  # [N, blocks, 8] each
         # 128 bytes = 4 chunks of 32: a chunk's low nibbles are sub-block 2c, its high ones 2c + 1
-        qs = b[..., 16:144].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
-        codes, scale, lo = (qs & 0x0F).reshape(n, -1, 8, 32), d * sc, -(dmin * m)
+        low = b[..., -128:].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        codes = (low & 0x0F).reshape(n, -1, 8, 32)
+        if kind == "Q5_K":  # 32 bytes of high bits: bit j of byte l is sub-block j's weight l
+            high = b[..., 16:48, None] >> np.arange(8, dtype=np.uint8)  # [N, blocks, 32 (l), 8 (j)]
+            codes = codes | ((high & 1) << 4).swapaxes(-1, -2)
+        scale, lo = d * sc, -(dmin * m)
     else:
         raise ValueError(f"{kind} blocks have no grid of their own here")
     return (
