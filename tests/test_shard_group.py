@@ -25,6 +25,9 @@ class _SlowShard:
     async def answers(self, timeout: float) -> bool:
         return True
 
+    async def warmup(self, num_pages: int, max_batch: int):
+        return shard_pb2.WarmupResponse(prefill_ms_per_token=self.seconds * 1e3 / 20)  # a 20-token step's time
+
 
 STEP_S = 0.05 * HUNG_AFTER_TIMEOUTS + 0.3  # past HUNG_AFTER_TIMEOUTS timeouts of 0.05 s
 
@@ -51,3 +54,18 @@ def test_a_step_of_many_tokens_gets_the_time_the_measured_rate_says_it_needs():
     assert result.compute_ms > 0
     # what it measured raises the rate for later steps
     assert rate == pytest.approx(STEP_S * 1e3 / 64)
+
+
+def test_the_warmups_prefill_rate_gives_a_first_long_step_its_time():
+    """Before any step was measured, the warmup's prefill rate is the one to go by: a first request
+    of a long prompt (SmolLM2's 4,096 tokens with prompt logprobs on a busy machine ran past the
+    three timeouts) is not judged a hang."""
+
+    async def run():
+        group = ShardGroup(["unix:/unused"], step_timeout_s=0.05)
+        group.shards = [_SlowShard(STEP_S)]
+        await group.warmup(num_pages=4, max_batch=1)
+        plan = shard_pb2.StepPlan(step_id=1, seqs=[shard_pb2.SequenceStep(token_ids=list(range(64)))])
+        return await group.receive(plan)
+
+    assert asyncio.run(run()).compute_ms > 0

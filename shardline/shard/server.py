@@ -131,7 +131,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             log.exception("allocating the KV pool failed")
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"allocating {request.num_pages} pages failed: {e!r}")
         try:
-            self.work.call(self._warm_up, request.max_batch)
+            prefill_ms_per_token = self.work.call(self._warm_up, request.max_batch)
         except Exception as e:  # inside the forward pass, as a failed step: the state is unknown
             log.exception("warmup failed")
             self._leave_group_soon("the warmup failed")
@@ -141,14 +141,16 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             decode_graph_buckets=sorted(graphs.buckets) if graphs else [],
             capture_s=graphs.capture_s if graphs else 0.0,
             kv_pool_bytes=self.runner.kv.bytes,
+            prefill_ms_per_token=prefill_ms_per_token,
         )
 
-    def _warm_up(self, max_batch: int) -> None:
+    def _warm_up(self, max_batch: int) -> float:
         """The decode graphs when asked for, then one prefill and one decode, so first-request
-        latency does not pay for lazy init."""
+        latency does not pay for lazy init. Returns the prefill's ms per token."""
         if self.decode_graphs:
             self.runner.capture_decode_graphs(max_batch)
         seq = dict(seq_id=0, emit=True)
+        t0 = time.perf_counter()
         self.runner.step(
             shard_pb2.StepPlan(
                 seqs=[
@@ -163,9 +165,11 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 ]
             )
         )
+        prefill_ms = (time.perf_counter() - t0) * 1e3
         self.runner.step(shard_pb2.StepPlan(seqs=[shard_pb2.SequenceStep(**seq, token_ids=[1], start_pos=2)]))
         self.runner.table.release_all()
         trim_heap()
+        return prefill_ms / 2
 
     def Steps(self, request_iterator, context):
         self._refuse_if_leaving(context)

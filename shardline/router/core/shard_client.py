@@ -5,8 +5,10 @@ step with an error, or when a step has run for `step_timeout_s` and the shard th
 answer a health check within `probe_timeout_s` (a hung or SIGSTOPped process). A step that runs
 long on shards that still answer may be a long prefill, and is left to finish, up to
 HUNG_AFTER_TIMEOUTS step timeouts, or longer for a step of many tokens where the steps measured
-so far say it needs more (SLOW_STEP_MARGIN times its tokens at the slowest rate yet: a Llama-3.1-8B
-shape's prefill of 16 prompts runs past a minute on two cores): past that its compute hangs (a
+so far say it needs more (SLOW_STEP_MARGIN times its tokens at the slowest rate yet, the
+warmup's prefill included, so that a first request's long prompt has a rate to go by: a
+Llama-3.1-8B shape's prefill of 16 prompts runs past a minute on two cores, SmolLM2's 4,096-token
+prompt with prompt logprobs past one on a busy machine): past that its compute hangs (a
 deadlock that leaves the gRPC threads alive), and the shard fails all the same.
 """
 
@@ -165,6 +167,7 @@ class ShardGroup:
         answers = await asyncio.gather(*(s.warmup(num_pages, max_batch) for s in self.shards), return_exceptions=True)
         failed = [a for a in answers if isinstance(a, BaseException)]
         if not failed:
+            self.ms_per_token = max(self.ms_per_token, *(a.prefill_ms_per_token for a in answers))
             return list(answers)
         await self.close_streams(abandon=False)
         e = failed[0]
