@@ -36,7 +36,9 @@ from shardline.kernels.linear import onednn_linear
 from shardline.kernels.operands import Kernel, multiply, native_operands, torch_operands
 
 MAX_PROBE_ROWS = 64  # `crossover` measures up to this many rows; quantized still faster there: always
+PREFILL_PROBE_ROWS = 512  # as far as a kernel's GEMM path is probed: a prefill chunk's rows
 ALWAYS = 1 << 30  # a crossover that is never reached
+MEASURED_BY = 2  # how the choices are measured: a change here starts new files of them
 
 
 class DenseKind(enum.Enum):
@@ -54,6 +56,19 @@ def median_ms(fn: Callable[[torch.Tensor], object], x: torch.Tensor, runs: int =
     return statistics.median(times) * 1e3
 
 
+def fastest_ms(fn: Callable[[torch.Tensor], object], x: torch.Tensor, runs: int = 5) -> float:
+    """The fastest of `runs` timed calls after a warm-up, for the choices: a busy machine (a first
+    start converts the tokenizer beside the shard that measures) only ever adds time, and its
+    medians chose torch's kernel for a 2048x2048 layer at one row, or a GEMM path there."""
+    fn(x)
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
+
+
 def torch_level() -> str:
     """The instruction sets torch's own kernels run at: its ATen capability and the caps on MKL
     and oneDNN (README: forcing an AVX-512 host to compute as an AVX2 one). Choices between our
@@ -66,7 +81,7 @@ def machine_choice(name: str, measure: Callable[[], str]) -> str:
     """`measure()`'s answer, measured once per machine (and torch level) by the first process
     that asks, and read back by every process after it. Where the cache folder is read-only,
     each process keeps its own measurement."""
-    path = native.build_folder() / f"{name}-torch-{torch_level()}.txt"
+    path = native.build_folder() / f"{name}-torch-{torch_level()}-m{MEASURED_BY}.txt"
     if path.is_file():
         return path.read_text().strip()
     answer = measure()
@@ -88,8 +103,8 @@ def dense_kind() -> DenseKind:
         with torch.inference_mode():
             w, x = torch.randn(49152, 576), torch.randn(16, 576)
             w_bf16, w_onednn = w.bfloat16(), w.to_mkldnn()  # converted once: only the multiplies are timed
-            bf16 = median_ms(lambda r: F.linear(r.bfloat16(), w_bf16), x, runs=11)
-            fp32 = median_ms(lambda r: onednn_linear(r, w_onednn), x, runs=11)
+            bf16 = fastest_ms(lambda r: F.linear(r.bfloat16(), w_bf16), x, runs=11)
+            fp32 = fastest_ms(lambda r: onednn_linear(r, w_onednn), x, runs=11)
         return (DenseKind.ONEDNN if fp32 < 0.9 * bf16 else DenseKind.BF16).value
 
     return DenseKind(machine_choice("dense-kind", measure))
@@ -116,7 +131,8 @@ def kernel_for(bits: int) -> Kernel:
         with torch.inference_mode():
             x = torch.randn(1, k)
             times = {
-                kernel: median_ms(functools.partial(multiply, kernel, held), x, runs=21) for kernel, held in ops.items()
+                kernel: fastest_ms(functools.partial(multiply, kernel, held), x, runs=21)
+                for kernel, held in ops.items()
             }
         return (Kernel.TORCH if times[Kernel.TORCH] < 0.9 * times[Kernel.NATIVE] else Kernel.NATIVE).value
 
@@ -143,7 +159,7 @@ def gemm_in_bf16() -> bool:
         with torch.inference_mode():
             x = torch.randn(128, k)
             times = {
-                bf16: median_ms(functools.partial(multiply, Kernel.NATIVE, held, direct_rows=0, bf16_gemm=bf16), x, 5)
+                bf16: fastest_ms(functools.partial(multiply, Kernel.NATIVE, held, direct_rows=0, bf16_gemm=bf16), x)
                 for bf16 in (False, True)
             }
         return str(times[False] > GEMM_MARGIN * times[True])
@@ -151,21 +167,33 @@ def gemm_in_bf16() -> bool:
     return machine_choice("gemm-bf16", measure) == "True"
 
 
-def crossover(name: str, quantized: Callable, dense: Callable, in_features: int, margin: float = 1.0) -> int:
-    """The most rows a step may have for `quantized` to be used rather than `dense`: the row
-    count (of 1, 2, 4, ..., MAX_PROBE_ROWS) below the first at which `dense` measured faster
-    (by `margin`: 1.1 asks it to be 10% faster, where `quantized` computes more exactly and a
-    near-tie should not flip with the noise of timing). Per machine and `name` (a layer's bits,
-    shape, kernels and thread count)."""
+def crossover(
+    name: str,
+    quantized: Callable,
+    dense: Callable,
+    in_features: int,
+    margin: float = 1.0,
+    max_rows: int = MAX_PROBE_ROWS,
+) -> int:
+    """The most rows a step may have for `quantized` to be used rather than `dense`: of 1, 2, 4,
+    ..., `max_rows`, the last row count before `dense` measured faster at two in a row (or at
+    `max_rows`), by `margin` (1.1 asks it to be 10% faster, where `quantized` computes more
+    exactly and a near-tie should not flip with the noise of timing). A single probe that timing
+    noise hands to `dense` does not settle it. Per machine and `name` (a layer's bits, shape,
+    kernels and thread count)."""
 
     def measure() -> str:
-        best, rows = 0, 1
+        best, rows, dense_won = 0, 1, 0
         with torch.inference_mode():
-            while rows <= MAX_PROBE_ROWS:
+            while rows <= max_rows:
                 x = torch.randn(rows, in_features)
-                if median_ms(quantized, x) > margin * median_ms(dense, x):
-                    break
-                best, rows = rows, rows * 2
-        return str(best if best < MAX_PROBE_ROWS else ALWAYS)
+                if fastest_ms(quantized, x) > margin * fastest_ms(dense, x):
+                    dense_won += 1
+                    if dense_won == 2:
+                        break
+                else:
+                    best, dense_won = rows, 0
+                rows *= 2
+        return str(best if best < max_rows else ALWAYS)
 
     return int(machine_choice(f"crossover-{name}", measure))

@@ -22,7 +22,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardline.kernels import native
-from shardline.kernels.choice import ALWAYS, DenseKind, crossover, dense_kind, gemm_in_bf16, kernel_for
+from shardline.kernels.choice import (
+    ALWAYS,
+    PREFILL_PROBE_ROWS,
+    DenseKind,
+    crossover,
+    dense_kind,
+    gemm_in_bf16,
+    kernel_for,
+)
 from shardline.kernels.grid import grid_groups, grid_weights, rows_at_once
 from shardline.kernels.linear import onednn_linear
 from shardline.kernels.operands import (
@@ -165,6 +173,7 @@ class QuantizedLinear(nn.Module):
                 self._quantized,
                 lambda rows: multiply(self.kernel, self.operands, rows, direct_rows=0, bf16_gemm=self.bf16_gemm),
                 self.in_features,
+                max_rows=PREFILL_PROBE_ROWS,  # the direct path's time grows with the rows, the GEMM's unpacking not
             )
         if self.kernel is Kernel.NATIVE and bits == 4:
             # Where the CPU computes bf16 natively, torch's int4 kernel may beat ours at batch rows:
