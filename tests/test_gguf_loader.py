@@ -153,12 +153,12 @@ def test_blocks_become_the_groups_the_gguf_package_dequantizes_them_to(kind, wri
 
 def _served(layer) -> torch.Tensor:
     """The weights a layer holds, [N, K]: its answers to the unit rows through its quantized
-    kernel (which of the dense copy or torch's kernel would serve a step of this many rows is
-    measured per machine and shape; their bf16 rounds)."""
+    kernel straight from the codes (which of the dense copy, torch's kernel or the GEMM path would
+    serve a step of this many rows is measured per machine and shape; their bf16 rounds)."""
     eye = torch.eye(layer.in_features)
     with torch.inference_mode():
-        if isinstance(layer, QuantizedLinear):  # its own kernel at any rows: no dense copy, no torch's
-            layer.max_rows = layer.torch_rows = 1 << 30
+        if isinstance(layer, QuantizedLinear):  # its own direct kernel at any rows
+            layer.max_rows = layer.torch_rows = layer.direct_rows = 1 << 30
             out = layer(eye)
         else:
             out = eye @ layer.weight.float().t()
