@@ -20,7 +20,8 @@ from shardline.shard.weights import build_model, unpermute_rope
 
 HIDDEN, INTER, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 320
 # (layer, part) -> type: every path the loader takes (int4 from 4-bit blocks, int8 from Q8_0,
-# a fused layer of mixed types in int8, Q6_K rounded to int8, a dense F16 layer)
+# a fused layer of mixed types in int8 with its Q6_K part rounded to it, Q6_K's own 6 bits, a
+# dense F16 layer)
 TYPES = {
     (0, "attn_q"): "Q4_K", (0, "attn_k"): "Q4_K", (0, "attn_v"): "Q6_K", (0, "attn_output"): "Q4_0",
     (0, "ffn_gate"): "Q4_1", (0, "ffn_up"): "Q4_1", (0, "ffn_down"): "Q8_0",
@@ -151,6 +152,21 @@ def test_blocks_become_the_groups_the_gguf_package_dequantizes_them_to(kind, wri
     assert codes.min() >= 0 and codes.max() <= {"Q4": 15, "Q5": 31, "Q8": 254}[kind[:2]]
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_blocks_packed_at_once_are_the_weights_the_gguf_package_dequantizes_them_to(kind):
+    """Q4_K and Q6_K blocks straight into the 4- and 6-bit kernels' records (no groups between),
+    17 rows padded to 24 with zero weights: their rows are the file's weights, to the bit."""
+    from shardline.kernels import native
+
+    assert native.available(), "Shardline's kernels did not build (the README's setup builds them)"
+    raw = _random_blocks(kind, 17, 512, np.random.default_rng(2))
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).reshape(17, 512))
+    made = getattr(native.ops(), kind.lower() + "_pack")(torch.from_numpy(raw))
+    records, exact = made if kind == "Q4_K" else (made, 1.0)
+    rows = native.ops().record_rows(records, torch.arange(24))
+    assert torch.equal(rows[:17], want) and not rows[17:].any() and exact == 1.0
+
+
 def _served(layer) -> torch.Tensor:
     """The weights a layer holds, [N, K]: its answers to the unit rows through its quantized
     kernel straight from the codes (which of the dense copy, torch's kernel or the GEMM path would
@@ -177,11 +193,11 @@ def _reference(path, name: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(w))
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, kind: str) -> bool:
+def _close(got: torch.Tensor, want: torch.Tensor, rounded: bool = False) -> bool:
     """Equal up to what the served width rounds: nothing where the type is served at its own
     width (the kernels compute in fp32; the Q4_K blocks here have scales whose products fp16
-    holds, which the records keep in), a Q6_K value rounded to an 8-bit grid."""
-    tol = (1 / 254 if kind == "Q6_K" else 1e-5) * want.abs().max().item()
+    holds, which the records keep in), or `rounded`: a Q6_K value rounded to an 8-bit grid."""
+    tol = (1 / 254 if rounded else 1e-5) * want.abs().max().item()
     return (got - want).abs().max().item() <= tol
 
 
@@ -203,26 +219,26 @@ def test_each_layer_serves_the_weights_its_blocks_hold(untied):
             served = _served(block.get_submodule(module))
             want = torch.cat([_reference(untied, f"blk.{i}.{n}.weight") for n in names])
             kinds = {TYPES[i, n] for n in names}
-            worst = "Q6_K" if "Q6_K" in kinds else kinds.pop()
-            assert _close(served, want, worst), (i, module)
-    assert _close(_served(model.lm_head), _reference(untied, "output.weight"), "Q6_K")
+            assert _close(served, want, rounded="Q6_K" in kinds and len(kinds) > 1), (i, module)
+    assert _close(_served(model.lm_head), _reference(untied, "output.weight"))
     tokens = torch.tensor([0, 7, VOCAB - 1])
-    assert _close(model.embed(tokens), _reference(untied, "token_embd.weight")[tokens], "Q4_K")
-    # and the shard can say how it holds each (its startup log, Info)
+    assert _close(model.embed(tokens), _reference(untied, "token_embd.weight")[tokens])
+    # and the shard can say how it holds each (its startup log, Info: the last layer's)
     formats = weight_formats(model)
-    assert (
-        formats["embed"] == "int8 g32 rows" and formats["w2"].startswith("int8") and formats["w13"].startswith("int4")
-    )
+    assert formats["embed"] == "int8 g32 rows" and formats["w13"].startswith("int4")
+    assert formats["w2"].startswith("int6") and formats["lm_head"].startswith("int6 g32 (100% of groups exact)")
 
 
-@pytest.mark.parametrize("embed", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("embed", ["Q8_0", "Q4_K", "Q6_K"])
 def test_a_tied_model_serves_its_lm_head_from_the_embeddings_blocks(tmp_path, embed):
     path = write_gguf(tmp_path / "tied.gguf", tied=True, embed=embed)
     model = GgufLoader(resolve_model(str(path)), Layout(), torch.float32, dense_copy=False).load()
     want = _reference(path, "token_embd.weight")
-    assert _close(_served(model.lm_head), want, embed)
+    assert _close(_served(model.lm_head), want)
     tokens = torch.tensor([3, VOCAB - 2])
-    assert _close(model.embed(tokens), want[tokens], embed)
+    assert _close(model.embed(tokens), want[tokens])
+    if embed != "Q4_K":  # an 8- or 6-bit head's records serve the lookups too
+        assert model.embed.table is model.lm_head
 
 
 def test_the_native_model_computes_what_the_dequantized_one_does(untied):

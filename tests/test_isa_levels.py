@@ -21,13 +21,16 @@ assert native.available(), "the kernels did not build"
 assert native.isa_flag() in native.flags(), native.flags()
 print(native.isa_flag(), native.build_folder())
 torch.manual_seed(0)
-for bits, levels in ((4, 16), (8, 255)):
+for bits, levels in ((4, 16), (6, 64), (8, 255)):
     codes = torch.randint(0, levels, (72, 288), dtype=torch.int32)
     # the records hold scales and los in fp16 (as GGUF's blocks do): values it holds exactly
     scale, lo = (torch.rand(72, 9) / 50).half().float(), (torch.randn(72, 9) / 10).half().float()
     if bits == 8:  # symmetric, as Q8_0's blocks: zero on the grid
         lo = -128 * scale
     weights = lo.repeat_interleave(32, 1) + scale.repeat_interleave(32, 1) * codes
+    if bits == 6:  # Q6_K's: an int8 scale per 16 weights (in scale's place), d per group (in lo's)
+        scale, lo = torch.randint(-128, 128, (72, 18), dtype=torch.int8), (torch.rand(72, 9) / 5000).half().float()
+        weights = lo.repeat_interleave(32, 1) * scale.float().repeat_interleave(16, 1) * (codes - 32)
     held = native_operands(codes, scale, lo, bits)
     for rows in (1, 2, 3, 5, 17):
         x = torch.randn(rows, 288)

@@ -154,12 +154,15 @@ def test_the_kernels_reject_records_of_another_width_or_shape(bits):
             linear(x, held)
 
 
-@pytest.mark.parametrize("kernel,bits", [("torch", 4), ("torch", 8), ("native", 4), ("native+torch", 4), ("native", 8)])
+@pytest.mark.parametrize(
+    "kernel,bits", [("torch", 4), ("torch", 8), ("native", 4), ("native+torch", 4), ("native", 8), ("native", 6)]
+)
 def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_machine_choices):
     """Qwen3-like blocks (q/k norms, a qkv bias): the fused layer's output and K/V writes equal the
     block's own, for every kernel and width a layer may be loaded with; prefill and batches above
     the layers' dense-copy crossover run the block itself."""
     from shardline.kernels.operands import Kernel
+    from shardline.kernels.quantized import QuantizedLinear
     from shardline.shard.config import ModelConfig
     from shardline.shard.kv_cache import KVPages
     from shardline.shard.model import Transformer
@@ -174,6 +177,7 @@ def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_
             "int4-torch": 1 if kernel == "native+torch" else 1 << 30,
             "int4-direct": 1 << 30,
             "int8-direct": 1 << 30,
+            "int6-direct": 1 << 30,
         }
 
         def crossover(name, *args, **kw):
@@ -203,8 +207,16 @@ def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_
     for p in model.parameters():
         p.data = torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0)
     for block in model.layers:
-        for layer in (block.attn.wqkv, block.attn.wo, block.mlp.w13, block.mlp.w2):
+        for name in ("attn.wqkv", "attn.wo", "mlp.w13", "mlp.w2"):
+            layer = block.get_submodule(name)
             layer.quant_bits = bits
+            if bits == 6:  # Q6_K's blocks, as a GGUF holds them (kernels/gguf_groups.py, q6_k_of)
+                n, k = layer.weight.shape
+                codes, sc = torch.randint(0, 64, (n, k), dtype=torch.uint8), torch.randint(-60, 60, (n, k // 16))
+                d = (torch.rand(n, k // 32) / 500).half().float()
+                held = QuantizedLinear.from_groups(codes, sc.to(torch.int8), d, 6, layer.bias)
+                parent, _, attr = name.rpartition(".")
+                setattr(block.get_submodule(parent), attr, held)
     quantize(model)
     use_native_ops(model)  # as prepare does before fusing
     blocks = list(model.layers)

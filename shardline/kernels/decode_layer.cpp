@@ -11,6 +11,7 @@
 //      `direct_rows`, through the GEMM above (in bf16 where the machine chose `bf16_gemm`)
 //   3: Shardline's int4 kernel             the same; with [.., packed, scales_zeros] of torch's int4
 //      kernel as well, that kernel above the layer's `torch_rows`
+//   4: Shardline's int6 kernel             [records], as 2
 
 #include "decode_layer.h"
 
@@ -34,6 +35,8 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind, int64_t d
       if (w.size() == 3 && x.size(0) > torch_rows)
         return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w[1], 32, w[2]).to(at::kFloat);
       return shardline::int4_linear(x, w[0], direct_rows, bf16_gemm);
+    case 4:
+      return shardline::int6_linear(x, w[0], direct_rows, bf16_gemm);
   }
   TORCH_CHECK(false, "unknown linear kind ", kind);
 }

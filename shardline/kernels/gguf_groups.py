@@ -11,9 +11,11 @@ straight from a tensor's bytes: no fp32 weights, and no grid to recover.
 - Q5_0, Q5_1, Q5_K: as Q4_0, Q4_1 and Q4_K with a fifth bit per code (codes 0..31, so served by
   the 8-bit kernel: exactly, where a 4-bit grid cannot hold them).
 
-Other types have no such grid of their own here: their rows are dequantized (the `gguf`
-package) for a grid to be found (`grid_groups`), a slice of rows at a time. Q6_K is one: its
-scales are per 16 weights, two to a group of 32.
+Q6_K has no such grid (its scales are per 16 weights, two to a group of 32): the 6-bit kernel
+holds its blocks as they are (kernels/int6_linear.cpp, `q6_k_pack`), exactly too; Q4_K's the
+4-bit kernel packs at once (`q4_k_pack`) where a layer is all Q4_K (shard/gguf_loader.py).
+Other types' rows are dequantized (the `gguf` package) for a grid to be found (`grid_groups`), a
+slice of rows at a time.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 GROUP = 32
 BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8}
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q5_K": 176}
-BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q8_0": 32, "Q5_0": 32, "Q5_1": 32, "Q5_K": 256}
+BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q8_0": 32, "Q5_0": 32, "Q5_1": 32, "Q5_K": 256, "Q6_K": 256}
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:

@@ -31,6 +31,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -42,8 +43,7 @@ using shardline::interleaved::G;
 constexpr int64_t WORDS = 4 * B;          // int32 words of a record's codes: 4 loads of 8 lanes
 
 // A record's codes, as the shared direct path reads them (interleaved.h).
-struct Int4Codes {
-  static constexpr int64_t CODE_BYTES = WORDS * 4;
+struct Int4Codes : shardline::interleaved::GroupScales<WORDS * 4> {
   static const uint32_t* words(const char* rec) { return reinterpret_cast<const uint32_t*>(rec); }
 
 #if defined(__AVX2__)
@@ -110,6 +110,21 @@ Int16Rows int16_rows(const float* x, int64_t M, int64_t K) {
 }
 
 
+namespace {
+
+// A record's codes, code(i, k) being output i's for weight k of the group.
+template <typename Code>
+void write_codes(char* rec, Code code) {
+  uint32_t* dst = reinterpret_cast<uint32_t*>(rec);
+  std::fill(dst, dst + WORDS, 0u);
+  for (int64_t i = 0; i < B; ++i)
+    for (int64_t k = 0; k < G; ++k) dst[Int4Codes::word(i, k)] |= (code(i, k) & 0xFu) << Int4Codes::shift(k);
+}
+
+float half_at(const uint8_t* p) { return static_cast<float>(c10::Half(static_cast<uint16_t>(p[0] | p[1] << 8), c10::Half::from_bits())); }
+
+}  // namespace
+
 at::Tensor int4_pack(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& lo) {
   TORCH_CHECK(codes.dim() == 2 && codes.size(1) % G == 0 && codes.size(0) % B == 0,
               "codes must be [N, K] with N a multiple of ", B, " and K of ", G);
@@ -117,16 +132,73 @@ at::Tensor int4_pack(const at::Tensor& codes, const at::Tensor& scale, const at:
   const int64_t K = c.size(1);
   const int32_t* src = c.const_data_ptr<int32_t>();
   return interleaved::pack<Int4Codes>(scale, lo, c.size(0), K, [&](char* rec, int64_t b, int64_t g) {
-    uint32_t* dst = reinterpret_cast<uint32_t*>(rec);
-    std::fill(dst, dst + WORDS, 0u);
-    for (int64_t i = 0; i < B; ++i)
-      for (int64_t k = 0; k < G; ++k)
-        dst[Int4Codes::word(i, k)] |= static_cast<uint32_t>(src[(b * B + i) * K + g * G + k] & 0xF) << Int4Codes::shift(k);
+    write_codes(rec, [&](int64_t i, int64_t k) { return static_cast<uint32_t>(src[(b * B + i) * K + g * G + k]); });
   });
+}
+
+// GGUF's Q4_K blocks, 144 bytes per 256 weights: fp16 d and dmin, 12 bytes of 6-bit scales and
+// mins (kernels/gguf_groups.py says how they are packed), and 128 bytes of codes, whose 32-byte
+// chunk c holds sub-block 2c in its low nibbles and 2c + 1 in its high ones. Sub-block j is a
+// group on a grid: scale d * sc_j, lo -dmin * m_j, rounded to fp16 by the records.
+std::tuple<at::Tensor, double> q4_k_pack(const at::Tensor& blocks) {
+  constexpr int64_t BLOCK = 144;
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.size(1) % BLOCK == 0,
+              "Q4_K blocks must be [N, K/256 * 144] uint8");
+  const at::Tensor raw = blocks.contiguous();
+  const int64_t N = raw.size(0), row_bytes = raw.size(1), K = row_bytes / BLOCK * 256;
+  const uint8_t* src = raw.const_data_ptr<uint8_t>();
+  std::atomic<int64_t> held{0};  // groups whose scale and lo fp16 holds
+  at::Tensor records = interleaved::pack<Int4Codes>(raw.options(), (N + B - 1) / B * B, K, [&](char* rec, int64_t b, int64_t g) {
+    c10::Half* f = reinterpret_cast<c10::Half*>(rec + Int4Codes::CODE_BYTES);
+    const uint8_t* qs[B] = {};
+    int shift = 4 * (g % 8 % 2), exact = 0;
+    for (int64_t i = 0; i < B; ++i) {
+      f[i] = f[B + i] = 0.f;
+      if (b * B + i >= N) continue;  // a padded block's rows: zero weights
+      const uint8_t* block = src + (b * B + i) * row_bytes + g / 8 * BLOCK;
+      const uint8_t* s = block + 4;
+      const int j = g % 8;
+      const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30);
+      const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+      const float scale = half_at(block) * sc, lo = -(half_at(block + 2) * m);
+      f[i] = scale, f[B + i] = lo;
+      exact += static_cast<float>(f[i]) == scale && static_cast<float>(f[B + i]) == lo;
+      qs[i] = block + 16 + 32 * (j / 2);
+    }
+    held += exact;
+    write_codes(rec, [&](int64_t i, int64_t k) { return qs[i] ? static_cast<uint32_t>(qs[i][k] >> shift) : 0u; });
+  });
+  return {records, N ? static_cast<double>(held.load()) / static_cast<double>(N * (K / G)) : 1.0};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_groups(const at::Tensor& records) {
+  interleaved::check_records<Int4Codes>(records, records.size(1) * G);
+  const int64_t N = records.size(0) * B, groups = records.size(1), K = groups * G;
+  at::Tensor codes = at::empty({N, K}, records.options()), scale = at::empty({N, groups}, records.options().dtype(at::kFloat));
+  at::Tensor lo = at::empty({N, groups}, scale.options());
+  const char* base = reinterpret_cast<const char*>(records.const_data_ptr<uint8_t>());
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  float *sp = scale.data_ptr<float>(), *lp = lo.data_ptr<float>();
+  at::parallel_for(0, N / B, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t g = 0; g < groups; ++g) {
+        const char* rec = interleaved::record<Int4Codes>(base, groups, b, g);
+        for (int64_t i = 0; i < B; ++i) {
+          const int64_t row = b * B + i;
+          for (int64_t k = 0; k < G; ++k) cp[row * K + g * G + k] = static_cast<uint8_t>(Int4Codes::at(rec, i, k));
+          sp[row * groups + g] = Int4Codes::scale_at(rec, i, 0), lp[row * groups + g] = Int4Codes::lo_at(rec, i);
+        }
+      }
+  });
+  return {codes, scale, lo};
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& records, int64_t max_direct_rows, bool bf16_gemm) {
   return interleaved::linear<Int4Codes>(x, records, max_direct_rows, bf16_gemm);
+}
+
+at::Tensor int4_rows(const at::Tensor& records, const at::Tensor& tokens) {
+  return interleaved::weight_rows<Int4Codes>(records, tokens);
 }
 
 }  // namespace shardline

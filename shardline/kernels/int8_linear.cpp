@@ -28,8 +28,7 @@ using shardline::interleaved::G;
 
 // A record's codes, as the shared direct path reads them (interleaved.h): per pair of weights,
 // 16 bytes, output i's two codes at 2i and 2i + 1.
-struct Int8Codes {
-  static constexpr int64_t CODE_BYTES = G * B;
+struct Int8Codes : shardline::interleaved::GroupScales<G * B> {
   static const int8_t* codes(const char* rec) { return reinterpret_cast<const int8_t*>(rec); }
 
 #if defined(__AVX2__)
@@ -66,6 +65,10 @@ at::Tensor int8_pack(const at::Tensor& codes, const at::Tensor& scale, const at:
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& records, int64_t max_direct_rows, bool bf16_gemm) {
   return interleaved::linear<Int8Codes>(x, records, max_direct_rows, bf16_gemm);
+}
+
+at::Tensor int8_rows(const at::Tensor& records, const at::Tensor& tokens) {
+  return interleaved::weight_rows<Int8Codes>(records, tokens);
 }
 
 }  // namespace shardline

@@ -15,13 +15,18 @@
 // (kernels/choice.py, `gemm_in_bf16`), in bf16 with the activations rounded to bf16 as well.
 // CPUs that compute bf16 natively (AMX, AVX-512-bf16) multiply it several times faster than fp32.
 //
-// Only how a record's codes are held differs, and a `Codes` type says it (AVX2 first):
+// Only how a record's codes and scales are held differs, and a `Codes` type says it (AVX2 first):
 //   PAIRS:          pairs of weights per load (a group's 16 pairs take 16 / PAIRS loads);
-//   CODE_BYTES:     bytes of a record's codes;
-//   load(r, l):     load l of record r's codes;
+//   CODE_BYTES, SCALE_BYTES: bytes of a record's codes, and of the scales after them;
+//   Word, load(r, l): load l of record r's codes; join(a, b): two records' loads side by side
+//                   in a 512-bit Wide (AVX-512: block b's outputs low, b + 1's high);
 //   pairs(w, q):    from a load, per lane i, the int16 pair of codes of the block's output i for
 //                   the group's weights 2p and 2p + 1, p = l * PAIRS + q;
-//   at(r, i, k):    output i's code for weight k of the group (the scalar path).
+//   at(r, i, k):    output i's code for weight k of the group (the scalar paths);
+//   HALVES:         scales per group and output: 1, or 2 (one per 16 weights: Q6_K's);
+//   scale8(r, h), scale_at(r, i, h): the 8 outputs' scales of half h, or output i's;
+//   LO, lo8(r), lo_at(r, i): whether the group has a lo (w = lo + scale * code), and it.
+// `GroupScales` is the 4- and 8-bit kernels': one fp16 scale and lo per output and group.
 #pragma once
 
 #include "native.h"
@@ -39,43 +44,77 @@ namespace shardline::interleaved {
 constexpr int64_t G = 32;         // weights per group (one scale, one lo)
 constexpr int64_t B = 8;          // outputs per block, across the lanes
 constexpr int64_t ROW_BLOCK = 4;  // activation rows multiplied against one block's codes
-constexpr int64_t SCALE_BYTES = 2 * B * sizeof(c10::Half);  // a record's 8 scales and 8 los
 
 template <typename Codes>
-constexpr int64_t RECORD = Codes::CODE_BYTES + SCALE_BYTES;
+constexpr int64_t RECORD = Codes::CODE_BYTES + Codes::SCALE_BYTES;
 
-// Record (b, g) of a layer of `groups` groups, and its scales and los.
+// Record (b, g) of a layer of `groups` groups.
 template <typename Codes>
 inline const char* record(const char* records, int64_t groups, int64_t b, int64_t g) {
   return records + (b * groups + g) * RECORD<Codes>;
 }
-template <typename Codes>
-inline const c10::Half* scales(const char* rec) { return reinterpret_cast<const c10::Half*>(rec + Codes::CODE_BYTES); }
-template <typename Codes>
-inline const c10::Half* los(const char* rec) { return scales<Codes>(rec) + B; }
 
-// A layer's records [N/8, K/32, RECORD] uint8: `pack_codes(record, b, g)` writes block b's codes
-// of group g into the record, and its scales and los [N, K/32], rounded to fp16, follow them.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SHARDLINE_WIDE 1
+// Two blocks' 8 lanes side by side in one 512-bit register.
+inline __m512i join(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+inline __m512 join(__m256 a, __m256 b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
+}
+#endif
+
+// A record's scales as the 4- and 8-bit kernels hold them, after its CodeBytes of codes: the 8
+// outputs' fp16 scales, then their fp16 los, one grid per output and group.
+template <int64_t CodeBytes>
+struct GroupScales {
+  static constexpr int64_t CODE_BYTES = CodeBytes;
+  static constexpr int64_t SCALE_BYTES = 2 * B * sizeof(c10::Half);
+  static constexpr int HALVES = 1;
+  static constexpr bool LO = true;
+  static const c10::Half* scales(const char* rec) { return reinterpret_cast<const c10::Half*>(rec + CODE_BYTES); }
+  static const c10::Half* los(const char* rec) { return scales(rec) + B; }
+  static float scale_at(const char* rec, int64_t i, int) { return static_cast<float>(scales(rec)[i]); }
+  static float lo_at(const char* rec, int64_t i) { return static_cast<float>(los(rec)[i]); }
+#if defined(__AVX2__)
+  using Word = __m256i;
+  static __m256 scale8(const char* rec, int) { return load_half8(scales(rec)); }
+  static __m256 lo8(const char* rec) { return load_half8(los(rec)); }
+#if defined(SHARDLINE_WIDE)
+  using Wide = __m512i;
+  static __m512i join(__m256i a, __m256i b) { return interleaved::join(a, b); }
+#endif
+#endif
+};
+
+// A layer's records [N/8, K/32, RECORD] uint8: `pack_record(record, b, g)` writes block b's
+// codes and scales of group g into the record.
+template <typename Codes, typename PackRecord>
+at::Tensor pack(const at::TensorOptions& options, int64_t N, int64_t K, PackRecord pack_record) {
+  const int64_t groups = K / G;
+  at::Tensor out = at::empty({N / B, groups, RECORD<Codes>}, options.dtype(at::kByte));
+  char* base = reinterpret_cast<char*>(out.data_ptr<uint8_t>());
+  at::parallel_for(0, N / B, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t g = 0; g < groups; ++g) pack_record(base + (b * groups + g) * RECORD<Codes>, b, g);
+  });
+  return out;
+}
+
+// The same for `GroupScales` records: `pack_codes(record, b, g)` writes the codes, and the
+// scales and los [N, K/32], rounded to fp16, follow them.
 template <typename Codes, typename PackCodes>
 at::Tensor pack(const at::Tensor& scale, const at::Tensor& lo, int64_t N, int64_t K, PackCodes pack_codes) {
   TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.size(1) == K / G && lo.sizes() == scale.sizes(),
               "scale and lo must be [N, K/32]");
   const at::Tensor s = scale.to(at::kHalf).contiguous(), z = lo.to(at::kHalf).contiguous();
   const int64_t groups = K / G;
-  at::Tensor out = at::empty({N / B, groups, RECORD<Codes>}, scale.options().dtype(at::kByte));
-  char* base = reinterpret_cast<char*>(out.data_ptr<uint8_t>());
   const c10::Half* sp = s.const_data_ptr<c10::Half>();
   const c10::Half* zp = z.const_data_ptr<c10::Half>();
-  at::parallel_for(0, N / B, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t g = 0; g < groups; ++g) {
-        char* rec = base + (b * groups + g) * RECORD<Codes>;
-        pack_codes(rec, b, g);
-        c10::Half* f = reinterpret_cast<c10::Half*>(rec + Codes::CODE_BYTES);
-        for (int64_t i = 0; i < B; ++i) f[i] = sp[(b * B + i) * groups + g], f[B + i] = zp[(b * B + i) * groups + g];
-      }
+  return pack<Codes>(scale.options(), N, K, [&](char* rec, int64_t b, int64_t g) {
+    pack_codes(rec, b, g);
+    c10::Half* f = reinterpret_cast<c10::Half*>(rec + Codes::CODE_BYTES);
+    for (int64_t i = 0; i < B; ++i) f[i] = sp[(b * B + i) * groups + g], f[B + i] = zp[(b * B + i) * groups + g];
   });
-  return out;
 }
 
 // y[m, 8b + i] for the R activation rows from m0 and the NB blocks of 8 outputs from b0
@@ -98,33 +137,40 @@ void dot_block(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0,
     for (int b = 0; b < NB; ++b)
       for (int64_t line = 0; line < RECORD<Codes>; line += 64)
         _mm_prefetch(record<Codes>(records, groups, b0 + 2 * NB + b, g) + line, _MM_HINT_T2);
-    __m256i acc[NB][R];
-    for (int b = 0; b < NB; ++b)
-      for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_si256();
+    constexpr int LOADS = G / 2 / Codes::PAIRS;
+    for (int h = 0; h < Codes::HALVES; ++h) {
+      __m256i acc[NB][R];
+      for (int b = 0; b < NB; ++b)
+        for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_si256();
 #pragma GCC unroll 4  // 4-bit: the whole group; 8-bit: 4 of its 16 loads (unrolled whole it ran 1.4x slower on AVX2)
-    for (int l = 0; l < G / 2 / Codes::PAIRS; ++l) {
-      __m256i w[NB];
-      for (int b = 0; b < NB; ++b) w[b] = Codes::load(rec[b], l);
+      for (int l = h * LOADS / Codes::HALVES; l < (h + 1) * LOADS / Codes::HALVES; ++l) {
+        typename Codes::Word w[NB];
+        for (int b = 0; b < NB; ++b) w[b] = Codes::load(rec[b], l);
 #pragma GCC unroll 4
-      for (int q = 0; q < Codes::PAIRS; ++q) {
-        __m256i c[NB];
-        for (int b = 0; b < NB; ++b) c[b] = Codes::pairs(w[b], q);
+        for (int q = 0; q < Codes::PAIRS; ++q) {
+          __m256i c[NB];
+          for (int b = 0; b < NB; ++b) c[b] = Codes::pairs(w[b], q);
+          for (int r = 0; r < R; ++r) {
+            const int32_t* pairs = reinterpret_cast<const int32_t*>(xs.q.data() + (m0 + r) * K + g * G);
+            const __m256i x = _mm256_set1_epi32(pairs[l * Codes::PAIRS + q]);
+            for (int b = 0; b < NB; ++b) acc[b][r] = dot_pairs(acc[b][r], c[b], x);
+          }
+        }
+      }
+      for (int b = 0; b < NB; ++b) {  // the sums scaled: 8 outputs at once
+        const __m256 s = Codes::scale8(rec[b], h);
         for (int r = 0; r < R; ++r) {
-          const int32_t* pairs = reinterpret_cast<const int32_t*>(xs.q.data() + (m0 + r) * K + g * G);
-          const __m256i x = _mm256_set1_epi32(pairs[l * Codes::PAIRS + q]);
-          for (int b = 0; b < NB; ++b) acc[b][r] = dot_pairs(acc[b][r], c[b], x);
+          const float d = xs.d[(m0 + r) * groups + g];
+          total[b][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[b][r]), _mm256_mul_ps(s, _mm256_set1_ps(d)), total[b][r]);
         }
       }
     }
-    for (int b = 0; b < NB; ++b) {  // the group's sums scaled, and its lo term: 8 outputs at once
-      const __m256 s = load_half8(scales<Codes>(rec[b]));
-      const __m256 z = load_half8(los<Codes>(rec[b]));
-      for (int r = 0; r < R; ++r) {
-        const int64_t i = (m0 + r) * groups + g;
-        total[b][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[b][r]), _mm256_mul_ps(s, _mm256_set1_ps(xs.d[i])), total[b][r]);
-        total[b][r] = _mm256_fmadd_ps(z, _mm256_set1_ps(xs.sum[i]), total[b][r]);
+    if constexpr (Codes::LO)
+      for (int b = 0; b < NB; ++b) {  // the group's lo term
+        const __m256 z = Codes::lo8(rec[b]);
+        for (int r = 0; r < R; ++r)
+          total[b][r] = _mm256_fmadd_ps(z, _mm256_set1_ps(xs.sum[(m0 + r) * groups + g]), total[b][r]);
       }
-    }
   }
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N + (b0 + b) * B, total[b][r]);
@@ -136,19 +182,21 @@ void dot_block(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0,
         float acc = 0.f;
         for (int64_t g = 0; g < groups; ++g) {
           const char* rec = record<Codes>(records, groups, b0 + b, g);
-          int32_t dot = 0;
-          for (int64_t k = 0; k < G; ++k) dot += Codes::at(rec, i, k) * xq[g * G + k];
           const int64_t row = (m0 + r) * groups + g;
-          acc += static_cast<float>(dot) * static_cast<float>(scales<Codes>(rec)[i]) * xs.d[row] +
-                 static_cast<float>(los<Codes>(rec)[i]) * xs.sum[row];
+          for (int h = 0; h < Codes::HALVES; ++h) {
+            int32_t dot = 0;
+            for (int64_t k = h * G / Codes::HALVES; k < (h + 1) * G / Codes::HALVES; ++k)
+              dot += Codes::at(rec, i, k) * xq[g * G + k];
+            acc += static_cast<float>(dot) * Codes::scale_at(rec, i, h) * xs.d[row];
+          }
+          if constexpr (Codes::LO) acc += Codes::lo_at(rec, i) * xs.sum[row];
         }
         y[(m0 + r) * N + (b0 + b) * B + i] = acc;
       }
 #endif
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define SHARDLINE_WIDE 1
+#if defined(SHARDLINE_WIDE)
 // dot_block for AVX-512: two blocks of 8 outputs in one 512-bit register (block b's in the low
 // lanes, b + 1's in the high ones), so the records serve both widths, and a block pair's 16
 // outputs are adjacent in y. Half the instructions per product of the 256-bit path, which at
@@ -166,34 +214,40 @@ void dot_block_pairs(const char* records, const Int16Rows& xs, int64_t m0, int64
     for (int b = 0; b < 2 * NP; ++b)  // two runs ahead, into L2, as dot_block says why
       for (int64_t line = 0; line < RECORD<Codes>; line += 64)
         _mm_prefetch(record<Codes>(records, groups, b0 + 4 * NP + b, g) + line, _MM_HINT_T2);
-    __m512i acc[NP][R];
-    for (int p = 0; p < NP; ++p)
-      for (int r = 0; r < R; ++r) acc[p][r] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-    for (int l = 0; l < G / 2 / Codes::PAIRS; ++l) {
-      __m512i w[NP];
+    constexpr int LOADS = G / 2 / Codes::PAIRS;
+    for (int h = 0; h < Codes::HALVES; ++h) {
+      __m512i acc[NP][R];
       for (int p = 0; p < NP; ++p)
-        w[p] = _mm512_inserti64x4(_mm512_castsi256_si512(Codes::load(rec[2 * p], l)), Codes::load(rec[2 * p + 1], l), 1);
+        for (int r = 0; r < R; ++r) acc[p][r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
-      for (int q = 0; q < Codes::PAIRS; ++q) {
-        __m512i c[NP];
-        for (int p = 0; p < NP; ++p) c[p] = Codes::pairs(w[p], q);
+      for (int l = h * LOADS / Codes::HALVES; l < (h + 1) * LOADS / Codes::HALVES; ++l) {
+        typename Codes::Wide w[NP];
+        for (int p = 0; p < NP; ++p) w[p] = Codes::join(Codes::load(rec[2 * p], l), Codes::load(rec[2 * p + 1], l));
+#pragma GCC unroll 4
+        for (int q = 0; q < Codes::PAIRS; ++q) {
+          __m512i c[NP];
+          for (int p = 0; p < NP; ++p) c[p] = Codes::pairs(w[p], q);
+          for (int r = 0; r < R; ++r) {
+            const int32_t* pairs = reinterpret_cast<const int32_t*>(xs.q.data() + (m0 + r) * K + g * G);
+            const __m512i x = _mm512_set1_epi32(pairs[l * Codes::PAIRS + q]);
+            for (int p = 0; p < NP; ++p) acc[p][r] = dot_pairs(acc[p][r], c[p], x);
+          }
+        }
+      }
+      for (int p = 0; p < NP; ++p) {
+        const __m512 s = join(Codes::scale8(rec[2 * p], h), Codes::scale8(rec[2 * p + 1], h));
         for (int r = 0; r < R; ++r) {
-          const int32_t* pairs = reinterpret_cast<const int32_t*>(xs.q.data() + (m0 + r) * K + g * G);
-          const __m512i x = _mm512_set1_epi32(pairs[l * Codes::PAIRS + q]);
-          for (int p = 0; p < NP; ++p) acc[p][r] = dot_pairs(acc[p][r], c[p], x);
+          const float d = xs.d[(m0 + r) * groups + g];
+          total[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[p][r]), _mm512_mul_ps(s, _mm512_set1_ps(d)), total[p][r]);
         }
       }
     }
-    for (int p = 0; p < NP; ++p) {
-      const __m512 s = load_half16(scales<Codes>(rec[2 * p]), scales<Codes>(rec[2 * p + 1]));
-      const __m512 z = load_half16(los<Codes>(rec[2 * p]), los<Codes>(rec[2 * p + 1]));
-      for (int r = 0; r < R; ++r) {
-        const int64_t i = (m0 + r) * groups + g;
-        total[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[p][r]), _mm512_mul_ps(s, _mm512_set1_ps(xs.d[i])), total[p][r]);
-        total[p][r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs.sum[i]), total[p][r]);
+    if constexpr (Codes::LO)
+      for (int p = 0; p < NP; ++p) {
+        const __m512 z = join(Codes::lo8(rec[2 * p]), Codes::lo8(rec[2 * p + 1]));
+        for (int r = 0; r < R; ++r)
+          total[p][r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs.sum[(m0 + r) * groups + g]), total[p][r]);
       }
-    }
   }
   for (int p = 0; p < NP; ++p)
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + (b0 + 2 * p) * B, total[p][r]);
@@ -277,9 +331,11 @@ void dequantize(const char* records, int64_t K, int64_t b0, int64_t b1, T* wt, i
         const char* rec = record<Codes>(records, groups, b, g);
         T* out = wt + g * G * ld + (b - b0) * B;
 #if defined(__AVX2__)
-        const __m256 s = load_half8(scales<Codes>(rec)), z = load_half8(los<Codes>(rec));
-        for (int l = 0; l < G / 2 / Codes::PAIRS; ++l) {
-          const __m256i w = Codes::load(rec, l);
+        constexpr int LOADS = G / 2 / Codes::PAIRS;
+        const __m256 z = Codes::LO ? Codes::lo8(rec) : _mm256_setzero_ps();
+        for (int l = 0; l < LOADS; ++l) {
+          const typename Codes::Word w = Codes::load(rec, l);
+          const __m256 s = Codes::scale8(rec, l * Codes::HALVES / LOADS);
 #pragma GCC unroll 4
           for (int q = 0; q < Codes::PAIRS; ++q) {  // per lane, the int16 codes of weights 2p and 2p + 1
             const __m256i c = Codes::pairs(w, q);
@@ -290,10 +346,10 @@ void dequantize(const char* records, int64_t K, int64_t b0, int64_t b1, T* wt, i
           }
         }
 #else
-        const c10::Half *scale = scales<Codes>(rec), *lo = los<Codes>(rec);
         for (int64_t k = 0; k < G; ++k)
           for (int64_t i = 0; i < B; ++i)
-            out[k * ld + i] = static_cast<float>(lo[i]) + static_cast<float>(scale[i]) * static_cast<float>(Codes::at(rec, i, k));
+            out[k * ld + i] = (Codes::LO ? Codes::lo_at(rec, i) : 0.f) +
+                              Codes::scale_at(rec, i, k * Codes::HALVES / G) * static_cast<float>(Codes::at(rec, i, k));
 #endif
       }
   });
@@ -329,6 +385,32 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& records, int64_t max_di
   if (x.size(0) <= max_direct_rows) return multiply<Codes>(records, x);
   check_records<Codes>(records, x.size(1));
   return through_gemm<Codes>(x.contiguous(), records, bf16_gemm);
+}
+
+// The weight rows `tokens` [T] of the layer that `records` hold, fp32 [T, K] (a tied embedding's
+// lookups): each token's block's records, and in them its lane.
+template <typename Codes>
+at::Tensor weight_rows(const at::Tensor& records, const at::Tensor& tokens) {
+  TORCH_CHECK(records.scalar_type() == at::kByte && records.dim() == 3 && records.is_contiguous() &&
+              records.size(2) == RECORD<Codes>, "the weights must be packed records [N/8, K/32, ", RECORD<Codes>, "]");
+  const at::Tensor t = tokens.to(at::kLong).contiguous();
+  const int64_t T = t.numel(), groups = records.size(1), N = records.size(0) * B;
+  const int64_t* tp = t.const_data_ptr<int64_t>();
+  for (int64_t j = 0; j < T; ++j) TORCH_CHECK(tp[j] >= 0 && tp[j] < N, "row ", tp[j], " is not one of ", N);
+  const char* base = reinterpret_cast<const char*>(records.const_data_ptr<uint8_t>());
+  at::Tensor out = at::empty({T, groups * G}, records.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j)
+      for (int64_t g = 0; g < groups; ++g) {
+        const char* rec = record<Codes>(base, groups, tp[j] / B, g);
+        const int64_t i = tp[j] % B;
+        for (int64_t k = 0; k < G; ++k)
+          op[j * groups * G + g * G + k] = (Codes::LO ? Codes::lo_at(rec, i) : 0.f) +
+                                           Codes::scale_at(rec, i, k * Codes::HALVES / G) * static_cast<float>(Codes::at(rec, i, k));
+      }
+  });
+  return out;
 }
 
 }  // namespace shardline::interleaved

@@ -6,7 +6,8 @@ takes:
 - `Kernel.NATIVE`: Shardline's own, fp16 scales beside the codes, 8 outputs across the vector
   lanes, activations rounded to int16 per group of 32 and integer dot products:
   kernels/int8_linear.cpp for 8 bits, kernels/int4_linear.cpp for 4 (codes unpacked in
-  registers; many rows through a GEMM on slices dequantized on the fly).
+  registers; many rows through a GEMM on slices dequantized on the fly), and
+  kernels/int6_linear.cpp for GGUF's Q6_K blocks (6 bits, no torch kernel to compare).
 """
 
 from __future__ import annotations
@@ -51,31 +52,35 @@ def torch_operands(codes, scale, lo, bits: int) -> list:
 
 
 # A native layer's records (kernels/interleaved.h): per block of LANES outputs and group, the
-# codes (4 or 8 bits each), then LANES fp16 scales and LANES fp16 los.
+# codes (4, 6 or 8 bits each), then their scales: LANES fp16 scales and LANES fp16 los (4 and 8
+# bits), or 2 x LANES int8 scales and LANES fp16 d (6 bits, kernels/int6_linear.cpp). Records of
+# a size are one kernel's.
 LANES = 8
-CODE_BYTES = {bits: GROUP * LANES * bits // 8 for bits in (4, 8)}
-SCALE_BYTES = 2 * LANES * 2
-INT4_RECORD = CODE_BYTES[4] + SCALE_BYTES
+RECORD_BYTES = {4: GROUP * LANES // 2 + 4 * LANES, 6: GROUP * LANES * 6 // 8 + 4 * LANES, 8: GROUP * LANES + 4 * LANES}
+LINEAR = {RECORD_BYTES[bits]: f"int{bits}_linear" for bits in RECORD_BYTES}
 
 
 def native_operands(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int, count_down: bool = True):
     """The operands of Shardline's kernels: one record per block of 8 outputs and group of 32
     weights, the block's codes interleaved beside its scales and los, both rounded to fp16 (4 bits:
-    `int4_pack`; 8 bits, 0..254: shifted to int8, the shift folded into lo, `int8_pack`). N is
-    padded with zero weights to whole blocks; the kernels return those outputs too (zeros), and
-    `QuantizedLinear` drops them. Codes of any integer dtype (uint8 holds them in a quarter)."""
+    `int4_pack`; 8 bits, 0..254: shifted to int8, the shift folded into lo, `int8_pack`). 6 bits:
+    Q6_K's codes 0..63, and in place of scale and lo its int8 scales [N, K/16] and d [N, K/32]
+    (`int6_pack`: w = d * sc * (code - 32), exactly). N is padded with zero weights to whole
+    blocks; the kernels return those outputs too (zeros), and `QuantizedLinear` drops them. Codes
+    of any integer dtype (uint8 holds them in a quarter)."""
     n, k = codes.shape
     if n > (step := rows_at_once(k)):  # the temporaries are several copies of the codes
-        records = torch.empty((-(-n // LANES), k // GROUP, CODE_BYTES[bits] + SCALE_BYTES), dtype=torch.uint8)
+        records = torch.empty((-(-n // LANES), k // GROUP, RECORD_BYTES[bits]), dtype=torch.uint8)
         for i in range(0, n, step):  # whole blocks of 8 rows a slice, but for the last one's padding
             part = native_operands(*(t[i : i + step] for t in (codes, scale, lo)), bits, count_down)[0]
             records[i // LANES : i // LANES + len(part)] = part
         return (records,)
-    codes = codes.to(torch.int32)
     pad = -codes.shape[0] % LANES
     if pad:
         codes, scale, lo = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale, lo))
-    scale, lo = scale.float(), lo.float()
+    if bits == 6:
+        return (native.ops().int6_pack(codes, scale, lo),)
+    codes, scale, lo = codes.to(torch.int32), scale.float(), lo.float()
     if bits == 4:
         if count_down:
             codes, scale, lo = _counted_down_where_fp16_holds_it(codes, scale, lo, 16)
@@ -133,16 +138,10 @@ def _int8_grid(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> tu
     return (codes - shift.repeat_interleave(GROUP, 1)).to(torch.int8), folded
 
 
-def native_rows(held, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The weights' rows `tokens` of an 8-bit layer's native operands, as (codes [T, K], scale
-    and lo [T, K/32]) for `grid_weights` (a tied embedding's lookup): each token's block's records,
-    and in them its lane."""
-    records = held[0].index_select(0, tokens // LANES)  # [T, groups, record]
-    lane, t, groups, code_bytes = tokens % LANES, torch.arange(len(tokens)), records.shape[1], CODE_BYTES[8]
-    # per pair of weights, each lane's two codes side by side
-    codes = records[:, :, :code_bytes].view(torch.int8).view(len(tokens), groups, GROUP // 2, LANES, 2)[t, :, :, lane]
-    scales = records[:, :, code_bytes:].contiguous().view(torch.float16).float()  # [T, groups, 2 * LANES]
-    return codes.reshape(len(tokens), -1), scales[t, :, lane], scales[t, :, LANES + lane]
+def native_rows(held, tokens: torch.Tensor) -> torch.Tensor:
+    """The weights' rows `tokens` of a layer's native operands, fp32 [T, K] (a tied embedding's
+    lookups)."""
+    return native.ops().record_rows(held[0], tokens)
 
 
 def operands(kernel: Kernel, codes, scale, lo, bits: int, count_down: bool = True):
@@ -159,7 +158,7 @@ def multiply(
     slices it dequantizes (in bf16 where `bf16_gemm`: kernels/choice.py, `gemm_in_bf16`)."""
     if kernel is Kernel.NATIVE:
         records = operands[0]
-        linear = native.ops().int4_linear if records.shape[-1] == INT4_RECORD else native.ops().int8_linear
+        linear = getattr(native.ops(), LINEAR[records.shape[-1]])
         return linear(rows.float(), records, direct_rows, bf16_gemm)
     rows = rows.bfloat16()
     out = [torch._weight_int4pack_mm_for_cpu(rows, packed, GROUP, scales_zeros) for packed, scales_zeros in operands]

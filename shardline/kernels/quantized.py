@@ -31,7 +31,7 @@ from shardline.kernels.choice import (
     gemm_in_bf16,
     kernel_for,
 )
-from shardline.kernels.grid import grid_groups, grid_weights, rows_at_once
+from shardline.kernels.grid import GROUP, grid_groups, grid_weights, rows_at_once
 from shardline.kernels.linear import onednn_linear
 from shardline.kernels.operands import (
     Kernel,
@@ -85,17 +85,17 @@ def _clone(nested):
 
 
 class DenseCopy(nn.Module):
-    """A quantized layer's weights, dense, for steps of many rows (see `dense_kind`), made from its
-    groups a slice of rows at a time (no fp32 copy of a large layer beside a bf16 one)."""
+    """A quantized layer's weights, dense, for steps of many rows (see `dense_kind`), made a slice
+    of rows at a time (no fp32 copy of a large layer beside a bf16 one): `weights(rows)`, fp32."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor):
+    def __init__(self, shape: tuple[int, int], weights):
         super().__init__()
         self.kind = dense_kind()
-        dense = torch.empty(codes.shape, dtype=torch.bfloat16 if self.kind is DenseKind.BF16 else torch.float32)
-        step = rows_at_once(codes.shape[1])
-        for i in range(0, len(codes), step):
-            rows = slice(i, i + step)
-            dense[rows] = grid_weights(codes[rows].float(), scale[rows].float(), lo[rows].float())
+        dense = torch.empty(shape, dtype=torch.bfloat16 if self.kind is DenseKind.BF16 else torch.float32)
+        step = rows_at_once(shape[1])
+        for i in range(0, shape[0], step):
+            rows = slice(i, min(shape[0], i + step))
+            dense[rows] = weights(rows)
         self.register_buffer("weight", dense if self.kind is DenseKind.BF16 else dense.to_mkldnn(), persistent=False)
 
     @classmethod
@@ -125,7 +125,8 @@ class QuantizedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, bits: int, dense_copy: bool = False, keep_rows: bool = False):
         codes, scale, lo, exact = grid_groups(linear.weight.detach(), 16 if bits == 4 else 255)
-        self._init(codes, scale, lo, bits, linear.bias, exact, dense_copy, keep_rows, count_down=True)
+        groups = lambda: (codes, scale, lo)  # noqa: E731
+        self._init(codes.shape, groups, bits, linear.bias, exact, dense_copy, keep_rows, count_down=True)
         self._forward_hooks = linear._forward_hooks
 
     @classmethod
@@ -141,25 +142,53 @@ class QuantizedLinear(nn.Module):
         keep_rows: bool = False,
     ) -> QuantizedLinear:
         """A layer of weights already in groups (`codes` [N, K] in 0..15 or 0..254, `scale` and
-        `lo` [N, K/32]): a GGUF's blocks, read straight into them (kernels/gguf_groups.py).
+        `lo` [N, K/32]): a GGUF's blocks, read straight into them (kernels/gguf_groups.py). Or,
+        `bits` 6, Q6_K's: codes 0..63, its int8 scales [N, K/16] in place of `scale` and its d per
+        group in place of `lo` (Shardline's kernel only).
         `exact`: the share of groups the records' fp16 holds exactly. A block's grid starts where the
         file's does (Q4_0's -8d and Q4_1's m are fp16 numbers already; of Q4_K's -dmin * m, no value
         of its grid is one in 99% of groups), so no origin that fp16 holds is looked for: at 7 ns a
         weight, that search took the 8B shape's load 50 s for nothing."""
         layer = cls.__new__(cls)
-        layer._init(codes, scale, lo, bits, bias, exact, dense_copy, keep_rows, count_down=False)
+        layer._init(codes.shape, lambda: (codes, scale, lo), bits, bias, exact, dense_copy, keep_rows, count_down=False)
         return layer
 
-    def _init(self, codes, scale, lo, bits, bias, exact, dense_copy, keep_rows, count_down: bool) -> None:
+    @classmethod
+    def from_records(
+        cls,
+        records: torch.Tensor,
+        bits: int,
+        n: int,
+        bias: torch.Tensor | None = None,
+        exact: float = 1.0,
+        dense_copy: bool = False,
+        keep_rows: bool = False,
+    ) -> QuantizedLinear:
+        """A layer of `n` outputs whose native records (4 or 6 bits) were made straight from a GGUF's
+        blocks (`q4_k_pack`, `q6_k_pack`): its groups are unpacked from them only if torch's kernel
+        needs them."""
+        layer = cls.__new__(cls)
+        groups = functools.cache(lambda: tuple(t[:n] for t in native.ops().int4_groups(records)))
+        shape = (n, records.shape[1] * GROUP)
+        layer._init(shape, groups, bits, bias, exact, dense_copy, keep_rows, count_down=False, records=records)
+        return layer
+
+    def _init(self, shape, groups, bits, bias, exact, dense_copy, keep_rows, count_down: bool, records=None) -> None:
+        """`groups()`: the layer's (codes, scale, lo), made when needed; `records`: its native
+        operands, where made already."""
         nn.Module.__init__(self)
         self.bits, self.exact = bits, exact
-        self.out_features, self.in_features = codes.shape
-        self.kernel = kernel_for(bits)
-        self.operands, self.torch_operands = operands(self.kernel, codes, scale, lo, bits, count_down), None
+        self.out_features, self.in_features = shape
+        self.kernel = Kernel.NATIVE if bits == 6 else kernel_for(bits)
+        if records is not None and self.kernel is Kernel.NATIVE:
+            self.operands = (records,)
+        else:
+            self.operands = operands(self.kernel, *groups(), bits, count_down)
+        self.torch_operands = None
         if keep_rows:  # rows as the kept kernel's operands hold them, or the codes as well
-            self.rows_from = self.operands if self.kernel is Kernel.NATIVE else (codes.to(torch.uint8), scale, lo)
+            self.rows_from = self.operands if self.kernel is Kernel.NATIVE else self._codes(groups)
         self._hold()
-        self.dense = DenseCopy(codes, scale, lo) if dense_copy else None
+        self.dense = DenseCopy(shape, self._weights(groups)) if dense_copy else None
         if bias is None:
             self.bias = None
         else:  # a buffer, so that the shard's weight bytes count it
@@ -178,7 +207,7 @@ class QuantizedLinear(nn.Module):
         if self.kernel is Kernel.NATIVE and bits == 4:
             # Where the CPU computes bf16 natively, torch's int4 kernel may beat ours at batch rows:
             # kept for those only where it measured faster (measured cold, never with the AVX2 build).
-            held = functools.cache(lambda: torch_operands(codes, scale, lo, bits))  # built only if needed
+            held = functools.cache(lambda: torch_operands(*groups(), bits))  # built only if needed
             ours, theirs = _cold(lambda: self.operands), _cold(held)
             self.torch_rows = crossover(
                 f"int4-torch-{shape}",
@@ -206,6 +235,19 @@ class QuantizedLinear(nn.Module):
         )
         if self.max_rows >= ALWAYS:  # a copy that never measured faster is memory for nothing
             self.dense = None
+
+    @staticmethod
+    def _codes(groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        codes, scale, lo = groups()
+        return codes.to(torch.uint8), scale, lo
+
+    def _weights(self, groups):
+        """fp32 rows of the layer's weights, by a slice of rows: read back from the records, or
+        from the groups for torch's kernel."""
+        if self.kernel is Kernel.NATIVE:
+            return lambda rows: native_rows(self.operands, torch.arange(rows.start, rows.stop))
+        codes, scale, lo = groups()
+        return lambda rows: grid_weights(codes[rows].float(), scale[rows].float(), lo[rows].float())
 
     def _hold(self) -> None:
         """Every tensor kept as a buffer too, so that the shard's weight bytes (Info) count them."""
@@ -280,16 +322,16 @@ class QuantizedLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The weights' rows `tokens`, fp32 (needs keep_rows; 8-bit codes only)."""
+        """The weights' rows `tokens`, fp32 (needs keep_rows)."""
         if self.kernel is Kernel.NATIVE:
-            codes, scale, lo = native_rows(self.rows_from, tokens)
-        else:
-            codes, scale, lo = (t.index_select(0, tokens) for t in self.rows_from)
+            return native_rows(self.rows_from, tokens)
+        codes, scale, lo = (t.index_select(0, tokens) for t in self.rows_from)
         return grid_weights(codes.float(), scale.float(), lo.float())
 
 
-class Int8Embedding(nn.Module):
-    """An embedding that reads its rows from an 8-bit `QuantizedLinear`'s codes (a tied LM head's)."""
+class TiedEmbedding(nn.Module):
+    """An embedding that reads its rows from a `QuantizedLinear` kept with `keep_rows` (a tied LM
+    head's codes: 8 bits, or Q6_K's 6 on Shardline's kernel)."""
 
     def __init__(self, table: QuantizedLinear, dtype: torch.dtype):
         super().__init__()
@@ -326,7 +368,6 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if native.available():
-            codes, scale, lo = native_rows(self.held, tokens)
-        else:
-            codes, scale, lo = (t.index_select(0, tokens) for t in self.held)
+            return native_rows(self.held, tokens).to(self.dtype)
+        codes, scale, lo = (t.index_select(0, tokens) for t in self.held)
         return grid_weights(codes.float(), scale.float(), lo.float()).to(self.dtype)

@@ -34,7 +34,9 @@ SERVED = ("llama", "qwen2", "qwen3")  # architectures (HF model_type, GGUF gener
 FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}  # GGUF types whose blocks int4 holds exactly
 FLOAT = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-INT4_BYTES, INT8_BYTES = 160 / 256, 288 / 256  # a record per 8 outputs x 32 inputs, fp16 scales and los
+# a record per 8 outputs x 32 inputs (kernels/operands.py), per weight
+RECORD_BYTES = {4: 160 / 256, 6: 224 / 256, 8: 288 / 256}
+INT4_BYTES = RECORD_BYTES[4]
 PREFILL_PIECE_BYTES = 128 << 20  # shard/runner.py's bound on a prefill piece's MLP activations
 WEIGHTS_AT_ONCE = 1 << 21  # weights of a slice the GGUF loader (and the operand packing) takes at once
 STREAM_COPIES = 8  # fp32-sized copies of such a slice the loader's steps hold at their peak
@@ -163,7 +165,7 @@ def _bits(kinds: set[str], layer: str, weights: str, quantize: str) -> int | Non
         return 8 if quantize == "int8" or layer == "output" else 4
     if weights != "native" or kinds <= FLOAT.keys():
         return None
-    return 4 if kinds <= FOUR_BIT else 8
+    return 4 if kinds <= FOUR_BIT else 6 if kinds == {"Q6_K"} else 8
 
 
 def _held(params: int, bits: int | None, dtype: str, dense_copy: bool = False) -> float:
@@ -173,7 +175,7 @@ def _held(params: int, bits: int | None, dtype: str, dense_copy: bool = False) -
     dense = DTYPE_BYTES[dtype] * params
     if bits is None:
         return dense
-    return (INT4_BYTES if bits == 4 else INT8_BYTES) * params + (dense if dense_copy else 0)
+    return RECORD_BYTES[bits] * params + (dense if dense_copy else 0)
 
 
 def shard_footprint(
@@ -215,8 +217,8 @@ def shard_footprint(
             tied, bits = "output.weight" not in by_name, _bits({t.kind}, "output", weights, quantize)
             if samples and tied:
                 held += _held(t.params, bits, dtype)
-            # A tied LM head that is dense is the embedding; one in int8 serves its lookups too.
-            if first and not (samples and tied and bits in (None, 8)):
+            # A tied LM head that is dense is the embedding; one in int8 or Q6_K serves its lookups too.
+            if first and not (samples and tied and bits in (None, 6, 8)):
                 held += t.params * DTYPE_BYTES[dtype]
         elif t.name == "output.weight" and samples:
             held += _held(t.params, _bits({t.kind}, "output", weights, quantize), dtype)

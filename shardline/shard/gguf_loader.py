@@ -4,8 +4,9 @@ the file's tensors (memory-mapped), so no fp32 copy of the model exists at any t
 shard's pipeline stage is read, and of its layers only this TP rank's rows and columns.
 
 How each linear layer is held is `mark_quantized`'s rule (shard/transforms.py): layers whose
-tensors are all 4-bit blocks (Q4_0, Q4_1, Q4_K) as int4 groups, any other quantized ones as int8,
-float ones dense in the serving dtype. A tensor's 4-bit or Q8_0 blocks become groups directly
+tensors are all 4-bit blocks (Q4_0, Q4_1, Q4_K) as int4 groups, all Q6_K as Q6_K's own blocks on
+the 6-bit kernel (where Shardline's kernels are built), any other quantized ones as int8, float
+ones dense in the serving dtype. A tensor's 4-bit, 5-bit, Q6_K or Q8_0 blocks are read directly
 (kernels/gguf_groups.py); other types' rows, and slices that cut a block, are dequantized a
 tensor at a time for a grid to be found, as before. The embedding stays quantized (int8 groups,
 or the tied LM head's own).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 import mmap
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -24,9 +26,10 @@ from torch import nn
 
 from shardline.common.model_source import ModelSource
 from shardline.common.process import trim_heap
+from shardline.kernels import native
 from shardline.kernels.gguf_groups import BITS, BLOCK_WEIGHTS, dequantized, groups_of
 from shardline.kernels.grid import GROUP, grid_groups, rows_at_once
-from shardline.kernels.quantized import Int8Embedding, QuantizedEmbedding, QuantizedLinear
+from shardline.kernels.quantized import QuantizedEmbedding, QuantizedLinear, TiedEmbedding
 from shardline.shard.footprint import Tensor, Unservable, read_model
 from shardline.shard.layout import Layout, layer_range
 from shardline.shard.model import Rotary, Transformer, uninitialized
@@ -97,6 +100,22 @@ class _Part:
             exact += part[3] * len(part[0])
         return exact / len(self.rows)
 
+    def records_into(self, records: torch.Tensor, pack) -> float:
+        """Fills records ([ceil(rows / 8), cols / 32, bytes]) with `pack`'s records of the blocks of
+        the columns kept (`aligned`), a slice of rows at a time (whole blocks of 8 rows, the last
+        slice aside), and says the share of groups held exactly."""
+        step, per_byte, exact = rows_at_once(len(self.cols)), self.tensor.data.shape[1] / self.k, 0.0
+        for i in range(0, len(self.rows), step):
+            raw = _Part(self.tensor, self.rows[i : i + step]).raw()
+            with warnings.catch_warnings():  # the file's mapping is read-only, and only read here
+                warnings.simplefilter("ignore", UserWarning)
+                blocks = torch.from_numpy(raw[:, round(self.cols.start * per_byte) : round(self.cols.stop * per_byte)])
+            made = pack(blocks)
+            made, share = made if isinstance(made, tuple) else (made, 1.0)
+            records[i // 8 : i // 8 + len(made)] = made
+            exact += share * len(raw)
+        return exact / len(self.rows)
+
     def _slice(self, rows: np.ndarray, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
         part = _Part(self.tensor, rows, self.cols)
         if self.kind in BITS and BITS[self.kind] <= bits and self.aligned():
@@ -126,16 +145,43 @@ def groups(parts: list[_Part], bits: int) -> tuple[torch.Tensor, torch.Tensor, t
     return codes, scale, lo, exact / n
 
 
+# The types whose blocks Shardline's kernels pack into their records at once (kernels/int4_linear.cpp,
+# int6_linear.cpp), and the record bytes of each.
+PACKS = {"Q4_K": ("q4_k_pack", 160), "Q6_K": ("q6_k_pack", 224)}
+
+
+def packed(parts: list[_Part]) -> tuple[torch.Tensor, float] | None:
+    """The parts' blocks as one layer's native records, one above the other, and the share of
+    groups held exactly; None where they are not all of one type in PACKS, or the columns kept cut
+    blocks, or a part but the last is not whole blocks of 8 rows."""
+    kinds = {p.kind for p in parts}
+    if len(kinds) != 1 or (kind := kinds.pop()) not in PACKS or not native.available():
+        return None
+    if not all(p.aligned() for p in parts) or any(len(p.rows) % 8 for p in parts[:-1]):
+        return None
+    op, size = PACKS[kind]
+    n, k = sum(len(p.rows) for p in parts), len(parts[0].cols)
+    records, at, exact = torch.empty((-(-n // 8), k // GROUP, size), dtype=torch.uint8), 0, 0.0
+    for p in parts:
+        exact += p.records_into(records[at // 8 :], getattr(native.ops(), op)) * len(p.rows)
+        at += len(p.rows)
+    return records, exact / n
+
+
 def _fp16_share(scale: torch.Tensor, lo: torch.Tensor, bits: int) -> float:
     """The share of groups whose scale and lo fp16 holds (a Q8_0 lo folds to 0: kernels/operands.py)."""
     held = (scale.half().float() == scale) & ((lo.half().float() == lo) | ((bits == 8) & (lo == -127 * scale)))
     return held.float().mean().item()
 
 
-def _bits(kinds: set[str]) -> int | None:
-    """`mark_quantized`'s width for a layer of these tensor types; None: dense."""
+def _bits(parts: list[_Part]) -> int | None:
+    """`mark_quantized`'s width for a layer of these parts; None: dense. Q6_K's own 6 bits where
+    the kernel for them is built and no part's columns cut its blocks."""
+    kinds = {p.kind for p in parts}
     if kinds <= FOUR_BIT:
         return 4
+    if kinds == {"Q6_K"} and native.available() and all(p.aligned() for p in parts):
+        return 6  # `packed` reads them
     return None if kinds <= FLOAT else 8
 
 
@@ -177,7 +223,7 @@ class GgufLoader:
         return self._part(name, rows).values().squeeze(-1).to(self.dtype)
 
     def _linear(self, parts: list[_Part], bias: torch.Tensor | None = None, keep_rows: bool = False) -> nn.Module:
-        bits = _bits({p.kind for p in parts})
+        bits = _bits(parts)
         if bits is None:
             linear = nn.Linear(1, 1, bias=bias is not None)
             linear.weight = nn.Parameter(torch.cat([p.values() for p in parts]).to(self.dtype), requires_grad=False)
@@ -185,6 +231,11 @@ class GgufLoader:
                 linear.bias = nn.Parameter(bias, requires_grad=False)
             linear.in_features, linear.out_features = linear.weight.shape[1], linear.weight.shape[0]
             return linear
+        made = packed(parts)
+        if made is not None:
+            n = sum(len(p.rows) for p in parts)
+            return QuantizedLinear.from_records(*made[:1], bits, n, bias, made[1], self.dense_copy, keep_rows)
+        bits = 8 if bits == 6 else bits  # Q6_K blocks that `packed` cannot take: a grid of 8 bits
         codes, scale, lo, exact = groups(parts, bits)
         return QuantizedLinear.from_groups(
             codes, scale, lo, bits, bias, exact, dense_copy=self.dense_copy, keep_rows=keep_rows
@@ -253,8 +304,8 @@ class GgufLoader:
     def _embedding(self, model: Transformer, tied: bool) -> nn.Module:
         part = self._part("token_embd.weight")
         head = model.lm_head
-        if tied and isinstance(head, QuantizedLinear) and head.bits == 8:
-            return Int8Embedding(head, self.dtype)  # the LM head's codes serve the lookups too
+        if tied and isinstance(head, QuantizedLinear) and head.bits in (6, 8):
+            return TiedEmbedding(head, self.dtype)  # the LM head's codes serve the lookups too
         if tied and isinstance(head, nn.Linear):
             embed = nn.Embedding(1, 1)
             embed.weight = head.weight  # one tensor, as a tied checkpoint holds it

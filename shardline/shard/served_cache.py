@@ -11,8 +11,12 @@ it is and its values (`spec`), and its tensors under its name.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import logging
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -22,12 +26,14 @@ from torch import nn
 from shardline.common.files import publish
 from shardline.common.model_source import ModelSource
 from shardline.kernels import gguf_groups, grid, native, operands, quantized
-from shardline.kernels.quantized import Int8Embedding, QuantizedEmbedding, QuantizedLinear
+from shardline.kernels.quantized import QuantizedEmbedding, QuantizedLinear, TiedEmbedding
 from shardline.shard import gguf_loader
 from shardline.shard.config import ModelConfig
 from shardline.shard.layout import Layout
 from shardline.shard.model import RMSNorm, Rotary, Transformer, uninitialized
 from shardline.shard.parallel import keep_stage
+
+log = logging.getLogger(__name__)
 
 # What makes the kept weights what they are, besides the file and the flags: a change to any of
 # these sources starts a new file (as a change to the kernels' starts a new build of them).
@@ -43,9 +49,14 @@ def path_for(source: ModelSource, layout: Layout, dtype: torch.dtype, dense_copy
     return source.cache_dir / f"served-{key.hexdigest()[:16]}.pt"
 
 
-def save(model: Transformer, path: Path) -> None:
+def save(model: Transformer, path: Path, background: bool = False) -> threading.Thread | None:
+    """Keeps the model's weights at `path`. `background`: what to keep is gathered now (the
+    model's modules may be wrapped next: shard/transforms.py), and written by a thread, which
+    this returns: writing an 8B's 5 GB runs at the disk's speed (15 s on a development VM), and
+    the shard serves meanwhile from the weights it made. A shard killed before the thread is
+    done leaves a temporary file, which the next start's save removes (common/files.py)."""
     spec, tensors = {}, {}
-    # A tied int8 LM head is the embedding's table too: kept once, as the LM head.
+    # A tied quantized LM head is the embedding's table too: kept once, as the LM head.
     for name, module in model.named_modules(remove_duplicate=False):
         if name.startswith("embed.") or isinstance(module, Transformer):
             continue
@@ -56,8 +67,8 @@ def save(model: Transformer, path: Path) -> None:
         elif isinstance(module, QuantizedEmbedding):
             spec[name] = {"kind": "quantized_embedding", "rows": module.num_embeddings, "held": len(module.held)}
             tensors.update({f"{name}/{i}": t for i, t in enumerate(module.held)})
-        elif isinstance(module, Int8Embedding):
-            spec[name] = {"kind": "int8_embedding"}  # the LM head's codes
+        elif isinstance(module, TiedEmbedding):
+            spec[name] = {"kind": "tied_quantized"}  # the LM head's codes
         elif isinstance(module, nn.Embedding) and model.lm_head is not None and module.weight is model.lm_head.weight:
             spec[name] = {"kind": "tied_embedding"}
         elif isinstance(module, (nn.Linear, nn.Embedding, RMSNorm)):
@@ -65,12 +76,29 @@ def save(model: Transformer, path: Path) -> None:
             tensors.update({f"{name}/{k}": t for k, t in module.named_parameters(recurse=False)})
     # No CRC of every record: computing it made writing a 1B model's 0.8 GB take 3 s; the file is
     # this machine's own, and read back with weights_only
-    crc = torch.utils.serialization.config.save.compute_crc32
     torch.utils.serialization.config.save.compute_crc32 = False
-    try:
-        publish(path, lambda tmp: torch.save({"spec": spec, "tensors": tensors}, tmp))
-    finally:
-        torch.utils.serialization.config.save.compute_crc32 = crc
+    write = functools.partial(publish, path, lambda tmp: torch.save({"spec": spec, "tensors": tensors}, tmp))
+    if not background:
+        write()
+        return None
+    # Not a daemon: a shard that stops (shard/server.py) finishes writing at exit, within the
+    # deadline its stop sets (and a daemon thread killed inside torch.save aborts the process).
+    thread = threading.Thread(target=_logged(write), name="keep-served-weights")
+    thread.start()
+    return thread
+
+
+def _logged(write):
+    def run():
+        t0 = time.perf_counter()
+        try:
+            write()
+        except Exception:  # noqa: BLE001 - the shard serves on; the next start converts again
+            log.exception("could not keep the served weights")
+        else:
+            log.info("kept the served weights for later starts in %.1f s", time.perf_counter() - t0)
+
+    return run
 
 
 def load(cfg: ModelConfig, layout: Layout, dtype: torch.dtype, path: Path) -> Transformer:
@@ -91,7 +119,7 @@ def load(cfg: ModelConfig, layout: Layout, dtype: torch.dtype, path: Path) -> Tr
             module = QuantizedLinear.from_state(spec, own)
         elif kind == "quantized_embedding":
             module = QuantizedEmbedding.of_held([own[str(i)] for i in range(spec["held"])], spec["rows"], dtype)
-        elif kind in ("int8_embedding", "tied_embedding"):
+        elif kind in ("tied_quantized", "tied_embedding"):
             later.append((name, kind))
             continue
         else:
@@ -101,8 +129,8 @@ def load(cfg: ModelConfig, layout: Layout, dtype: torch.dtype, path: Path) -> Tr
             continue
         _set(model, name, module)
     for name, kind in later:  # what the LM head serves too
-        if kind == "int8_embedding":
-            _set(model, name, Int8Embedding(model.lm_head, dtype))
+        if kind == "tied_quantized":
+            _set(model, name, TiedEmbedding(model.lm_head, dtype))
         else:
             embed = nn.Embedding(1, 1)
             embed.weight = model.lm_head.weight

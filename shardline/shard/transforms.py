@@ -24,7 +24,7 @@ from shardline.kernels import native
 from shardline.kernels.attention import AttentionBatch
 from shardline.kernels.linear import OneDnnLinear
 from shardline.kernels.operands import Kernel
-from shardline.kernels.quantized import Int8Embedding, QuantizedLinear
+from shardline.kernels.quantized import QuantizedLinear, TiedEmbedding
 from shardline.shard.layout import Layout
 from shardline.shard.model import MLP, Attention, Transformer
 from shardline.shard.parallel import keep_stage, shard_tensor_parallel
@@ -122,7 +122,7 @@ def quantize(model: nn.Module, dense_copy: bool = False) -> None:
         new = QuantizedLinear(linear, bits, dense_copy=dense_copy, keep_rows=tied and linear is head and bits == 8)
         setattr(model.get_submodule(parent_name), attr, new)
     if tied and isinstance(model.lm_head, QuantizedLinear) and model.lm_head.bits == 8:
-        model.embed = Int8Embedding(model.lm_head, embed.weight.dtype)
+        model.embed = TiedEmbedding(model.lm_head, embed.weight.dtype)
 
 
 def is_quantized(model: nn.Module) -> bool:
@@ -177,7 +177,13 @@ def use_native_ops(model: nn.Module) -> None:
 
 # -- 6. one operator per decode layer -------------------------------------------------------------
 # The operand layouts kernels/decode_layer.cpp takes, by (kernel, bits).
-_LAYOUTS = {(Kernel.TORCH, 4): 0, (Kernel.TORCH, 8): 1, (Kernel.NATIVE, 8): 2, (Kernel.NATIVE, 4): 3}
+_LAYOUTS = {
+    (Kernel.TORCH, 4): 0,
+    (Kernel.TORCH, 8): 1,
+    (Kernel.NATIVE, 8): 2,
+    (Kernel.NATIVE, 4): 3,
+    (Kernel.NATIVE, 6): 4,
+}
 
 
 def _operands(layer: QuantizedLinear) -> list[torch.Tensor]:

@@ -1,0 +1,181 @@
+// Shardline's 6-bit linear kernel (shardline_native::int6_linear): GGUF's Q6_K layers, at their own
+// width and exactly.
+//
+// A Q6_K super-block of 256 weights holds each weight as a 6-bit code q, an int8 scale sc per 16
+// weights and one fp16 d: w = d * sc * (q - 32). Here a record is one block of 8 outputs and group
+// of 32 weights, read by the direct path and the GEMM that the 4- and 8-bit kernels share
+// (interleaved.h), laid out as:
+//   128 bytes  the codes' low 4 bits, as int4_linear.cpp holds its codes (4 loads of 8 words);
+//    64 bytes  their high 2 bits, 16 bytes per load l: byte 2i holds output i's for weights 2p
+//              (p = 4l + q, q = 0..3) at bits 2q, byte 2i + 1 those for weights 2p + 1;
+//    16 bytes  the int8 scales: the 8 outputs' of weights 0-15, then of weights 16-31;
+//    16 bytes  the 8 outputs' fp16 d (their super-block's).
+// 224 bytes for 256 weights, 7 bits a weight (Q6_K's own: 6.56; as int8 groups: 9, and rounded,
+// since a group's two scales put its weights on no grid of 255 levels).
+//
+// A load unpacks to a pair of signed codes per lane in six instructions; each half of a group is
+// summed apart and scaled by d * sc, which fp32 holds exactly (11 bits times 8): the weights are
+// the file's. No lo: the codes are signed.
+
+#include "interleaved.h"
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+using shardline::interleaved::B;
+using shardline::interleaved::G;
+
+struct Int6Codes {
+  static constexpr int64_t CODE_BYTES = 6 * G * B / 8;
+  static constexpr int64_t SCALE_BYTES = 2 * B + B * sizeof(c10::Half);
+  static constexpr int HALVES = 2;
+  static constexpr bool LO = false;
+
+  static const uint32_t* low(const char* rec) { return reinterpret_cast<const uint32_t*>(rec); }
+  static const uint8_t* high(const char* rec) { return reinterpret_cast<const uint8_t*>(rec) + 4 * G * B / 8; }
+  static const int8_t* sc(const char* rec) { return reinterpret_cast<const int8_t*>(rec + CODE_BYTES); }
+  static const c10::Half* d(const char* rec) { return reinterpret_cast<const c10::Half*>(rec + CODE_BYTES + 2 * B); }
+
+  // where output i's code for weight k of the group lies: its low bits (the word, and the bit in
+  // it) as int4's, its high bits (the byte, and the bit in it)
+  static int64_t word(int64_t i, int64_t k) { return k / 8 * B + i; }
+  static int shift(int64_t k) { return 4 * (k / 2 % 4) + 16 * (k % 2); }
+  static int64_t high_byte(int64_t i, int64_t k) { return k / 8 * 2 * B + 2 * i + k % 2; }
+  static int high_shift(int64_t k) { return 2 * (k / 2 % 4); }
+  static int32_t at(const char* rec, int64_t i, int64_t k) {
+    const uint32_t low_bits = (low(rec)[word(i, k)] >> shift(k)) & 0xF;
+    const uint32_t high_bits = (high(rec)[high_byte(i, k)] >> high_shift(k)) & 0x3;
+    return static_cast<int32_t>(low_bits | high_bits << 4) - 32;
+  }
+  static float scale_at(const char* rec, int64_t i, int h) {
+    return static_cast<float>(d(rec)[i]) * static_cast<float>(sc(rec)[h * B + i]);
+  }
+  static float lo_at(const char*, int64_t) { return 0.f; }
+
+#if defined(__AVX2__)
+  static constexpr int PAIRS = 4;  // as int4's: a load is 8 words of 4 pairs each, and 8 pairs of high bytes
+  struct Word {
+    __m256i low, high;
+  };
+  static Word load(const char* rec, int l) {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low(rec) + l * B)),
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high(rec) + l * 2 * B)))};
+  }
+  // Per lane, each int16 half's low bits (>> 4q) and high bits (at 2q, moved to 4: the bytes
+  // hold 8 bits, so a left shift stays in its half, and what the right one moves across is masked).
+  static __m256i pairs(const Word& w, int q) {
+    const __m256i low_bits = _mm256_and_si256(_mm256_srli_epi32(w.low, 4 * q), _mm256_set1_epi32(0x000F000F));
+    const __m256i moved = q < 2 ? _mm256_slli_epi32(w.high, 4 - 2 * q) : q == 2 ? w.high : _mm256_srli_epi32(w.high, 2);
+    const __m256i high_bits = _mm256_and_si256(moved, _mm256_set1_epi32(0x00300030));
+    return _mm256_sub_epi16(_mm256_or_si256(low_bits, high_bits), _mm256_set1_epi16(32));
+  }
+  static __m256 scale8(const char* rec, int h) {
+    const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc(rec) + h * B));
+    return _mm256_mul_ps(shardline::load_half8(d(rec)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
+  }
+  static __m256 lo8(const char*) { return _mm256_setzero_ps(); }
+#if defined(SHARDLINE_WIDE)
+  struct Wide {
+    __m512i low, high;
+  };
+  static Wide join(const Word& a, const Word& b) {
+    return {shardline::interleaved::join(a.low, b.low), shardline::interleaved::join(a.high, b.high)};
+  }
+  static __m512i pairs(const Wide& w, int q) {
+    const __m512i low_bits = _mm512_and_si512(_mm512_srli_epi32(w.low, 4 * q), _mm512_set1_epi32(0x000F000F));
+    const __m512i moved = q < 2 ? _mm512_slli_epi32(w.high, 4 - 2 * q) : q == 2 ? w.high : _mm512_srli_epi32(w.high, 2);
+    const __m512i high_bits = _mm512_and_si512(moved, _mm512_set1_epi32(0x00300030));
+    return _mm512_sub_epi16(_mm512_or_si512(low_bits, high_bits), _mm512_set1_epi16(32));
+  }
+#endif
+#endif
+};
+
+}  // namespace
+
+namespace shardline {
+
+namespace {
+
+// Record (b, g) of a layer of N rows: code(i, k) is output 8b + i's code (0..63) for weight k of
+// the group, sc(i, h) its int8 scale of half h, d(i) its d; rows from N on are zeros (padding).
+template <typename Code, typename Scale, typename D>
+void write_record(char* rec, int64_t b, int64_t N, Code code, Scale sc, D d) {
+  std::fill(rec, rec + interleaved::RECORD<Int6Codes>, 0);
+  uint32_t* low = reinterpret_cast<uint32_t*>(rec);
+  uint8_t* high = reinterpret_cast<uint8_t*>(rec) + 4 * G * B / 8;
+  int8_t* scales = reinterpret_cast<int8_t*>(rec + Int6Codes::CODE_BYTES);
+  c10::Half* ds = reinterpret_cast<c10::Half*>(rec + Int6Codes::CODE_BYTES + 2 * B);
+  for (int64_t i = 0; i < B && b * B + i < N; ++i) {
+    for (int64_t k = 0; k < G; ++k) {
+      const uint32_t q = code(i, k) & 0x3F;
+      low[Int6Codes::word(i, k)] |= (q & 0xF) << Int6Codes::shift(k);
+      high[Int6Codes::high_byte(i, k)] |= static_cast<uint8_t>((q >> 4) << Int6Codes::high_shift(k));
+    }
+    for (int h = 0; h < 2; ++h) scales[h * B + i] = sc(i, h);
+    ds[i] = d(i);
+  }
+}
+
+}  // namespace
+
+at::Tensor int6_pack(const at::Tensor& codes, const at::Tensor& sc, const at::Tensor& d) {
+  TORCH_CHECK(codes.dim() == 2 && codes.size(0) % B == 0 && codes.size(1) % G == 0,
+              "codes must be [N, K] with N a multiple of ", B, " and K of ", G);
+  const int64_t N = codes.size(0), K = codes.size(1), groups = K / G;
+  TORCH_CHECK(sc.dim() == 2 && sc.size(0) == N && sc.size(1) == 2 * groups && sc.scalar_type() == at::kChar,
+              "sc must be [N, K/16] int8");
+  TORCH_CHECK(d.dim() == 2 && d.size(0) == N && d.size(1) == groups, "d must be [N, K/32]");
+  const at::Tensor c = codes.to(at::kByte).contiguous(), s = sc.contiguous(), dh = d.to(at::kHalf).contiguous();
+  const uint8_t* cp = c.const_data_ptr<uint8_t>();
+  const int8_t* sp = s.const_data_ptr<int8_t>();
+  const c10::Half* dp = dh.const_data_ptr<c10::Half>();
+  return interleaved::pack<Int6Codes>(codes.options(), N, K, [&](char* rec, int64_t b, int64_t g) {
+    write_record(
+        rec, b, N, [&](int64_t i, int64_t k) { return cp[(b * B + i) * K + g * G + k]; },
+        [&](int64_t i, int h) { return sp[(b * B + i) * 2 * groups + 2 * g + h]; },
+        [&](int64_t i) { return dp[(b * B + i) * groups + g]; });
+  });
+}
+
+// GGUF's Q6_K blocks, 210 bytes per 256 weights: 128 bytes of low nibbles, 64 of high bit pairs,
+// 16 int8 scales and an fp16 d. Each half of 128 weights takes 64 low-nibble bytes (their low
+// nibbles are its weights 0-63, their high ones 64-127) and 32 high bytes (bits 2j of byte l are
+// its weight 32j + l's).
+at::Tensor q6_k_pack(const at::Tensor& blocks) {
+  constexpr int64_t BLOCK = 210;
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.size(1) % BLOCK == 0,
+              "Q6_K blocks must be [N, K/256 * 210] uint8");
+  const at::Tensor raw = blocks.contiguous();
+  const int64_t N = raw.size(0), row_bytes = raw.size(1), K = row_bytes / BLOCK * 256;
+  const uint8_t* src = raw.const_data_ptr<uint8_t>();
+  return interleaved::pack<Int6Codes>(raw.options(), (N + B - 1) / B * B, K, [&](char* rec, int64_t b, int64_t g) {
+    const auto block = [&](int64_t i) { return src + (b * B + i) * row_bytes + g / 8 * BLOCK; };
+    const int64_t first = g % 8 * G;  // the group's first weight in its block
+    write_record(
+        rec, b, N,
+        [&](int64_t i, int64_t k) {
+          const int64_t t = first + k, half = t / 128, u = t % 128;
+          const uint8_t* q = block(i);
+          return static_cast<uint32_t>(((q[64 * half + u % 64] >> (4 * (u / 64))) & 0xF) |
+                                       ((q[128 + 32 * half + u % 32] >> (2 * (u / 32))) & 0x3) << 4);
+        },
+        [&](int64_t i, int h) { return static_cast<int8_t>(block(i)[192 + (first + 16 * h) / 16]); },
+        [&](int64_t i) {
+          const uint8_t* p = block(i) + 208;
+          return c10::Half(static_cast<uint16_t>(p[0] | p[1] << 8), c10::Half::from_bits());
+        });
+  });
+}
+
+at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& records, int64_t max_direct_rows, bool bf16_gemm) {
+  return interleaved::linear<Int6Codes>(x, records, max_direct_rows, bf16_gemm);
+}
+
+at::Tensor int6_rows(const at::Tensor& records, const at::Tensor& tokens) {
+  return interleaved::weight_rows<Int6Codes>(records, tokens);
+}
+
+}  // namespace shardline
