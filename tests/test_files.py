@@ -50,3 +50,22 @@ def test_publishing_when_another_process_got_there_first_keeps_theirs(tmp_path):
     publish(path, racing)
     assert path.read_text() == "theirs"
     assert [p.name for p in tmp_path.iterdir()] == ["choice.txt"]
+
+
+def test_a_temporary_file_its_writer_left_is_removed_and_one_being_written_kept(tmp_path):
+    """A shard killed while it kept its served weights leaves a temporary file of gigabytes: the
+    next publish of that path removes it, but not one that another writer holds locked."""
+    import fcntl
+    import os
+
+    path = tmp_path / "served.pt"
+    abandoned, live = tmp_path / ".served.pt.dead", tmp_path / ".served.pt.live"
+    abandoned.write_text("half")
+    live.write_text("being written")
+    fd = os.open(live, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as publish holds its own while it writes
+    try:
+        publish(path, lambda tmp: tmp.write_text("whole"))
+    finally:
+        os.close(fd)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".served.pt.live", "served.pt"]

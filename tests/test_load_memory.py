@@ -1,6 +1,7 @@
 """A GGUF's load peaks near what is served (shard/gguf_loader.py, shard/served_cache.py), measured
 in a shard's own process: its resident memory's high-water mark over what it held before loading,
-on a first start (read, repacked, kept, mapped back) and a second (mapped from what was kept)."""
+on a first start (read and repacked, and kept by a thread meanwhile) and a second (mapped from
+what was kept)."""
 
 import json
 import shutil

@@ -13,12 +13,11 @@ import torch
 from torch import nn
 
 from shardline.common.model_source import resolve_model
-from shardline.common.process import trim_heap
 from shardline.kernels import native
 from shardline.kernels.grid import GROUP
 from shardline.kernels.linear import OneDnnLinear
 from shardline.kernels.operands import Kernel
-from shardline.kernels.quantized import Int8Embedding, QuantizedEmbedding, QuantizedLinear
+from shardline.kernels.quantized import QuantizedEmbedding, QuantizedLinear, TiedEmbedding
 from shardline.protos import shard_pb2
 from shardline.shard import served_cache
 from shardline.shard.footprint import check_layout, read_model
@@ -80,8 +79,8 @@ def weight_format(module: nn.Module) -> str:
             kernel += " as two int4 halves"
         copy = f", {module.dense.kind.value} copy above {module.max_rows} rows" if module.dense is not None else ""
         return f"int{module.bits} g{GROUP} ({module.exact:.0%} of groups exact), {kernel}{copy}"
-    if isinstance(module, Int8Embedding):
-        return "the LM head's int8 codes"
+    if isinstance(module, TiedEmbedding):
+        return f"the LM head's int{module.table.bits} codes"
     if isinstance(module, QuantizedEmbedding):
         return f"int8 g{GROUP} rows"
     if isinstance(module, OneDnnLinear):
@@ -120,12 +119,9 @@ def load_shard(args) -> LoadedShard:
         full, kept = read_model(source)[0], served_cache.path_for(source, layout, dtype, dense_copy)
         if kept.is_file():
             model = served_cache.load(full, layout, dtype, kept)
-        else:
+        else:  # served as made, and kept for later starts meanwhile
             model = GgufLoader(source, layout, dtype, dense_copy).load()
-            served_cache.save(model, kept)
-            del model  # served from the kept file, whose pages the page cache holds
-            trim_heap()
-            model = served_cache.load(full, layout, dtype, kept)
+            served_cache.save(model, kept, background=True)
         tp_group = init_distributed(layout, args.dist_init, device) if layout.world > 1 else None
         if layout.tp > 1:
             connect_tensor_parallel(model, layout, tp_group)
