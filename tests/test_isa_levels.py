@@ -14,13 +14,38 @@ pytestmark = pytest.mark.processes  # every test here starts processes
 ROOT = Path(__file__).resolve().parents[1]
 
 CHECK = r"""
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 from shardline.kernels import native
 from shardline.kernels.operands import Kernel, multiply, native_operands
 assert native.available(), "the kernels did not build"
 assert native.isa_flag() in native.flags(), native.flags()
 print(native.isa_flag(), native.build_folder())
 torch.manual_seed(0)
+
+
+def check(name, held, weights):
+    k = weights.shape[1]
+    for rows in (1, 2, 3, 5, 17):
+        x = torch.randn(rows, k)
+        want = x.double() @ weights.double().t()
+        # the activations' rounding to int16 per group of 32 (straight from the codes)
+        half_step = (x.abs().reshape(rows, -1, 32).amax(-1) / 32767 / 2).repeat_interleave(32, 1)
+        rounding = half_step.double() @ weights.abs().double().t() + 1e-5 * want.abs().max()
+        # through a bf16 GEMM: activations, weights and outputs rounded to 8 bits of mantissa
+        bf16 = 2**-8 * (x.abs().double() @ weights.abs().double().t()) + 2**-8 * want.abs()
+        limits = {(0, False): 1e-5 * want.abs().max(), (0, True): bf16, (1 << 30, False): rounding}  # fp32 GEMM: exact
+        for (direct_rows, bf16_gemm), limit in limits.items():
+            got = multiply(Kernel.NATIVE, held, x, direct_rows, bf16_gemm).double()
+            assert ((got - want).abs() <= limit).all(), (name, rows, direct_rows, bf16_gemm, (got - want).abs().max())
+    # one-hot rows read each weight back, rounded to bf16 to nearest even (ties included)
+    got = multiply(Kernel.NATIVE, held, torch.eye(k), direct_rows=0, bf16_gemm=True)
+    assert torch.equal(got, weights.t().bfloat16().float()), name
+    assert torch.equal(native.ops().record_rows(held[0], torch.arange(len(weights))), weights), name
+
+
 for bits, levels in ((4, 16), (6, 64), (8, 255)):
     codes = torch.randint(0, levels, (72, 288), dtype=torch.int32)
     # the records hold scales and los in fp16 (as GGUF's blocks do): values it holds exactly
@@ -31,22 +56,13 @@ for bits, levels in ((4, 16), (6, 64), (8, 255)):
     if bits == 6:  # Q6_K's: an int8 scale per 16 weights (in scale's place), d per group (in lo's)
         scale, lo = torch.randint(-128, 128, (72, 18), dtype=torch.int8), (torch.rand(72, 9) / 5000).half().float()
         weights = lo.repeat_interleave(32, 1) * scale.float().repeat_interleave(16, 1) * (codes - 32)
-    held = native_operands(codes, scale, lo, bits)
-    for rows in (1, 2, 3, 5, 17):
-        x = torch.randn(rows, 288)
-        want = x.double() @ weights.double().t()
-        # the activations' rounding to int16 per group of 32 (both widths; 4 bits straight from the codes)
-        half_step = (x.abs().reshape(rows, -1, 32).amax(-1) / 32767 / 2).repeat_interleave(32, 1)
-        rounding = half_step.double() @ weights.abs().double().t() + 1e-5 * want.abs().max()
-        # through a bf16 GEMM: activations, weights and outputs rounded to 8 bits of mantissa
-        bf16 = 2**-8 * (x.abs().double() @ weights.abs().double().t()) + 2**-8 * want.abs()
-        limits = {(0, False): 1e-5 * want.abs().max(), (0, True): bf16, (1 << 30, False): rounding}  # fp32 GEMM: exact
-        for (direct_rows, bf16_gemm), limit in limits.items():
-            got = multiply(Kernel.NATIVE, held, x, direct_rows, bf16_gemm).double()
-            assert ((got - want).abs() <= limit).all(), (bits, rows, direct_rows, bf16_gemm, (got - want).abs().max())
-    # one-hot rows read each weight back, rounded to bf16 to nearest even (ties included)
-    got = multiply(Kernel.NATIVE, held, torch.eye(288), direct_rows=0, bf16_gemm=True)
-    assert torch.equal(got, weights.t().bfloat16().float()), bits
+    check(f"int{bits}", native_operands(codes, scale, lo, bits), weights)
+# Q4_K's blocks as they are: random bytes with finite fp16 d and dmin
+blocks = np.random.default_rng(0).integers(0, 256, (72, 2, 144), dtype=np.uint8)
+blocks[..., :4] = np.random.default_rng(1).uniform(0.001, 0.02, (72, 2, 2)).astype(np.float16).view(np.uint8).reshape(72, 2, 4)
+raw = blocks.reshape(72, -1)
+weights = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K).reshape(72, 512))
+check("q4_k", (native.ops().q4_k_pack(torch.from_numpy(raw)),), weights)
 print("ok")
 """
 

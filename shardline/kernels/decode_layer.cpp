@@ -12,6 +12,7 @@
 //   3: Shardline's int4 kernel             the same; with [.., packed, scales_zeros] of torch's int4
 //      kernel as well, that kernel above the layer's `torch_rows`
 //   4: Shardline's int6 kernel             [records], as 2
+//   5: Shardline's Q4_K kernel             as 3
 
 #include "decode_layer.h"
 
@@ -37,6 +38,10 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind, int64_t d
       return shardline::int4_linear(x, w[0], direct_rows, bf16_gemm);
     case 4:
       return shardline::int6_linear(x, w[0], direct_rows, bf16_gemm);
+    case 5:
+      if (w.size() == 3 && x.size(0) > torch_rows)
+        return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w[1], 32, w[2]).to(at::kFloat);
+      return shardline::q4_k_linear(x, w[0], direct_rows, bf16_gemm);
   }
   TORCH_CHECK(false, "unknown linear kind ", kind);
 }

@@ -31,8 +31,8 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <vector>
 
@@ -69,6 +69,39 @@ struct Int4Codes : shardline::interleaved::GroupScales<WORDS * 4> {
   }
 };
 
+
+// Q4_K's blocks as they are (`q4_k_pack`): the codes of a group as Int4Codes holds them, then the
+// 8 outputs' 6-bit scales sc and mins m (a byte each), and after a super-block's 8 groups the 8
+// outputs' fp16 d and dmin: scale d * sc and lo -dmin * m, computed in fp32, exactly. 1184 bytes
+// for 8 x 256 weights, 4.625 bits a weight (4-bit records with fp16 scales and los: 5, and
+// Q4_K's products of two scales rounded to fp16).
+struct Q4KCodes : Int4Codes {
+  static constexpr int64_t SCALE_BYTES = 2 * B;
+  static constexpr int64_t PER = 8, TAIL_BYTES = 2 * B * sizeof(c10::Half);
+  static const uint8_t* sc(const char* rec) { return reinterpret_cast<const uint8_t*>(rec + CODE_BYTES); }
+  static const uint8_t* m(const char* rec) { return sc(rec) + B; }
+  // the super-block's d (8), then its dmin (8), after its 8 groups' records
+  static const c10::Half* tail(const char* rec, int64_t g) {
+    return reinterpret_cast<const c10::Half*>(rec + (PER - g % PER) * (CODE_BYTES + SCALE_BYTES));
+  }
+  static float scale_at(const char* rec, int64_t g, int64_t i, int) {
+    return static_cast<float>(tail(rec, g)[i]) * static_cast<float>(sc(rec)[i]);
+  }
+  static float lo_at(const char* rec, int64_t g, int64_t i) {
+    return -(static_cast<float>(tail(rec, g)[B + i]) * static_cast<float>(m(rec)[i]));
+  }
+#if defined(__AVX2__)
+  static __m256 bytes8(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static __m256 scale8(const char* rec, int64_t g, int) {
+    return _mm256_mul_ps(shardline::load_half8(tail(rec, g)), bytes8(sc(rec)));
+  }
+  static __m256 lo8(const char* rec, int64_t g) {
+    return _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(shardline::load_half8(tail(rec, g) + B), bytes8(m(rec))));
+  }
+#endif
+};
 }  // namespace
 
 namespace shardline {
@@ -138,42 +171,41 @@ at::Tensor int4_pack(const at::Tensor& codes, const at::Tensor& scale, const at:
 
 // GGUF's Q4_K blocks, 144 bytes per 256 weights: fp16 d and dmin, 12 bytes of 6-bit scales and
 // mins (kernels/gguf_groups.py says how they are packed), and 128 bytes of codes, whose 32-byte
-// chunk c holds sub-block 2c in its low nibbles and 2c + 1 in its high ones. Sub-block j is a
-// group on a grid: scale d * sc_j, lo -dmin * m_j, rounded to fp16 by the records.
-std::tuple<at::Tensor, double> q4_k_pack(const at::Tensor& blocks) {
+// chunk c holds sub-block 2c in its low nibbles and 2c + 1 in its high ones; into Q4KCodes'
+// records, which hold them as they are.
+at::Tensor q4_k_pack(const at::Tensor& blocks) {
   constexpr int64_t BLOCK = 144;
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.size(1) % BLOCK == 0,
               "Q4_K blocks must be [N, K/256 * 144] uint8");
   const at::Tensor raw = blocks.contiguous();
   const int64_t N = raw.size(0), row_bytes = raw.size(1), K = row_bytes / BLOCK * 256;
   const uint8_t* src = raw.const_data_ptr<uint8_t>();
-  std::atomic<int64_t> held{0};  // groups whose scale and lo fp16 holds
-  at::Tensor records = interleaved::pack<Int4Codes>(raw.options(), (N + B - 1) / B * B, K, [&](char* rec, int64_t b, int64_t g) {
-    c10::Half* f = reinterpret_cast<c10::Half*>(rec + Int4Codes::CODE_BYTES);
+  return interleaved::pack<Q4KCodes>(raw.options(), (N + B - 1) / B * B, K, [&](char* rec, int64_t b, int64_t g) {
+    uint8_t* sc = reinterpret_cast<uint8_t*>(rec + Q4KCodes::CODE_BYTES);
+    c10::Half* tail = const_cast<c10::Half*>(Q4KCodes::tail(rec, g));
     const uint8_t* qs[B] = {};
-    int shift = 4 * (g % 8 % 2), exact = 0;
+    const int j = g % 8, shift = 4 * (j % 2);
     for (int64_t i = 0; i < B; ++i) {
-      f[i] = f[B + i] = 0.f;
+      sc[i] = sc[B + i] = 0;
+      if (j == 0) tail[i] = tail[B + i] = 0.f;
       if (b * B + i >= N) continue;  // a padded block's rows: zero weights
       const uint8_t* block = src + (b * B + i) * row_bytes + g / 8 * BLOCK;
       const uint8_t* s = block + 4;
-      const int j = g % 8;
-      const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30);
-      const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
-      const float scale = half_at(block) * sc, lo = -(half_at(block + 2) * m);
-      f[i] = scale, f[B + i] = lo;
-      exact += static_cast<float>(f[i]) == scale && static_cast<float>(f[B + i]) == lo;
+      sc[i] = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30);
+      sc[B + i] = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+      if (j == 0) std::memcpy(tail + i, block, 2), std::memcpy(tail + B + i, block + 2, 2);
       qs[i] = block + 16 + 32 * (j / 2);
     }
-    held += exact;
     write_codes(rec, [&](int64_t i, int64_t k) { return qs[i] ? static_cast<uint32_t>(qs[i][k] >> shift) : 0u; });
   });
-  return {records, N ? static_cast<double>(held.load()) / static_cast<double>(N * (K / G)) : 1.0};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_groups(const at::Tensor& records) {
-  interleaved::check_records<Int4Codes>(records, records.size(1) * G);
-  const int64_t N = records.size(0) * B, groups = records.size(1), K = groups * G;
+namespace {
+
+template <typename Codes>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> groups_of(const at::Tensor& records) {
+  const int64_t N = records.size(0) * B, groups = records.size(1) * Codes::PER, K = groups * G;
+  interleaved::check_records<Codes>(records, K);
   at::Tensor codes = at::empty({N, K}, records.options()), scale = at::empty({N, groups}, records.options().dtype(at::kFloat));
   at::Tensor lo = at::empty({N, groups}, scale.options());
   const char* base = reinterpret_cast<const char*>(records.const_data_ptr<uint8_t>());
@@ -182,22 +214,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_groups(const at::Tensor& rec
   at::parallel_for(0, N / B, 8, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t g = 0; g < groups; ++g) {
-        const char* rec = interleaved::record<Int4Codes>(base, groups, b, g);
+        const char* rec = interleaved::record<Codes>(base, groups, b, g);
         for (int64_t i = 0; i < B; ++i) {
           const int64_t row = b * B + i;
-          for (int64_t k = 0; k < G; ++k) cp[row * K + g * G + k] = static_cast<uint8_t>(Int4Codes::at(rec, i, k));
-          sp[row * groups + g] = Int4Codes::scale_at(rec, i, 0), lp[row * groups + g] = Int4Codes::lo_at(rec, i);
+          for (int64_t k = 0; k < G; ++k) cp[row * K + g * G + k] = static_cast<uint8_t>(Codes::at(rec, i, k));
+          sp[row * groups + g] = Codes::scale_at(rec, g, i, 0), lp[row * groups + g] = Codes::lo_at(rec, g, i);
         }
       }
   });
   return {codes, scale, lo};
 }
 
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_groups(const at::Tensor& records) {
+  TORCH_CHECK(records.dim() == 3, "records must be [N/8, groups, bytes]");
+  if (records.size(2) == interleaved::STRIDE<Q4KCodes>) return groups_of<Q4KCodes>(records);
+  return groups_of<Int4Codes>(records);
+}
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& records, int64_t max_direct_rows, bool bf16_gemm) {
   return interleaved::linear<Int4Codes>(x, records, max_direct_rows, bf16_gemm);
 }
 
+at::Tensor q4_k_linear(const at::Tensor& x, const at::Tensor& records, int64_t max_direct_rows, bool bf16_gemm) {
+  return interleaved::linear<Q4KCodes>(x, records, max_direct_rows, bf16_gemm);
+}
+
 at::Tensor int4_rows(const at::Tensor& records, const at::Tensor& tokens) {
+  if (records.dim() == 3 && records.size(2) == interleaved::STRIDE<Q4KCodes>)
+    return interleaved::weight_rows<Q4KCodes>(records, tokens);
   return interleaved::weight_rows<Int4Codes>(records, tokens);
 }
 

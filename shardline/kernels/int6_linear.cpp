@@ -32,6 +32,7 @@ struct Int6Codes {
   static constexpr int64_t SCALE_BYTES = 2 * B + B * sizeof(c10::Half);
   static constexpr int HALVES = 2;
   static constexpr bool LO = false;
+  static constexpr int64_t PER = 1, TAIL_BYTES = 0;
 
   static const uint32_t* low(const char* rec) { return reinterpret_cast<const uint32_t*>(rec); }
   static const uint8_t* high(const char* rec) { return reinterpret_cast<const uint8_t*>(rec) + 4 * G * B / 8; }
@@ -49,10 +50,10 @@ struct Int6Codes {
     const uint32_t high_bits = (high(rec)[high_byte(i, k)] >> high_shift(k)) & 0x3;
     return static_cast<int32_t>(low_bits | high_bits << 4) - 32;
   }
-  static float scale_at(const char* rec, int64_t i, int h) {
+  static float scale_at(const char* rec, int64_t, int64_t i, int h) {
     return static_cast<float>(d(rec)[i]) * static_cast<float>(sc(rec)[h * B + i]);
   }
-  static float lo_at(const char*, int64_t) { return 0.f; }
+  static float lo_at(const char*, int64_t, int64_t) { return 0.f; }
 
 #if defined(__AVX2__)
   static constexpr int PAIRS = 4;  // as int4's: a load is 8 words of 4 pairs each, and 8 pairs of high bytes
@@ -71,11 +72,11 @@ struct Int6Codes {
     const __m256i high_bits = _mm256_and_si256(moved, _mm256_set1_epi32(0x00300030));
     return _mm256_sub_epi16(_mm256_or_si256(low_bits, high_bits), _mm256_set1_epi16(32));
   }
-  static __m256 scale8(const char* rec, int h) {
+  static __m256 scale8(const char* rec, int64_t, int h) {
     const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc(rec) + h * B));
     return _mm256_mul_ps(shardline::load_half8(d(rec)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
   }
-  static __m256 lo8(const char*) { return _mm256_setzero_ps(); }
+  static __m256 lo8(const char*, int64_t) { return _mm256_setzero_ps(); }
 #if defined(SHARDLINE_WIDE)
   struct Wide {
     __m512i low, high;

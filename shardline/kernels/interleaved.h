@@ -24,8 +24,12 @@
 //                   the group's weights 2p and 2p + 1, p = l * PAIRS + q;
 //   at(r, i, k):    output i's code for weight k of the group (the scalar paths);
 //   HALVES:         scales per group and output: 1, or 2 (one per 16 weights: Q6_K's);
-//   scale8(r, h), scale_at(r, i, h): the 8 outputs' scales of half h, or output i's;
-//   LO, lo8(r), lo_at(r, i): whether the group has a lo (w = lo + scale * code), and it.
+//   scale8(r, g, h), scale_at(r, g, i, h): the 8 outputs' scales of half h, or output i's, in
+//                   record r of group g;
+//   LO, lo8(r, g), lo_at(r, g, i): whether the group has a lo (w = lo + scale * code), and it;
+//   PER, TAIL_BYTES: records of PER groups side by side and TAIL_BYTES after them are one record
+//                   of the tensor (Q4_K's: its super-block's d and dmin after its 8 groups).
+// A layer's records are a tensor [N/8, K/(32 PER), STRIDE] uint8.
 // `GroupScales` is the 4- and 8-bit kernels': one fp16 scale and lo per output and group.
 #pragma once
 
@@ -46,12 +50,14 @@ constexpr int64_t B = 8;          // outputs per block, across the lanes
 constexpr int64_t ROW_BLOCK = 4;  // activation rows multiplied against one block's codes
 
 template <typename Codes>
-constexpr int64_t RECORD = Codes::CODE_BYTES + Codes::SCALE_BYTES;
+constexpr int64_t RECORD = Codes::CODE_BYTES + Codes::SCALE_BYTES;  // a group's
+template <typename Codes>
+constexpr int64_t STRIDE = Codes::PER * RECORD<Codes> + Codes::TAIL_BYTES;  // the tensor's last dimension
 
 // Record (b, g) of a layer of `groups` groups.
 template <typename Codes>
 inline const char* record(const char* records, int64_t groups, int64_t b, int64_t g) {
-  return records + (b * groups + g) * RECORD<Codes>;
+  return records + (b * (groups / Codes::PER) + g / Codes::PER) * STRIDE<Codes> + g % Codes::PER * RECORD<Codes>;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -71,14 +77,15 @@ struct GroupScales {
   static constexpr int64_t SCALE_BYTES = 2 * B * sizeof(c10::Half);
   static constexpr int HALVES = 1;
   static constexpr bool LO = true;
+  static constexpr int64_t PER = 1, TAIL_BYTES = 0;
   static const c10::Half* scales(const char* rec) { return reinterpret_cast<const c10::Half*>(rec + CODE_BYTES); }
   static const c10::Half* los(const char* rec) { return scales(rec) + B; }
-  static float scale_at(const char* rec, int64_t i, int) { return static_cast<float>(scales(rec)[i]); }
-  static float lo_at(const char* rec, int64_t i) { return static_cast<float>(los(rec)[i]); }
+  static float scale_at(const char* rec, int64_t, int64_t i, int) { return static_cast<float>(scales(rec)[i]); }
+  static float lo_at(const char* rec, int64_t, int64_t i) { return static_cast<float>(los(rec)[i]); }
 #if defined(__AVX2__)
   using Word = __m256i;
-  static __m256 scale8(const char* rec, int) { return load_half8(scales(rec)); }
-  static __m256 lo8(const char* rec) { return load_half8(los(rec)); }
+  static __m256 scale8(const char* rec, int64_t, int) { return load_half8(scales(rec)); }
+  static __m256 lo8(const char* rec, int64_t) { return load_half8(los(rec)); }
 #if defined(SHARDLINE_WIDE)
   using Wide = __m512i;
   static __m512i join(__m256i a, __m256i b) { return interleaved::join(a, b); }
@@ -91,11 +98,11 @@ struct GroupScales {
 template <typename Codes, typename PackRecord>
 at::Tensor pack(const at::TensorOptions& options, int64_t N, int64_t K, PackRecord pack_record) {
   const int64_t groups = K / G;
-  at::Tensor out = at::empty({N / B, groups, RECORD<Codes>}, options.dtype(at::kByte));
+  at::Tensor out = at::empty({N / B, groups / Codes::PER, STRIDE<Codes>}, options.dtype(at::kByte));
   char* base = reinterpret_cast<char*>(out.data_ptr<uint8_t>());
   at::parallel_for(0, N / B, 8, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
-      for (int64_t g = 0; g < groups; ++g) pack_record(base + (b * groups + g) * RECORD<Codes>, b, g);
+      for (int64_t g = 0; g < groups; ++g) pack_record(const_cast<char*>(record<Codes>(base, groups, b, g)), b, g);
   });
   return out;
 }
@@ -135,7 +142,7 @@ void dot_block(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0,
     // L1, and prefetched into L1 they were evicted before their use (forced AVX2, in-process A/B,
     // the 30 layers' 120 multiplies at one row: 4.55 -> 3.52 ms; the 8-bit LM head 1.50 -> 1.00).
     for (int b = 0; b < NB; ++b)
-      for (int64_t line = 0; line < RECORD<Codes>; line += 64)
+      for (int64_t line = 0; line < RECORD<Codes> + Codes::TAIL_BYTES; line += 64)
         _mm_prefetch(record<Codes>(records, groups, b0 + 2 * NB + b, g) + line, _MM_HINT_T2);
     constexpr int LOADS = G / 2 / Codes::PAIRS;
     for (int h = 0; h < Codes::HALVES; ++h) {
@@ -158,7 +165,7 @@ void dot_block(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0,
         }
       }
       for (int b = 0; b < NB; ++b) {  // the sums scaled: 8 outputs at once
-        const __m256 s = Codes::scale8(rec[b], h);
+        const __m256 s = Codes::scale8(rec[b], g, h);
         for (int r = 0; r < R; ++r) {
           const float d = xs.d[(m0 + r) * groups + g];
           total[b][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[b][r]), _mm256_mul_ps(s, _mm256_set1_ps(d)), total[b][r]);
@@ -167,7 +174,7 @@ void dot_block(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0,
     }
     if constexpr (Codes::LO)
       for (int b = 0; b < NB; ++b) {  // the group's lo term
-        const __m256 z = Codes::lo8(rec[b]);
+        const __m256 z = Codes::lo8(rec[b], g);
         for (int r = 0; r < R; ++r)
           total[b][r] = _mm256_fmadd_ps(z, _mm256_set1_ps(xs.sum[(m0 + r) * groups + g]), total[b][r]);
       }
@@ -187,9 +194,9 @@ void dot_block(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0,
             int32_t dot = 0;
             for (int64_t k = h * G / Codes::HALVES; k < (h + 1) * G / Codes::HALVES; ++k)
               dot += Codes::at(rec, i, k) * xq[g * G + k];
-            acc += static_cast<float>(dot) * Codes::scale_at(rec, i, h) * xs.d[row];
+            acc += static_cast<float>(dot) * Codes::scale_at(rec, g, i, h) * xs.d[row];
           }
-          if constexpr (Codes::LO) acc += Codes::lo_at(rec, i) * xs.sum[row];
+          if constexpr (Codes::LO) acc += Codes::lo_at(rec, g, i) * xs.sum[row];
         }
         y[(m0 + r) * N + (b0 + b) * B + i] = acc;
       }
@@ -212,7 +219,7 @@ void dot_block_pairs(const char* records, const Int16Rows& xs, int64_t m0, int64
     const char* rec[2 * NP];
     for (int b = 0; b < 2 * NP; ++b) rec[b] = record<Codes>(records, groups, b0 + b, g);
     for (int b = 0; b < 2 * NP; ++b)  // two runs ahead, into L2, as dot_block says why
-      for (int64_t line = 0; line < RECORD<Codes>; line += 64)
+      for (int64_t line = 0; line < RECORD<Codes> + Codes::TAIL_BYTES; line += 64)
         _mm_prefetch(record<Codes>(records, groups, b0 + 4 * NP + b, g) + line, _MM_HINT_T2);
     constexpr int LOADS = G / 2 / Codes::PAIRS;
     for (int h = 0; h < Codes::HALVES; ++h) {
@@ -235,7 +242,7 @@ void dot_block_pairs(const char* records, const Int16Rows& xs, int64_t m0, int64
         }
       }
       for (int p = 0; p < NP; ++p) {
-        const __m512 s = join(Codes::scale8(rec[2 * p], h), Codes::scale8(rec[2 * p + 1], h));
+        const __m512 s = join(Codes::scale8(rec[2 * p], g, h), Codes::scale8(rec[2 * p + 1], g, h));
         for (int r = 0; r < R; ++r) {
           const float d = xs.d[(m0 + r) * groups + g];
           total[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[p][r]), _mm512_mul_ps(s, _mm512_set1_ps(d)), total[p][r]);
@@ -244,7 +251,7 @@ void dot_block_pairs(const char* records, const Int16Rows& xs, int64_t m0, int64
     }
     if constexpr (Codes::LO)
       for (int p = 0; p < NP; ++p) {
-        const __m512 z = join(Codes::lo8(rec[2 * p]), Codes::lo8(rec[2 * p + 1]));
+        const __m512 z = join(Codes::lo8(rec[2 * p], g), Codes::lo8(rec[2 * p + 1], g));
         for (int r = 0; r < R; ++r)
           total[p][r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs.sum[(m0 + r) * groups + g]), total[p][r]);
       }
@@ -271,8 +278,8 @@ void dot_rows(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0, 
 template <typename Codes>
 void check_records(const at::Tensor& records, int64_t K) {
   TORCH_CHECK(records.scalar_type() == at::kByte && records.dim() == 3 && records.is_contiguous() &&
-              K % G == 0 && records.size(1) == K / G && records.size(2) == RECORD<Codes>,
-              "the weights must be packed records [N/8, K/32, ", RECORD<Codes>, "] uint8 for K = ", K);
+              K % (G * Codes::PER) == 0 && records.size(1) == K / G / Codes::PER && records.size(2) == STRIDE<Codes>,
+              "the weights must be packed records [N/8, K/", G * Codes::PER, ", ", STRIDE<Codes>, "] uint8 for K = ", K);
 }
 
 // x [M, K] fp32 times the weights that `records` hold -> [M, N]. A block shape per activation
@@ -332,10 +339,10 @@ void dequantize(const char* records, int64_t K, int64_t b0, int64_t b1, T* wt, i
         T* out = wt + g * G * ld + (b - b0) * B;
 #if defined(__AVX2__)
         constexpr int LOADS = G / 2 / Codes::PAIRS;
-        const __m256 z = Codes::LO ? Codes::lo8(rec) : _mm256_setzero_ps();
+        const __m256 z = Codes::LO ? Codes::lo8(rec, g) : _mm256_setzero_ps();
         for (int l = 0; l < LOADS; ++l) {
           const typename Codes::Word w = Codes::load(rec, l);
-          const __m256 s = Codes::scale8(rec, l * Codes::HALVES / LOADS);
+          const __m256 s = Codes::scale8(rec, g, l * Codes::HALVES / LOADS);
 #pragma GCC unroll 4
           for (int q = 0; q < Codes::PAIRS; ++q) {  // per lane, the int16 codes of weights 2p and 2p + 1
             const __m256i c = Codes::pairs(w, q);
@@ -348,8 +355,8 @@ void dequantize(const char* records, int64_t K, int64_t b0, int64_t b1, T* wt, i
 #else
         for (int64_t k = 0; k < G; ++k)
           for (int64_t i = 0; i < B; ++i)
-            out[k * ld + i] = (Codes::LO ? Codes::lo_at(rec, i) : 0.f) +
-                              Codes::scale_at(rec, i, k * Codes::HALVES / G) * static_cast<float>(Codes::at(rec, i, k));
+            out[k * ld + i] = (Codes::LO ? Codes::lo_at(rec, g, i) : 0.f) +
+                              Codes::scale_at(rec, g, i, k * Codes::HALVES / G) * static_cast<float>(Codes::at(rec, i, k));
 #endif
       }
   });
@@ -391,10 +398,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& records, int64_t max_di
 // lookups): each token's block's records, and in them its lane.
 template <typename Codes>
 at::Tensor weight_rows(const at::Tensor& records, const at::Tensor& tokens) {
-  TORCH_CHECK(records.scalar_type() == at::kByte && records.dim() == 3 && records.is_contiguous() &&
-              records.size(2) == RECORD<Codes>, "the weights must be packed records [N/8, K/32, ", RECORD<Codes>, "]");
+  check_records<Codes>(records, records.size(1) * Codes::PER * G);
   const at::Tensor t = tokens.to(at::kLong).contiguous();
-  const int64_t T = t.numel(), groups = records.size(1), N = records.size(0) * B;
+  const int64_t T = t.numel(), groups = records.size(1) * Codes::PER, N = records.size(0) * B;
   const int64_t* tp = t.const_data_ptr<int64_t>();
   for (int64_t j = 0; j < T; ++j) TORCH_CHECK(tp[j] >= 0 && tp[j] < N, "row ", tp[j], " is not one of ", N);
   const char* base = reinterpret_cast<const char*>(records.const_data_ptr<uint8_t>());
@@ -406,8 +412,8 @@ at::Tensor weight_rows(const at::Tensor& records, const at::Tensor& tokens) {
         const char* rec = record<Codes>(base, groups, tp[j] / B, g);
         const int64_t i = tp[j] % B;
         for (int64_t k = 0; k < G; ++k)
-          op[j * groups * G + g * G + k] = (Codes::LO ? Codes::lo_at(rec, i) : 0.f) +
-                                           Codes::scale_at(rec, i, k * Codes::HALVES / G) * static_cast<float>(Codes::at(rec, i, k));
+          op[j * groups * G + g * G + k] = (Codes::LO ? Codes::lo_at(rec, g, i) : 0.f) +
+                                           Codes::scale_at(rec, g, i, k * Codes::HALVES / G) * static_cast<float>(Codes::at(rec, i, k));
       }
   });
   return out;

@@ -12,7 +12,8 @@ namespace {
 at::Tensor record_rows(const at::Tensor& records, const at::Tensor& tokens) {
   TORCH_CHECK(records.dim() == 3, "records must be [N/8, K/32, record bytes]");
   switch (records.size(2)) {
-    case 160: return shardline::int4_rows(records, tokens);
+    case 160:
+    case 1184: return shardline::int4_rows(records, tokens);
     case 224: return shardline::int6_rows(records, tokens);
     case 288: return shardline::int8_rows(records, tokens);
   }
@@ -29,7 +30,8 @@ TORCH_LIBRARY(shardline_native, m) {
   m.def("int6_pack(Tensor codes, Tensor sc, Tensor d) -> Tensor");
   m.def("int6_linear(Tensor x, Tensor records, int max_direct_rows, bool bf16_gemm) -> Tensor");
   m.def("record_rows(Tensor records, Tensor tokens) -> Tensor");
-  m.def("q4_k_pack(Tensor blocks) -> (Tensor, float)");
+  m.def("q4_k_pack(Tensor blocks) -> Tensor");
+  m.def("q4_k_linear(Tensor x, Tensor records, int max_direct_rows, bool bf16_gemm) -> Tensor");
   m.def("q6_k_pack(Tensor blocks) -> Tensor");
   m.def("int4_groups(Tensor records) -> (Tensor, Tensor, Tensor)");
   m.def("paged_decode(Tensor qkv, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, "
@@ -54,6 +56,7 @@ TORCH_LIBRARY_IMPL(shardline_native, CPU, m) {
   m.impl("int6_linear", shardline::int6_linear);
   m.impl("record_rows", record_rows);
   m.impl("q4_k_pack", shardline::q4_k_pack);
+  m.impl("q4_k_linear", shardline::q4_k_linear);
   m.impl("q6_k_pack", shardline::q6_k_pack);
   m.impl("int4_groups", shardline::int4_groups);
   m.impl("paged_decode", shardline::paged_decode);

@@ -27,19 +27,22 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& records, int64_t m
 // (its super-block's, per group) -> int6_linear's records [N/8, K/32, 224] uint8 (int6_linear.cpp).
 at::Tensor int6_pack(const at::Tensor& codes, const at::Tensor& sc, const at::Tensor& d);
 
-// GGUF's Q4_K blocks [N, K/256 * 144] uint8 -> int4_linear's records (N padded to whole blocks
-// of 8), and the share of groups whose scale and lo fp16 holds; Q6_K's [N, K/256 * 210] ->
-// int6_linear's records.
-std::tuple<at::Tensor, double> q4_k_pack(const at::Tensor& blocks);
+// GGUF's Q4_K blocks [N, K/256 * 144] uint8 -> q4_k_linear's records [N/8, K/256, 1184] (N padded
+// to whole blocks of 8); Q6_K's [N, K/256 * 210] -> int6_linear's records.
+at::Tensor q4_k_pack(const at::Tensor& blocks);
 at::Tensor q6_k_pack(const at::Tensor& blocks);
 
-// int4_pack's records -> the groups they hold: (codes uint8 [N, K], scale and lo fp32 [N, K/32]).
+// x [M, K] fp32 times the weights q4_k_pack's records hold, as int4_linear.
+at::Tensor q4_k_linear(const at::Tensor& x, const at::Tensor& records, int64_t max_direct_rows, bool bf16_gemm);
+
+// int4_pack's or q4_k_pack's records -> the groups they hold: (codes uint8 [N, K], scale and lo
+// fp32 [N, K/32]).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_groups(const at::Tensor& records);
 
 // The same for int6_pack's records, w = d * sc * (code - 32).
 at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& records, int64_t max_direct_rows, bool bf16_gemm);
 
-// The weight rows `tokens` of a layer held in records of any of the three kernels, fp32 [T, K]
+// The weight rows `tokens` of a layer held in records of any of the kernels, fp32 [T, K]
 // (a tied embedding's lookups).
 at::Tensor int4_rows(const at::Tensor& records, const at::Tensor& tokens);
 at::Tensor int6_rows(const at::Tensor& records, const at::Tensor& tokens);

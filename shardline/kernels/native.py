@@ -118,7 +118,7 @@ def _load() -> bool:
 def _register_fakes() -> None:
     """Output shapes for tracing (a compiled decode graph calls the linear and MLP kernels)."""
 
-    for name in ("int8_linear", "int6_linear", "int4_linear"):
+    for name in ("int8_linear", "int6_linear", "int4_linear", "q4_k_linear"):
 
         @torch.library.register_fake(f"shardline_native::{name}")
         def _(x, records, max_direct_rows, bf16_gemm):

@@ -53,11 +53,23 @@ def torch_operands(codes, scale, lo, bits: int) -> list:
 
 # A native layer's records (kernels/interleaved.h): per block of LANES outputs and group, the
 # codes (4, 6 or 8 bits each), then their scales: LANES fp16 scales and LANES fp16 los (4 and 8
-# bits), or 2 x LANES int8 scales and LANES fp16 d (6 bits, kernels/int6_linear.cpp). Records of
-# a size are one kernel's.
+# bits), or 2 x LANES int8 scales and LANES fp16 d (6 bits, kernels/int6_linear.cpp); Q4_K's
+# records are 8 groups' codes, scales and mins with their super-block's d and dmin
+# (kernels/int4_linear.cpp). A tensor [N/8, K/(32 x groups a record), bytes]; records of a size are
+# one kernel's: by their size, (the kernel's name, groups a record).
 LANES = 8
 RECORD_BYTES = {4: GROUP * LANES // 2 + 4 * LANES, 6: GROUP * LANES * 6 // 8 + 4 * LANES, 8: GROUP * LANES + 4 * LANES}
-LINEAR = {RECORD_BYTES[bits]: f"int{bits}_linear" for bits in RECORD_BYTES}
+Q4_K_RECORD = 8 * (GROUP * LANES // 2 + 2 * LANES) + 4 * LANES
+FORMATS = {RECORD_BYTES[bits]: (f"int{bits}", 1) for bits in RECORD_BYTES} | {Q4_K_RECORD: ("q4_k", 8)}
+
+
+def record_format(records: torch.Tensor) -> str:
+    """What records hold: int4, int6, int8 or q4_k."""
+    return FORMATS[records.shape[-1]][0]
+
+
+def in_features(records: torch.Tensor) -> int:
+    return records.shape[1] * FORMATS[records.shape[-1]][1] * GROUP
 
 
 def native_operands(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int, count_down: bool = True):
@@ -158,7 +170,7 @@ def multiply(
     slices it dequantizes (in bf16 where `bf16_gemm`: kernels/choice.py, `gemm_in_bf16`)."""
     if kernel is Kernel.NATIVE:
         records = operands[0]
-        linear = getattr(native.ops(), LINEAR[records.shape[-1]])
+        linear = getattr(native.ops(), f"{record_format(records)}_linear")
         return linear(rows.float(), records, direct_rows, bf16_gemm)
     rows = rows.bfloat16()
     out = [torch._weight_int4pack_mm_for_cpu(rows, packed, GROUP, scales_zeros) for packed, scales_zeros in operands]

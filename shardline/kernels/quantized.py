@@ -31,14 +31,16 @@ from shardline.kernels.choice import (
     gemm_in_bf16,
     kernel_for,
 )
-from shardline.kernels.grid import GROUP, grid_groups, grid_weights, rows_at_once
+from shardline.kernels.grid import grid_groups, grid_weights, rows_at_once
 from shardline.kernels.linear import onednn_linear
 from shardline.kernels.operands import (
     Kernel,
+    in_features,
     multiply,
     native_operands,
     native_rows,
     operands,
+    record_format,
     torch_operands,
 )
 
@@ -169,7 +171,7 @@ class QuantizedLinear(nn.Module):
         needs them."""
         layer = cls.__new__(cls)
         groups = functools.cache(lambda: tuple(t[:n] for t in native.ops().int4_groups(records)))
-        shape = (n, records.shape[1] * GROUP)
+        shape = (n, in_features(records))
         layer._init(shape, groups, bits, bias, exact, dense_copy, keep_rows, count_down=False, records=records)
         return layer
 
@@ -195,10 +197,11 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("bias", bias.detach(), persistent=False)
         shape = f"{self.out_features}x{self.in_features}-{torch.get_num_threads()}threads"
         self.direct_rows, self.torch_rows, self.bf16_gemm = ALWAYS, ALWAYS, gemm_in_bf16()
+        held_as = record_format(self.operands[0]) if self.kernel is Kernel.NATIVE else f"int{bits}"
         if self.kernel is Kernel.NATIVE:
             gemm = "bf16" if self.bf16_gemm else "fp32"
             self.direct_rows = crossover(
-                f"int{bits}-direct-{gemm}-{shape}",
+                f"{held_as}-direct-{gemm}-{shape}",
                 self._quantized,
                 lambda rows: multiply(self.kernel, self.operands, rows, direct_rows=0, bf16_gemm=self.bf16_gemm),
                 self.in_features,
@@ -210,7 +213,7 @@ class QuantizedLinear(nn.Module):
             held = functools.cache(lambda: torch_operands(*groups(), bits))  # built only if needed
             ours, theirs = _cold(lambda: self.operands), _cold(held)
             self.torch_rows = crossover(
-                f"int4-torch-{shape}",
+                f"{held_as}-torch-{shape}",
                 lambda rows: multiply(self.kernel, next(ours), rows, self.direct_rows, self.bf16_gemm),
                 lambda rows: multiply(Kernel.TORCH, next(theirs), rows),
                 self.in_features,
@@ -227,7 +230,7 @@ class QuantizedLinear(nn.Module):
             ALWAYS
             if self.dense is None
             else crossover(
-                f"int{bits}-{self.kernel.value}-{self.dense.kind.value}-{shape}",
+                f"{held_as}-{self.kernel.value}-{self.dense.kind.value}-{shape}",
                 self._quantized,
                 self.dense,
                 self.in_features,

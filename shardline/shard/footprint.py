@@ -35,7 +35,7 @@ FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}  # GGUF types whose blocks int4 holds exactl
 FLOAT = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # a record per 8 outputs x 32 inputs (kernels/operands.py), per weight
-RECORD_BYTES = {4: 160 / 256, 6: 224 / 256, 8: 288 / 256}
+RECORD_BYTES = {4: 160 / 256, 6: 224 / 256, 8: 288 / 256, "Q4_K": 1184 / 2048}
 INT4_BYTES = RECORD_BYTES[4]
 PREFILL_PIECE_BYTES = 128 << 20  # shard/runner.py's bound on a prefill piece's MLP activations
 WEIGHTS_AT_ONCE = 1 << 21  # weights of a slice the GGUF loader (and the operand packing) takes at once
@@ -158,13 +158,15 @@ def _gguf_name(hf: str) -> str:
 FUSED = {"attn_q": "wqkv", "attn_k": "wqkv", "attn_v": "wqkv", "ffn_gate": "w13", "ffn_up": "w13"}
 
 
-def _bits(kinds: set[str], layer: str, weights: str, quantize: str) -> int | None:
+def _bits(kinds: set[str], layer: str, weights: str, quantize: str) -> int | str | None:
     """The width a linear layer of these GGUF types is served at (shard/transforms.py,
-    `mark_quantized`); None: dense, in the serving dtype."""
+    `mark_quantized`), or "Q4_K" for its own blocks; None: dense, in the serving dtype."""
     if quantize:
         return 8 if quantize == "int8" or layer == "output" else 4
     if weights != "native" or kinds <= FLOAT.keys():
         return None
+    if kinds == {"Q4_K"}:
+        return "Q4_K"  # its blocks as they are, in 4.6 bits
     return 4 if kinds <= FOUR_BIT else 6 if kinds == {"Q6_K"} else 8
 
 
@@ -217,8 +219,8 @@ def shard_footprint(
             tied, bits = "output.weight" not in by_name, _bits({t.kind}, "output", weights, quantize)
             if samples and tied:
                 held += _held(t.params, bits, dtype)
-            # A tied LM head that is dense is the embedding; one in int8 or Q6_K serves its lookups too.
-            if first and not (samples and tied and bits in (None, 6, 8)):
+            # A tied LM head that is dense is the embedding; a quantized one serves its lookups too.
+            if first and not (samples and tied):
                 held += t.params * DTYPE_BYTES[dtype]
         elif t.name == "output.weight" and samples:
             held += _held(t.params, _bits({t.kind}, "output", weights, quantize), dtype)

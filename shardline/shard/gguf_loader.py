@@ -29,6 +29,7 @@ from shardline.common.process import trim_heap
 from shardline.kernels import native
 from shardline.kernels.gguf_groups import BITS, BLOCK_WEIGHTS, dequantized, groups_of
 from shardline.kernels.grid import GROUP, grid_groups, rows_at_once
+from shardline.kernels.operands import FORMATS, Q4_K_RECORD, RECORD_BYTES
 from shardline.kernels.quantized import QuantizedEmbedding, QuantizedLinear, TiedEmbedding
 from shardline.shard.footprint import Tensor, Unservable, read_model
 from shardline.shard.layout import Layout, layer_range
@@ -100,21 +101,17 @@ class _Part:
             exact += part[3] * len(part[0])
         return exact / len(self.rows)
 
-    def records_into(self, records: torch.Tensor, pack) -> float:
-        """Fills records ([ceil(rows / 8), cols / 32, bytes]) with `pack`'s records of the blocks of
-        the columns kept (`aligned`), a slice of rows at a time (whole blocks of 8 rows, the last
-        slice aside), and says the share of groups held exactly."""
-        step, per_byte, exact = rows_at_once(len(self.cols)), self.tensor.data.shape[1] / self.k, 0.0
+    def records_into(self, records: torch.Tensor, pack) -> None:
+        """Fills records ([ceil(rows / 8), ..]) with `pack`'s records of the blocks of the columns
+        kept (`aligned`), a slice of rows at a time (whole blocks of 8 rows, the last aside)."""
+        step, per_byte = rows_at_once(len(self.cols)), self.tensor.data.shape[1] / self.k
         for i in range(0, len(self.rows), step):
             raw = _Part(self.tensor, self.rows[i : i + step]).raw()
             with warnings.catch_warnings():  # the file's mapping is read-only, and only read here
                 warnings.simplefilter("ignore", UserWarning)
                 blocks = torch.from_numpy(raw[:, round(self.cols.start * per_byte) : round(self.cols.stop * per_byte)])
             made = pack(blocks)
-            made, share = made if isinstance(made, tuple) else (made, 1.0)
             records[i // 8 : i // 8 + len(made)] = made
-            exact += share * len(raw)
-        return exact / len(self.rows)
 
     def _slice(self, rows: np.ndarray, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
         part = _Part(self.tensor, rows, self.cols)
@@ -145,27 +142,28 @@ def groups(parts: list[_Part], bits: int) -> tuple[torch.Tensor, torch.Tensor, t
     return codes, scale, lo, exact / n
 
 
-# The types whose blocks Shardline's kernels pack into their records at once (kernels/int4_linear.cpp,
-# int6_linear.cpp), and the record bytes of each.
-PACKS = {"Q4_K": ("q4_k_pack", 160), "Q6_K": ("q6_k_pack", 224)}
+# The types whose blocks Shardline's kernels hold as they are (kernels/int4_linear.cpp,
+# int6_linear.cpp, exactly): their packing operators.
+PACKS = {"Q4_K": "q4_k_pack", "Q6_K": "q6_k_pack"}
+HELD_AS = {"Q4_K": Q4_K_RECORD, "Q6_K": RECORD_BYTES[6]}  # their records' bytes (kernels/operands.py)
 
 
-def packed(parts: list[_Part]) -> tuple[torch.Tensor, float] | None:
-    """The parts' blocks as one layer's native records, one above the other, and the share of
-    groups held exactly; None where they are not all of one type in PACKS, or the columns kept cut
-    blocks, or a part but the last is not whole blocks of 8 rows."""
+def packed(parts: list[_Part]) -> torch.Tensor | None:
+    """The parts' blocks as one layer's native records, one above the other; None where they are
+    not all of one type in PACKS, or the columns kept cut blocks, or a part but the last is not
+    whole blocks of 8 rows."""
     kinds = {p.kind for p in parts}
     if len(kinds) != 1 or (kind := kinds.pop()) not in PACKS or not native.available():
         return None
     if not all(p.aligned() for p in parts) or any(len(p.rows) % 8 for p in parts[:-1]):
         return None
-    op, size = PACKS[kind]
+    pack, size = getattr(native.ops(), PACKS[kind]), HELD_AS[kind]
     n, k = sum(len(p.rows) for p in parts), len(parts[0].cols)
-    records, at, exact = torch.empty((-(-n // 8), k // GROUP, size), dtype=torch.uint8), 0, 0.0
+    records, at = torch.empty((-(-n // 8), k // GROUP // FORMATS[size][1], size), dtype=torch.uint8), 0
     for p in parts:
-        exact += p.records_into(records[at // 8 :], getattr(native.ops(), op)) * len(p.rows)
+        p.records_into(records[at // 8 :], pack)
         at += len(p.rows)
-    return records, exact / n
+    return records
 
 
 def _fp16_share(scale: torch.Tensor, lo: torch.Tensor, bits: int) -> float:
@@ -231,10 +229,10 @@ class GgufLoader:
                 linear.bias = nn.Parameter(bias, requires_grad=False)
             linear.in_features, linear.out_features = linear.weight.shape[1], linear.weight.shape[0]
             return linear
-        made = packed(parts)
-        if made is not None:
+        records = packed(parts)
+        if records is not None:
             n = sum(len(p.rows) for p in parts)
-            return QuantizedLinear.from_records(*made[:1], bits, n, bias, made[1], self.dense_copy, keep_rows)
+            return QuantizedLinear.from_records(records, bits, n, bias, 1.0, self.dense_copy, keep_rows)
         bits = 8 if bits == 6 else bits  # Q6_K blocks that `packed` cannot take: a grid of 8 bits
         codes, scale, lo, exact = groups(parts, bits)
         return QuantizedLinear.from_groups(
@@ -304,7 +302,7 @@ class GgufLoader:
     def _embedding(self, model: Transformer, tied: bool) -> nn.Module:
         part = self._part("token_embd.weight")
         head = model.lm_head
-        if tied and isinstance(head, QuantizedLinear) and head.bits in (6, 8):
+        if tied and isinstance(head, QuantizedLinear):
             return TiedEmbedding(head, self.dtype)  # the LM head's codes serve the lookups too
         if tied and isinstance(head, nn.Linear):
             embed = nn.Embedding(1, 1)

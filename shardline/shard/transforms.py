@@ -23,7 +23,7 @@ from shardline.common.model_source import ModelSource
 from shardline.kernels import native
 from shardline.kernels.attention import AttentionBatch
 from shardline.kernels.linear import OneDnnLinear
-from shardline.kernels.operands import Kernel
+from shardline.kernels.operands import Kernel, record_format
 from shardline.kernels.quantized import QuantizedLinear, TiedEmbedding
 from shardline.shard.layout import Layout
 from shardline.shard.model import MLP, Attention, Transformer
@@ -176,14 +176,15 @@ def use_native_ops(model: nn.Module) -> None:
 
 
 # -- 6. one operator per decode layer -------------------------------------------------------------
-# The operand layouts kernels/decode_layer.cpp takes, by (kernel, bits).
-_LAYOUTS = {
-    (Kernel.TORCH, 4): 0,
-    (Kernel.TORCH, 8): 1,
-    (Kernel.NATIVE, 8): 2,
-    (Kernel.NATIVE, 4): 3,
-    (Kernel.NATIVE, 6): 4,
-}
+# The operand layouts kernels/decode_layer.cpp takes: torch's by bits, Shardline's by what its
+# records hold.
+_LAYOUTS = {(Kernel.TORCH, 4): 0, (Kernel.TORCH, 8): 1, "int8": 2, "int4": 3, "int6": 4, "q4_k": 5}
+
+
+def _layout(layer: QuantizedLinear) -> int:
+    if layer.kernel is Kernel.NATIVE:
+        return _LAYOUTS[record_format(layer.operands[0])]
+    return _LAYOUTS[layer.kernel, layer.bits]
 
 
 def _operands(layer: QuantizedLinear) -> list[torch.Tensor]:
@@ -214,7 +215,7 @@ class FusedDecodeBlock(nn.Module):
             block.mlp_norm.weight,
             block.attn_norm.eps,
             *(_operands(layer) for layer in linears),
-            [_LAYOUTS[(layer.kernel, layer.bits)] for layer in linears],
+            [_layout(layer) for layer in linears],
             [layer.direct_rows for layer in linears],
             [layer.torch_rows for layer in linears],
             linears[0].bf16_gemm,  # a machine's choice: the same for every layer
