@@ -138,7 +138,9 @@ class ShardProcesses:
         return None
 
     def stop(self, kill: bool = False) -> None:
-        _stop(self.procs, timeout=10, kill_first=kill)
+        """SIGTERM, SIGKILL after the shards' own exit deadline (shard/server.py: the drain and
+        10 s: a first start's shard may still be writing what it keeps for later starts)."""
+        _stop(self.procs, timeout=self.args.drain_timeout_s + 15, kill_first=kill)
         for probe in self.probes:
             probe.close()
         self.probes = []

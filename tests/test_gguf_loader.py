@@ -13,6 +13,7 @@ from shardline.common.model_source import resolve_model
 from shardline.kernels.gguf_groups import dequantized, groups_of
 from shardline.kernels.grid import grid_weights
 from shardline.kernels.quantized import QuantizedLinear
+from shardline.kernels.stacked import StackedLinear
 from shardline.shard.gguf_loader import GgufLoader
 from shardline.shard.layout import Layout
 from shardline.shard.load import weight_formats
@@ -20,12 +21,12 @@ from shardline.shard.weights import build_model, unpermute_rope
 
 HIDDEN, INTER, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 320
 # (layer, part) -> type: every path the loader takes (int4 from 4-bit blocks, int8 from Q8_0,
-# a fused layer of mixed types in int8 with its Q6_K part rounded to it, Q6_K's own 6 bits, a
-# dense F16 layer)
+# Q4_K's and Q6_K's own blocks, a fused layer of both as parts of each, a fused layer of Q8_0 and
+# Q6_K in int8 with its Q6_K part rounded to it, a dense F16 layer)
 TYPES = {
     (0, "attn_q"): "Q4_K", (0, "attn_k"): "Q4_K", (0, "attn_v"): "Q6_K", (0, "attn_output"): "Q4_0",
     (0, "ffn_gate"): "Q4_1", (0, "ffn_up"): "Q4_1", (0, "ffn_down"): "Q8_0",
-    (1, "attn_q"): "Q8_0", (1, "attn_k"): "Q8_0", (1, "attn_v"): "Q8_0", (1, "attn_output"): "F16",
+    (1, "attn_q"): "Q8_0", (1, "attn_k"): "Q8_0", (1, "attn_v"): "Q6_K", (1, "attn_output"): "F16",
     (1, "ffn_gate"): "Q4_K", (1, "ffn_up"): "Q4_K", (1, "ffn_down"): "Q6_K",
 }  # fmt: skip
 
@@ -170,6 +171,8 @@ def _served(layer) -> torch.Tensor:
     """The weights a layer holds, [N, K]: its answers to the unit rows through its quantized
     kernel straight from the codes (which of the dense copy, torch's kernel or the GEMM path would
     serve a step of this many rows is measured per machine and shape; their bf16 rounds)."""
+    if isinstance(layer, StackedLinear):  # its parts' outputs side by side
+        return torch.cat([_served(part) for part in layer.parts])
     eye = torch.eye(layer.in_features)
     with torch.inference_mode():
         if isinstance(layer, QuantizedLinear):  # its own direct kernel at any rows
@@ -218,14 +221,15 @@ def test_each_layer_serves_the_weights_its_blocks_hold(untied):
             served = _served(block.get_submodule(module))
             want = torch.cat([_reference(untied, f"blk.{i}.{n}.weight") for n in names])
             kinds = {TYPES[i, n] for n in names}
-            assert _close(served, want, rounded="Q6_K" in kinds and len(kinds) > 1), (i, module)
+            assert _close(served, want, rounded="Q6_K" in kinds and not kinds <= {"Q4_K", "Q6_K"}), (i, module)
+    assert isinstance(model.layers[0].attn.wqkv, StackedLinear)  # Q4_K and Q6_K parts, each at its width
     assert _close(_served(model.lm_head), _reference(untied, "output.weight"))
     tokens = torch.tensor([0, 7, VOCAB - 1])
     assert _close(model.embed(tokens), _reference(untied, "token_embd.weight")[tokens])
     # and the shard can say how it holds each (its startup log, Info: the last layer's)
     formats = weight_formats(model)
-    assert formats["embed"] == "int8 g32 rows" and formats["w13"].startswith("int4")
-    assert formats["w2"].startswith("int6") and formats["lm_head"].startswith("int6 g32 (100% of groups exact)")
+    assert formats["embed"] == "int8 g32 rows" and formats["w13"].startswith("Q4_K blocks g32 (100% of groups exact)")
+    assert formats["w2"].startswith("int6") and formats["lm_head"].startswith("int6 (Q6_K blocks) g32 (100% of groups")
 
 
 @pytest.mark.parametrize("embed", ["Q8_0", "Q4_K", "Q6_K"])
@@ -314,3 +318,33 @@ def test_kept_weights_serve_what_was_read_without_reading_the_file_again(tmp_pat
     tokens = torch.tensor([0, 11, VOCAB - 1])
     assert torch.equal(kept.embed(tokens), made.embed(tokens))
     assert (type(kept.embed) is type(made.embed)) and (not tied or kept.embed.table is kept.lm_head)
+
+
+@pytest.mark.processes
+def test_a_first_start_keeps_what_it_serves_for_the_next(tmp_path):
+    """A shard serves the weights it made and, once warm, writes them for later starts in the
+    background (shard/served_cache.py); the next start maps them and answers the same."""
+    import shutil
+    import time
+
+    from harness.serve import Server
+    from shardline.protos import generation_pb2 as pb
+
+    copy = tmp_path / "SmolLM2.gguf"  # a file of its own: nothing kept of it yet
+    shutil.copy(resolve_model(None).path, copy)
+    folder = resolve_model(str(copy)).cache_dir
+    _WRITTEN.append(folder)
+    answers = []
+    for start in ("first", "second"):
+        server = Server("--model", str(copy))
+        try:
+            request = dict(prompt="The capital of", max_new_tokens=8, ignore_eos=True)
+            answers.append(server.generate(**request, sampling=pb.SamplingParams(temperature=0))[0])
+            if start == "first":  # written after the warm-up, while it serves
+                deadline = time.monotonic() + 120
+                while not list(folder.glob("served-*.pt")) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+        finally:
+            assert server.stop() == 0
+        assert len(list(folder.glob("served-*.pt"))) == 1 and not list(folder.glob(".served-*")), start
+    assert answers[0] == answers[1] and len(answers[0]) == 8

@@ -59,7 +59,8 @@ for bits, levels in ((4, 16), (6, 64), (8, 255)):
     check(f"int{bits}", native_operands(codes, scale, lo, bits), weights)
 # Q4_K's blocks as they are: random bytes with finite fp16 d and dmin
 blocks = np.random.default_rng(0).integers(0, 256, (72, 2, 144), dtype=np.uint8)
-blocks[..., :4] = np.random.default_rng(1).uniform(0.001, 0.02, (72, 2, 2)).astype(np.float16).view(np.uint8).reshape(72, 2, 4)
+d_and_dmin = np.random.default_rng(1).uniform(0.001, 0.02, (72, 2, 2)).astype(np.float16)
+blocks[..., :4] = d_and_dmin.view(np.uint8).reshape(72, 2, 4)
 raw = blocks.reshape(72, -1)
 weights = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K).reshape(72, 512))
 check("q4_k", (native.ops().q4_k_pack(torch.from_numpy(raw)),), weights)

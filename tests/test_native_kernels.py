@@ -155,7 +155,8 @@ def test_the_kernels_reject_records_of_another_width_or_shape(bits):
 
 
 @pytest.mark.parametrize(
-    "kernel,bits", [("torch", 4), ("torch", 8), ("native", 4), ("native+torch", 4), ("native", 8), ("native", 6)]
+    "kernel,bits",
+    [("torch", 4), ("torch", 8), ("native", 4), ("native+torch", 4), ("native", 8), ("native", 6), ("native", "4+6")],
 )
 def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_machine_choices):
     """Qwen3-like blocks (q/k norms, a qkv bias): the fused layer's output and K/V writes equal the
@@ -163,6 +164,7 @@ def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_
     the layers' dense-copy crossover run the block itself."""
     from shardline.kernels.operands import Kernel
     from shardline.kernels.quantized import QuantizedLinear
+    from shardline.kernels.stacked import StackedLinear
     from shardline.shard.config import ModelConfig
     from shardline.shard.kv_cache import KVPages
     from shardline.shard.model import Transformer
@@ -185,7 +187,7 @@ def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_
             return measured(name, *args, **kw) if rows is None else rows
 
         monkeypatch.setattr(quantized, "crossover", crossover)
-    torch.manual_seed(bits)
+    torch.manual_seed(0)
     cfg = ModelConfig(
         architecture="qwen3",
         vocab_size=128,
@@ -206,17 +208,24 @@ def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_
     model = Transformer(cfg).eval().requires_grad_(False)
     for p in model.parameters():
         p.data = torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0)
+
+    def q6_k(n, k, bias=None):  # Q6_K's blocks, as a GGUF holds them (kernels/int6_linear.cpp)
+        codes, sc = torch.randint(0, 64, (n, k), dtype=torch.uint8), torch.randint(-60, 60, (n, k // 16))
+        d = (torch.rand(n, k // 32) / 500).half().float()
+        return QuantizedLinear.from_groups(codes, sc.to(torch.int8), d, 6, bias)
+
     for block in model.layers:
         for name in ("attn.wqkv", "attn.wo", "mlp.w13", "mlp.w2"):
             layer = block.get_submodule(name)
-            layer.quant_bits = bits
-            if bits == 6:  # Q6_K's blocks, as a GGUF holds them (kernels/gguf_groups.py, q6_k_of)
-                n, k = layer.weight.shape
-                codes, sc = torch.randint(0, 64, (n, k), dtype=torch.uint8), torch.randint(-60, 60, (n, k // 16))
-                d = (torch.rand(n, k // 32) / 500).half().float()
-                held = QuantizedLinear.from_groups(codes, sc.to(torch.int8), d, 6, layer.bias)
-                parent, _, attr = name.rpartition(".")
-                setattr(block.get_submodule(parent), attr, held)
+            parent, _, attr = name.rpartition(".")
+            layer.quant_bits = 4 if bits == "4+6" else bits
+            if bits == 6:
+                setattr(block.get_submodule(parent), attr, q6_k(*layer.weight.shape, layer.bias))
+            elif bits == "4+6" and attr == "wqkv":  # Q and K 4-bit, V Q6_K's (a Q4_K_M file's, in half its layers)
+                qk = torch.nn.Linear(64, 96, bias=False)
+                qk.weight.data = layer.weight[:96]
+                parts = [QuantizedLinear(qk, 4), q6_k(32, 64)]
+                setattr(block.get_submodule(parent), attr, StackedLinear(parts, layer.bias))
     quantize(model)
     use_native_ops(model)  # as prepare does before fusing
     blocks = list(model.layers)
@@ -240,7 +249,7 @@ def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_
             # largest); the fused and the block's norms differ in the last fp32 bit, which moves
             # some roundings: parts in 10^4 of the layer's output after four layers of it, and of
             # the K/V it writes after one.
-            close = 1e-3 if (kernel, bits) == ("native", 4) else 1e-4
+            close = 1e-3 if (kernel, bits) in (("native", 4), ("native", "4+6")) else 1e-4
             if kernel == "native+torch":
                 assert all(
                     layer.torch_rows == 1 and layer.torch_operands
@@ -248,7 +257,7 @@ def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_
                 )
             torch.testing.assert_close(got, want, rtol=close, atol=close * want.abs().max().item())
             for p, w in zip(pages, written):
-                kv_close = close if (kernel, bits) == ("native", 4) else 1e-5
+                kv_close = close if (kernel, bits) in (("native", 4), ("native", "4+6")) else 1e-5
                 torch.testing.assert_close(p, w, rtol=kv_close, atol=kv_close * w.abs().max().item())
         fused = model.layers[0]
         fused.max_rows = 2  # above the crossover: the block itself, bit for bit

@@ -3,8 +3,9 @@
 // a 2-core EPYC, the operators' dispatch cost more than the layer's arithmetic.
 //
 // The layer is the model's Block: x + attention(norm(x)), then + mlp(norm(.)), with the
-// attention of paged_decode.cpp. Its four linear layers arrive as the operands of the
-// kernel each was loaded for (kernels/quantized.py), one of:
+// attention of paged_decode.cpp. Its four linear layers arrive in parts (runs of output rows,
+// one part but where a layer's GGUF types differ), each as the operands of the kernel it was
+// loaded for (kernels/quantized.py), one of:
 //   0: torch's int4 kernel                 [packed, scales_zeros]
 //   1: torch's int4 kernel, 8 bits as two  [high packed, high scales_zeros, low packed, low scales_zeros]
 //   2: Shardline's int8 kernel             [records], straight from the codes up to the layer's
@@ -17,6 +18,7 @@
 #include "decode_layer.h"
 
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/ops/cat.h>
 
 namespace {
 
@@ -56,17 +58,37 @@ at::Tensor normed(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 namespace shardline {
 
-DecodeLayer::DecodeLayer(at::Tensor attn_norm, at::Tensor mlp_norm, double eps, std::vector<at::Tensor> qkv,
-                         std::vector<at::Tensor> wo, std::vector<at::Tensor> w13, std::vector<at::Tensor> w2,
-                         std::vector<int64_t> kinds, std::vector<int64_t> direct_rows, std::vector<int64_t> torch_rows,
-                         bool bf16_gemm, std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> q_norm,
+DecodeLayer::DecodeLayer(at::Tensor attn_norm, at::Tensor mlp_norm, double eps, std::vector<at::Tensor> operands,
+                         std::vector<int64_t> part_info, std::vector<int64_t> parts, bool bf16_gemm,
+                         std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> q_norm,
                          std::optional<at::Tensor> k_norm, double qk_eps, int64_t heads, double scale)
-    : attn_norm_(std::move(attn_norm)), mlp_norm_(std::move(mlp_norm)), eps_(eps), qkv_(std::move(qkv)),
-      wo_(std::move(wo)), w13_(std::move(w13)), w2_(std::move(w2)), kinds_(std::move(kinds)),
-      direct_rows_(std::move(direct_rows)), torch_rows_(std::move(torch_rows)), bf16_gemm_(bf16_gemm), qkv_bias_(std::move(qkv_bias)),
-      q_norm_(std::move(q_norm)), k_norm_(std::move(k_norm)), qk_eps_(qk_eps), heads_(heads), scale_(scale) {
-  TORCH_CHECK(kinds_.size() == 4 && direct_rows_.size() == 4 && torch_rows_.size() == 4,
-              "one kind, direct_rows and torch_rows per linear layer");
+    : attn_norm_(std::move(attn_norm)), mlp_norm_(std::move(mlp_norm)), eps_(eps), bf16_gemm_(bf16_gemm),
+      qkv_bias_(std::move(qkv_bias)), q_norm_(std::move(q_norm)), k_norm_(std::move(k_norm)), qk_eps_(qk_eps),
+      heads_(heads), scale_(scale) {
+  TORCH_CHECK(parts.size() == 4, "parts per linear layer: qkv, wo, w13, w2");
+  size_t info = 0, operand = 0;
+  for (int64_t n : parts) {
+    std::vector<Part> linear;
+    for (int64_t j = 0; j < n; ++j, info += 4) {
+      TORCH_CHECK(info + 4 <= part_info.size() && operand + part_info[info + 3] <= operands.size(),
+                  "part_info holds 4 values a part, and the parts' operands are all given");
+      const auto first = operands.begin() + static_cast<int64_t>(operand);
+      operand += part_info[info + 3];
+      linear.push_back({part_info[info], part_info[info + 1], part_info[info + 2],
+                        std::vector<at::Tensor>(first, first + part_info[info + 3])});
+    }
+    linears_.push_back(std::move(linear));
+  }
+  TORCH_CHECK(info == part_info.size() && operand == operands.size(), "parts, part_info and operands must agree");
+}
+
+at::Tensor DecodeLayer::linear(const at::Tensor& x, int64_t which) const {
+  const std::vector<Part>& parts = linears_[which];
+  if (parts.size() == 1)
+    return ::linear(x, parts[0].operands, parts[0].kind, parts[0].direct_rows, parts[0].torch_rows, bf16_gemm_);
+  std::vector<at::Tensor> outs;
+  for (const Part& p : parts) outs.push_back(::linear(x, p.operands, p.kind, p.direct_rows, p.torch_rows, bf16_gemm_));
+  return at::cat(outs, 1);
 }
 
 at::Tensor DecodeLayer::forward(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
@@ -74,13 +96,13 @@ at::Tensor DecodeLayer::forward(const at::Tensor& x_in, const at::Tensor& cos, c
                                 const at::Tensor& block_tables, const at::Tensor& context_lens) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be [tokens, hidden] float32");
   const at::Tensor x = x_in.contiguous();
-  at::Tensor qkv = linear(normed(x, attn_norm_, eps_), qkv_, kinds_[0], direct_rows_[0], torch_rows_[0], bf16_gemm_);
+  at::Tensor qkv = linear(normed(x, attn_norm_, eps_), 0);
   if (qkv_bias_) qkv.add_(*qkv_bias_);
   const at::Tensor attended = paged_decode(qkv, cos, sin, q_norm_, k_norm_, qk_eps_, k_pages, v_pages, slots,
                                            block_tables, context_lens, heads_, scale_);
-  at::Tensor h = linear(attended, wo_, kinds_[1], direct_rows_[1], torch_rows_[1], bf16_gemm_).add_(x);
-  const at::Tensor gate_up = linear(normed(h, mlp_norm_, eps_), w13_, kinds_[2], direct_rows_[2], torch_rows_[2], bf16_gemm_);
-  return linear(silu_mul(gate_up), w2_, kinds_[3], direct_rows_[3], torch_rows_[3], bf16_gemm_).add_(h);
+  at::Tensor h = linear(attended, 1).add_(x);
+  const at::Tensor gate_up = linear(normed(h, mlp_norm_, eps_), 2);
+  return linear(silu_mul(gate_up), 3).add_(h);
 }
 
 }  // namespace shardline

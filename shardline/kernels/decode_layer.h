@@ -14,10 +14,12 @@ namespace shardline {
 
 class DecodeLayer : public torch::CustomClassHolder {
  public:
-  DecodeLayer(at::Tensor attn_norm, at::Tensor mlp_norm, double eps, std::vector<at::Tensor> qkv,
-              std::vector<at::Tensor> wo, std::vector<at::Tensor> w13, std::vector<at::Tensor> w2,
-              std::vector<int64_t> kinds, std::vector<int64_t> direct_rows, std::vector<int64_t> torch_rows,
-              bool bf16_gemm, std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
+  // The four linear layers (qkv, wo, w13, w2) as parts, each a run of output rows on one kernel
+  // (a fused QKV of mixed GGUF types has two): `parts` per linear layer, and per part its kind,
+  // direct_rows, torch_rows and how many of `operands` are its own (decode_layer.cpp).
+  DecodeLayer(at::Tensor attn_norm, at::Tensor mlp_norm, double eps, std::vector<at::Tensor> operands,
+              std::vector<int64_t> part_info, std::vector<int64_t> parts, bool bf16_gemm,
+              std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
               double qk_eps, int64_t heads, double scale);
   // x [rows, hidden] -> the layer's output [rows, hidden]; writes each row's K/V at its slot.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_pages,
@@ -25,10 +27,15 @@ class DecodeLayer : public torch::CustomClassHolder {
                      const at::Tensor& context_lens);
 
  private:
+  struct Part {
+    int64_t kind, direct_rows, torch_rows;
+    std::vector<at::Tensor> operands;  // decode_layer.cpp says which, by kind
+  };
+  at::Tensor linear(const at::Tensor& x, int64_t which) const;
+
   at::Tensor attn_norm_, mlp_norm_;
   double eps_;
-  std::vector<at::Tensor> qkv_, wo_, w13_, w2_;  // each linear's operands (decode_layer.cpp: by kind)
-  std::vector<int64_t> kinds_, direct_rows_, torch_rows_;
+  std::vector<std::vector<Part>> linears_;  // qkv, wo, w13, w2
   bool bf16_gemm_;
   std::optional<at::Tensor> qkv_bias_, q_norm_, k_norm_;
   double qk_eps_;

@@ -40,8 +40,7 @@ TORCH_LIBRARY(shardline_native, m) {
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def("mask_logits(Tensor logits, Tensor packed) -> Tensor");
   m.class_<shardline::DecodeLayer>("DecodeLayer")
-      .def(torch::init<at::Tensor, at::Tensor, double, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+      .def(torch::init<at::Tensor, at::Tensor, double, std::vector<at::Tensor>, std::vector<int64_t>,
                        std::vector<int64_t>, bool, std::optional<at::Tensor>, std::optional<at::Tensor>,
                        std::optional<at::Tensor>, double, int64_t, double>())
       .def("forward", &shardline::DecodeLayer::forward);

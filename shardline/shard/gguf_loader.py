@@ -4,9 +4,10 @@ the file's tensors (memory-mapped), so no fp32 copy of the model exists at any t
 shard's pipeline stage is read, and of its layers only this TP rank's rows and columns.
 
 How each linear layer is held is `mark_quantized`'s rule (shard/transforms.py): layers whose
-tensors are all 4-bit blocks (Q4_0, Q4_1, Q4_K) as int4 groups, all Q6_K as Q6_K's own blocks on
-the 6-bit kernel (where Shardline's kernels are built), any other quantized ones as int8, float
-ones dense in the serving dtype. A tensor's 4-bit, 5-bit, Q6_K or Q8_0 blocks are read directly
+tensors are all 4-bit blocks (Q4_0, Q4_1, Q4_K) as int4 groups, Q4_K's and Q6_K's as their own
+blocks on the 4- and 6-bit kernels (where Shardline's kernels are built; a fused layer of both
+as a `StackedLinear` of one part each), any other quantized ones as int8, float ones dense in
+the serving dtype. A tensor's 4-bit, 5-bit, Q6_K or Q8_0 blocks are read directly
 (kernels/gguf_groups.py); other types' rows, and slices that cut a block, are dequantized a
 tensor at a time for a grid to be found, as before. The embedding stays quantized (int8 groups,
 or the tied LM head's own).
@@ -31,6 +32,7 @@ from shardline.kernels.gguf_groups import BITS, BLOCK_WEIGHTS, dequantized, grou
 from shardline.kernels.grid import GROUP, grid_groups, rows_at_once
 from shardline.kernels.operands import FORMATS, Q4_K_RECORD, RECORD_BYTES
 from shardline.kernels.quantized import QuantizedEmbedding, QuantizedLinear, TiedEmbedding
+from shardline.kernels.stacked import StackedLinear
 from shardline.shard.footprint import Tensor, Unservable, read_model
 from shardline.shard.layout import Layout, layer_range
 from shardline.shard.model import Rotary, Transformer, uninitialized
@@ -148,15 +150,36 @@ PACKS = {"Q4_K": "q4_k_pack", "Q6_K": "q6_k_pack"}
 HELD_AS = {"Q4_K": Q4_K_RECORD, "Q6_K": RECORD_BYTES[6]}  # their records' bytes (kernels/operands.py)
 
 
+def packable(parts: list[_Part]) -> bool:
+    """Whether `packed` takes the parts: all of one type in PACKS, columns that cut no blocks, and
+    every part but the last whole blocks of 8 rows."""
+    kinds = {p.kind for p in parts}
+    return (
+        len(kinds) == 1
+        and kinds <= PACKS.keys()
+        and native.available()
+        and all(p.aligned() for p in parts)
+        and not any(len(p.rows) % 8 for p in parts[:-1])
+    )
+
+
+def _runs(parts: list[_Part]) -> list[list[_Part]]:
+    """The parts in runs of one type, in order (a fused QKV of Q4_K, Q4_K and Q6_K: two)."""
+    runs = []
+    for p in parts:
+        if runs and runs[-1][0].kind == p.kind:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
+
+
 def packed(parts: list[_Part]) -> torch.Tensor | None:
     """The parts' blocks as one layer's native records, one above the other; None where they are
-    not all of one type in PACKS, or the columns kept cut blocks, or a part but the last is not
-    whole blocks of 8 rows."""
-    kinds = {p.kind for p in parts}
-    if len(kinds) != 1 or (kind := kinds.pop()) not in PACKS or not native.available():
+    not `packable`."""
+    if not packable(parts):
         return None
-    if not all(p.aligned() for p in parts) or any(len(p.rows) % 8 for p in parts[:-1]):
-        return None
+    kind = parts[0].kind
     pack, size = getattr(native.ops(), PACKS[kind]), HELD_AS[kind]
     n, k = sum(len(p.rows) for p in parts), len(parts[0].cols)
     records, at = torch.empty((-(-n // 8), k // GROUP // FORMATS[size][1], size), dtype=torch.uint8), 0
@@ -202,6 +225,16 @@ class GgufLoader:
         self._read.append(self.tensors[name])
         return _Part(self.tensors[name], rows, cols)
 
+    def _read_ahead(self, prefix: str) -> None:
+        """Asks the kernel to read the tensors named `prefix`* from disk meanwhile (the next
+        layer's, while this one is repacked): a first start after the file left the page cache
+        reads it at the disk's speed, which the repacking then waits for no more."""
+        page = mmap.PAGESIZE
+        for t in self.tensors.values():
+            if t.name.startswith(prefix):
+                start = t.offset // page * page
+                self.file._mmap.madvise(mmap.MADV_WILLNEED, start, t.offset + t.n_bytes - start)
+
     def _release(self) -> None:
         """Drops the file's pages of the tensors read since the last call from this process's
         memory (they stay in the page cache): a mapped page once read counts as resident, and the
@@ -221,6 +254,9 @@ class GgufLoader:
         return self._part(name, rows).values().squeeze(-1).to(self.dtype)
 
     def _linear(self, parts: list[_Part], bias: torch.Tensor | None = None, keep_rows: bool = False) -> nn.Module:
+        runs = _runs(parts)
+        if len(runs) > 1 and all(packable(run) for run in runs):  # each type at its own width
+            return StackedLinear([self._linear(run) for run in runs], bias)
         bits = _bits(parts)
         if bits is None:
             linear = nn.Linear(1, 1, bias=bias is not None)
@@ -253,6 +289,7 @@ class GgufLoader:
         q_order = _unpermuted(cfg.num_heads * hd, cfg.num_heads) if llama else np.arange(cfg.num_heads * hd)
         k_order = _unpermuted(cfg.num_kv_heads * hd, cfg.num_kv_heads) if llama else np.arange(cfg.num_kv_heads * hd)
         for i, block in zip(layer_range(cfg.num_layers, layout.pp_stage, layout.pp), model.layers):
+            self._read_ahead(f"blk.{i + 1}.")
             p = f"blk.{i}."
             block.attn_norm.weight = nn.Parameter(self._dense(p + "attn_norm.weight"), requires_grad=False)
             block.mlp_norm.weight = nn.Parameter(self._dense(p + "ffn_norm.weight"), requires_grad=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +17,9 @@ from shardline.common.model_source import resolve_model
 from shardline.kernels import native
 from shardline.kernels.grid import GROUP
 from shardline.kernels.linear import OneDnnLinear
-from shardline.kernels.operands import Kernel
+from shardline.kernels.operands import Kernel, record_format
 from shardline.kernels.quantized import QuantizedEmbedding, QuantizedLinear, TiedEmbedding
+from shardline.kernels.stacked import StackedLinear
 from shardline.protos import shard_pb2
 from shardline.shard import served_cache
 from shardline.shard.footprint import check_layout, read_model
@@ -42,6 +44,7 @@ class LoadedShard:
     kv_dtype: torch.dtype
     decode_graphs: bool
     info: shard_pb2.ShardInfo
+    keep: threading.Thread | None = None  # writes the served weights for later starts: start it once warm
 
 
 def pick_device(flag: str, layout: Layout) -> torch.device:
@@ -73,12 +76,16 @@ def weight_bytes(model: Transformer) -> int:
 
 def weight_format(module: nn.Module) -> str:
     """How a layer's weights are held, in words."""
+    if isinstance(module, StackedLinear):
+        return " + ".join(f"{p.out_features} rows {weight_format(p)}" for p in module.parts)
     if isinstance(module, QuantizedLinear):
         kernel = "Shardline's kernel" if module.kernel is Kernel.NATIVE else "torch's int4 kernel"
         if module.bits == 8 and module.kernel is Kernel.TORCH:
             kernel += " as two int4 halves"
         copy = f", {module.dense.kind.value} copy above {module.max_rows} rows" if module.dense is not None else ""
-        return f"int{module.bits} g{GROUP} ({module.exact:.0%} of groups exact), {kernel}{copy}"
+        held = record_format(module.operands[0]) if module.kernel is Kernel.NATIVE else f"int{module.bits}"
+        held = {"q4_k": "Q4_K blocks", "int6": "int6 (Q6_K blocks)"}.get(held, held)
+        return f"{held} g{GROUP} ({module.exact:.0%} of groups exact), {kernel}{copy}"
     if isinstance(module, TiedEmbedding):
         return f"the LM head's int{module.table.bits} codes"
     if isinstance(module, QuantizedEmbedding):
@@ -112,7 +119,7 @@ def load_shard(args) -> LoadedShard:
     cache = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or source.cache_dir / "inductor")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache if cache.name == build else cache / build)
     decode_graphs = args.decode_graphs == "on" or (args.decode_graphs == "auto" and device.type == "cuda")
-    t0 = time.perf_counter()
+    t0, keep = time.perf_counter(), None
     onednn = device.type == "cpu" and dtype == torch.float32 and not decode_graphs
     if source.kind == "gguf" and args.weights == "native" and args.quantize == "none" and device.type == "cpu":
         dense_copy = args.dense_prefill == "on"
@@ -121,7 +128,7 @@ def load_shard(args) -> LoadedShard:
             model = served_cache.load(full, layout, dtype, kept)
         else:  # served as made, and kept for later starts meanwhile
             model = GgufLoader(source, layout, dtype, dense_copy).load()
-            served_cache.save(model, kept, background=True)
+            keep = served_cache.save(model, kept, background=True)
         tp_group = init_distributed(layout, args.dist_init, device) if layout.world > 1 else None
         if layout.tp > 1:
             connect_tensor_parallel(model, layout, tp_group)
@@ -175,4 +182,4 @@ def load_shard(args) -> LoadedShard:
         num_layers=full.num_layers,
     )
     log.info("weights: %s", ", ".join(f"{k} {v}" for k, v in info.weight_formats.items()))
-    return LoadedShard(model, layout, device, dtype, kv_dtype, decode_graphs, info)
+    return LoadedShard(model, layout, device, dtype, kv_dtype, decode_graphs, info, keep)

@@ -25,8 +25,9 @@ from torch import nn
 
 from shardline.common.files import publish
 from shardline.common.model_source import ModelSource
-from shardline.kernels import gguf_groups, grid, native, operands, quantized
+from shardline.kernels import gguf_groups, grid, native, operands, quantized, stacked
 from shardline.kernels.quantized import QuantizedEmbedding, QuantizedLinear, TiedEmbedding
+from shardline.kernels.stacked import StackedLinear
 from shardline.shard import gguf_loader
 from shardline.shard.config import ModelConfig
 from shardline.shard.layout import Layout
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 # What makes the kept weights what they are, besides the file and the flags: a change to any of
 # these sources starts a new file (as a change to the kernels' starts a new build of them).
-MAKERS = [gguf_loader, gguf_groups, quantized, operands, grid, sys.modules[__name__]]
+MAKERS = [gguf_loader, gguf_groups, quantized, stacked, operands, grid, sys.modules[__name__]]
 
 
 def path_for(source: ModelSource, layout: Layout, dtype: torch.dtype, dense_copy: bool) -> Path:
@@ -52,15 +53,20 @@ def path_for(source: ModelSource, layout: Layout, dtype: torch.dtype, dense_copy
 def save(model: Transformer, path: Path, background: bool = False) -> threading.Thread | None:
     """Keeps the model's weights at `path`. `background`: what to keep is gathered now (the
     model's modules may be wrapped next: shard/transforms.py), and written by a thread, which
-    this returns: writing an 8B's 5 GB runs at the disk's speed (15 s on a development VM), and
-    the shard serves meanwhile from the weights it made. A shard killed before the thread is
-    done leaves a temporary file, which the next start's save removes (common/files.py)."""
+    this returns unstarted: writing an 8B's 5 GB runs at the disk's speed (14 s on a development
+    VM), and the shard serves meanwhile from the weights it made. (Started at once, its dirty
+    pages slowed the KV pool's allocation and the warm-up from 5 to 18 s: the shard starts it
+    after its warm-up.) A shard killed before the thread is done leaves a temporary file, which
+    the next start's save removes (common/files.py)."""
     spec, tensors = {}, {}
     # A tied quantized LM head is the embedding's table too: kept once, as the LM head.
     for name, module in model.named_modules(remove_duplicate=False):
         if name.startswith("embed.") or isinstance(module, Transformer):
             continue
-        if isinstance(module, QuantizedLinear):
+        if isinstance(module, StackedLinear):  # its parts follow, as the quantized layers they are
+            spec[name] = {"kind": "stacked", "parts": len(module.parts)}
+            tensors.update({f"{name}/bias": module.bias} if module.bias is not None else {})
+        elif isinstance(module, QuantizedLinear):
             spec[name], held = module.state()
             spec[name]["kind"] = "quantized"
             tensors.update({f"{name}/{k}": t for k, t in held.items()})
@@ -83,9 +89,7 @@ def save(model: Transformer, path: Path, background: bool = False) -> threading.
         return None
     # Not a daemon: a shard that stops (shard/server.py) finishes writing at exit, within the
     # deadline its stop sets (and a daemon thread killed inside torch.save aborts the process).
-    thread = threading.Thread(target=_logged(write), name="keep-served-weights")
-    thread.start()
-    return thread
+    return threading.Thread(target=_logged(write), name="keep-served-weights")
 
 
 def _logged(write):
@@ -115,7 +119,9 @@ def load(cfg: ModelConfig, layout: Layout, dtype: torch.dtype, path: Path) -> Tr
     for name, spec in kept["spec"].items():
         own = by_module.get(name, {})
         kind = spec["kind"]
-        if kind == "quantized":
+        if kind == "stacked":  # its parts are set next, by their names
+            module = StackedLinear([nn.Identity()] * spec["parts"], own.get("bias"))
+        elif kind == "quantized":
             module = QuantizedLinear.from_state(spec, own)
         elif kind == "quantized_embedding":
             module = QuantizedEmbedding.of_held([own[str(i)] for i in range(spec["held"])], spec["rows"], dtype)

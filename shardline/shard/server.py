@@ -96,9 +96,11 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         decode_graphs: bool,
         work: MainThreadWork,
         tracer=None,
+        keep: threading.Thread | None = None,
     ):
         self.runner, self.info, self.grouped, self.decode_graphs = runner, info, grouped, decode_graphs
         self.work, self.tracer = work, tracer
+        self.keep = keep  # the served weights' writer (shard/served_cache.py), started after the first warm-up
         self._stream_lock = threading.Lock()  # one router drives a shard at a time
         self.streaming = threading.Event()  # a step stream is open
         self.leaving: str | None = None  # why this shard is leaving its broken group
@@ -137,6 +139,9 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             self._leave_group_soon("the warmup failed")
             context.abort(grpc.StatusCode.INTERNAL, f"warmup failed: {e!r}")
         graphs = self.runner.graphs
+        if self.keep is not None:
+            self.keep.start()
+            self.keep = None
         return shard_pb2.WarmupResponse(
             decode_graph_buckets=sorted(graphs.buckets) if graphs else [],
             capture_s=graphs.capture_s if graphs else 0.0,
@@ -275,7 +280,13 @@ def serve_shard(args) -> int:
         {"shardline.tp_rank": layout.tp_rank, "shardline.pp_stage": layout.pp_stage},
     )
     service = ShardService(
-        runner, info, grouped=layout.world > 1, decode_graphs=shard.decode_graphs, work=work, tracer=tracer
+        runner,
+        info,
+        grouped=layout.world > 1,
+        decode_graphs=shard.decode_graphs,
+        work=work,
+        tracer=tracer,
+        keep=shard.keep,
     )
     shard_pb2_grpc.add_ShardServicer_to_server(service, server)
     health_servicer = health.HealthServicer()  # for orchestrators: SERVING once the weights are in

@@ -25,6 +25,7 @@ from shardline.kernels.attention import AttentionBatch
 from shardline.kernels.linear import OneDnnLinear
 from shardline.kernels.operands import Kernel, record_format
 from shardline.kernels.quantized import QuantizedLinear, TiedEmbedding
+from shardline.kernels.stacked import parts_of
 from shardline.shard.layout import Layout
 from shardline.shard.model import MLP, Attention, Transformer
 from shardline.shard.parallel import keep_stage, shard_tensor_parallel
@@ -197,6 +198,21 @@ def _linears(block: nn.Module) -> list[nn.Module]:
     return [block.attn.wqkv, block.attn.wo, block.mlp.w13, block.mlp.w2]
 
 
+def _parts(linears: list[nn.Module]) -> tuple[list[torch.Tensor], list[int], list[int]]:
+    """The DecodeLayer's description of the layers' parts (kernels/decode_layer.h): their operands
+    one after the other, per part its kind, direct_rows, torch_rows and count of operands, and the
+    count of parts per layer."""
+    operands, info, counts = [], [], []
+    for layer in linears:
+        parts = parts_of(layer)
+        counts.append(len(parts))
+        for part in parts:
+            own = _operands(part)
+            operands += own
+            info += [_layout(part), part.direct_rows, part.torch_rows, len(own)]
+    return operands, info, counts
+
+
 class FusedDecodeBlock(nn.Module):
     """A `Block` whose decode steps run as one call of a `DecodeLayer` (kernels/decode_layer.cpp),
     which holds the layer's weights, norms and kernel choices: one Python dispatch per layer
@@ -214,11 +230,8 @@ class FusedDecodeBlock(nn.Module):
             block.attn_norm.weight,
             block.mlp_norm.weight,
             block.attn_norm.eps,
-            *(_operands(layer) for layer in linears),
-            [_layout(layer) for layer in linears],
-            [layer.direct_rows for layer in linears],
-            [layer.torch_rows for layer in linears],
-            linears[0].bf16_gemm,  # a machine's choice: the same for every layer
+            *_parts(linears),
+            parts_of(linears[0])[0].bf16_gemm,  # a machine's choice: the same for every layer
             attn.wqkv.bias,
             *qk_norms,
             attn.num_heads,
@@ -235,10 +248,12 @@ class FusedDecodeBlock(nn.Module):
 
 def fusable(block: nn.Module) -> bool:
     linears = _linears(block)
+    parts = [part for layer in linears for part in parts_of(layer)]
     return (
-        all(isinstance(layer, QuantizedLinear) and not layer._forward_hooks for layer in linears)
+        all(isinstance(part, QuantizedLinear) and not part._forward_hooks for part in parts)
+        and not any(layer._forward_hooks for layer in linears)
         and all(layer.bias is None for layer in linears[1:])
-        and all(layer.out_features % 8 == 0 for layer in linears)
+        and all(part.out_features % 8 == 0 for part in parts)
     )  # the kernels' outputs whole (no padded block)
 
 
