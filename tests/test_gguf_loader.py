@@ -323,9 +323,9 @@ def test_kept_weights_serve_what_was_read_without_reading_the_file_again(tmp_pat
 @pytest.mark.processes
 def test_a_first_start_keeps_what_it_serves_for_the_next(tmp_path):
     """A shard serves the weights it made and, once warm, writes them for later starts in the
-    background (shard/served_cache.py); the next start maps them and answers the same."""
+    background (shard/served_cache.py), finishing before it exits when stopped meanwhile; the
+    next start maps them and answers the same."""
     import shutil
-    import time
 
     from harness.serve import Server
     from shardline.protos import generation_pb2 as pb
@@ -340,11 +340,7 @@ def test_a_first_start_keeps_what_it_serves_for_the_next(tmp_path):
         try:
             request = dict(prompt="The capital of", max_new_tokens=8, ignore_eos=True)
             answers.append(server.generate(**request, sampling=pb.SamplingParams(temperature=0))[0])
-            if start == "first":  # written after the warm-up, while it serves
-                deadline = time.monotonic() + 120
-                while not list(folder.glob("served-*.pt")) and time.monotonic() < deadline:
-                    time.sleep(0.2)
-        finally:
+        finally:  # stopped at once: the writer may still be at it
             assert server.stop() == 0
         assert len(list(folder.glob("served-*.pt"))) == 1 and not list(folder.glob(".served-*")), start
     assert answers[0] == answers[1] and len(answers[0]) == 8

@@ -101,6 +101,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         self.runner, self.info, self.grouped, self.decode_graphs = runner, info, grouped, decode_graphs
         self.work, self.tracer = work, tracer
         self.keep = keep  # the served weights' writer (shard/served_cache.py), started after the first warm-up
+        self.keeping: threading.Thread | None = None  # that writer, once started
         self._stream_lock = threading.Lock()  # one router drives a shard at a time
         self.streaming = threading.Event()  # a step stream is open
         self.leaving: str | None = None  # why this shard is leaving its broken group
@@ -141,7 +142,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         graphs = self.runner.graphs
         if self.keep is not None:
             self.keep.start()
-            self.keep = None
+            self.keeping, self.keep = self.keep, None
         return shard_pb2.WarmupResponse(
             decode_graph_buckets=sorted(graphs.buckets) if graphs else [],
             capture_s=graphs.capture_s if graphs else 0.0,
@@ -315,4 +316,7 @@ def serve_shard(args) -> int:
     deadline = time.monotonic() + args.drain_timeout_s
     work.serve_until(lambda: not service.streaming.is_set() or time.monotonic() > deadline)
     server.stop(grace=1.0).wait()
+    if service.keeping is not None and service.keeping.is_alive():  # the process ends with os._exit
+        log.info("finishing writing the served weights for later starts")
+        service.keeping.join()  # within the deadline on_stop set
     return 0
