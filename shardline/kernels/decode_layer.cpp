@@ -35,15 +35,12 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w, int64_t kind, int64_t d
     case 2:
       return shardline::int8_linear(x, w[0], direct_rows, bf16_gemm);
     case 3:
-      if (w.size() == 3 && x.size(0) > torch_rows)
-        return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w[1], 32, w[2]).to(at::kFloat);
-      return shardline::int4_linear(x, w[0], direct_rows, bf16_gemm);
-    case 4:
-      return shardline::int6_linear(x, w[0], direct_rows, bf16_gemm);
     case 5:
       if (w.size() == 3 && x.size(0) > torch_rows)
         return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w[1], 32, w[2]).to(at::kFloat);
-      return shardline::q4_k_linear(x, w[0], direct_rows, bf16_gemm);
+      return (kind == 3 ? shardline::int4_linear : shardline::q4_k_linear)(x, w[0], direct_rows, bf16_gemm);
+    case 4:
+      return shardline::int6_linear(x, w[0], direct_rows, bf16_gemm);
   }
   TORCH_CHECK(false, "unknown linear kind ", kind);
 }

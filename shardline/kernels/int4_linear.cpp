@@ -175,12 +175,9 @@ at::Tensor int4_pack(const at::Tensor& codes, const at::Tensor& scale, const at:
 // records, which hold them as they are.
 at::Tensor q4_k_pack(const at::Tensor& blocks) {
   constexpr int64_t BLOCK = 144;
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.size(1) % BLOCK == 0,
-              "Q4_K blocks must be [N, K/256 * 144] uint8");
-  const at::Tensor raw = blocks.contiguous();
-  const int64_t N = raw.size(0), row_bytes = raw.size(1), K = row_bytes / BLOCK * 256;
-  const uint8_t* src = raw.const_data_ptr<uint8_t>();
-  return interleaved::pack<Q4KCodes>(raw.options(), (N + B - 1) / B * B, K, [&](char* rec, int64_t b, int64_t g) {
+  const interleaved::BlockRows rows = interleaved::block_rows(blocks, BLOCK, "Q4_K");
+  const int64_t N = rows.N;
+  return interleaved::pack<Q4KCodes>(blocks.options(), (N + B - 1) / B * B, rows.K, [&](char* rec, int64_t b, int64_t g) {
     uint8_t* sc = reinterpret_cast<uint8_t*>(rec + Q4KCodes::CODE_BYTES);
     c10::Half* tail = const_cast<c10::Half*>(Q4KCodes::tail(rec, g));
     const uint8_t* qs[B] = {};
@@ -189,7 +186,7 @@ at::Tensor q4_k_pack(const at::Tensor& blocks) {
       sc[i] = sc[B + i] = 0;
       if (j == 0) tail[i] = tail[B + i] = 0.f;
       if (b * B + i >= N) continue;  // a padded block's rows: zero weights
-      const uint8_t* block = src + (b * B + i) * row_bytes + g / 8 * BLOCK;
+      const uint8_t* block = rows.block(b * B + i, g, BLOCK);
       const uint8_t* s = block + 4;
       sc[i] = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30);
       sc[B + i] = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);

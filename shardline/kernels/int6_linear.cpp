@@ -147,13 +147,10 @@ at::Tensor int6_pack(const at::Tensor& codes, const at::Tensor& sc, const at::Te
 // its weight 32j + l's).
 at::Tensor q6_k_pack(const at::Tensor& blocks) {
   constexpr int64_t BLOCK = 210;
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.size(1) % BLOCK == 0,
-              "Q6_K blocks must be [N, K/256 * 210] uint8");
-  const at::Tensor raw = blocks.contiguous();
-  const int64_t N = raw.size(0), row_bytes = raw.size(1), K = row_bytes / BLOCK * 256;
-  const uint8_t* src = raw.const_data_ptr<uint8_t>();
-  return interleaved::pack<Int6Codes>(raw.options(), (N + B - 1) / B * B, K, [&](char* rec, int64_t b, int64_t g) {
-    const auto block = [&](int64_t i) { return src + (b * B + i) * row_bytes + g / 8 * BLOCK; };
+  const interleaved::BlockRows rows = interleaved::block_rows(blocks, BLOCK, "Q6_K");
+  const int64_t N = rows.N;
+  return interleaved::pack<Int6Codes>(blocks.options(), (N + B - 1) / B * B, rows.K, [&](char* rec, int64_t b, int64_t g) {
+    const auto block = [&](int64_t i) { return rows.block(b * B + i, g, BLOCK); };
     const int64_t first = g % 8 * G;  // the group's first weight in its block
     write_record(
         rec, b, N,

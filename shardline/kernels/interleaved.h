@@ -107,6 +107,22 @@ at::Tensor pack(const at::TensorOptions& options, int64_t N, int64_t K, PackReco
   return out;
 }
 
+// A tensor's rows of GGUF blocks [N, K/256 * BYTES] uint8 (Q4_K's, Q6_K's), as a packer reads them.
+struct BlockRows {
+  at::Tensor raw;  // contiguous
+  int64_t N, row_bytes, K;
+  const uint8_t* data;
+  // the block of row r holding group g (of 32 weights) of the row
+  const uint8_t* block(int64_t r, int64_t g, int64_t bytes) const { return data + r * row_bytes + g / 8 * bytes; }
+};
+inline BlockRows block_rows(const at::Tensor& blocks, int64_t bytes, const char* kind) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.size(1) % bytes == 0, kind,
+              " blocks must be [N, K/256 * ", bytes, "] uint8");
+  at::Tensor raw = blocks.contiguous();
+  const uint8_t* data = raw.const_data_ptr<uint8_t>();
+  return {raw, raw.size(0), raw.size(1), raw.size(1) / bytes * 256, data};
+}
+
 // The same for `GroupScales` records: `pack_codes(record, b, g)` writes the codes, and the
 // scales and los [N, K/32], rounded to fp16, follow them.
 template <typename Codes, typename PackCodes>
