@@ -153,6 +153,17 @@ def _router_flags(p):
         "in this many steps of a part of the layers each, so that decode steps and short prompts cut in "
         "between (1: whole chunks; whole on pipeline stages and with --mixed-steps on)",
     )
+    add_flag(
+        p,
+        "speculative",
+        "ngram",
+        help="speculative decoding: ngram proposes each sequence's next tokens from its own "
+        "earlier n-grams and the shards verify them in one step where the measured step costs say "
+        "it pays (the output is the same: greedy tokens equal, sampled ones equally distributed); off: "
+        "a token per sequence per step. A request opts out with speculative: false",
+        choices=["off", "ngram"],
+    )
+    add_flag(p, "spec-tokens", 8, number(int, 1, 64), "the most tokens proposed for one sequence in one step")
     add_flag(p, "priority-aging-s", 1.0, SECONDS, "seconds of waiting that raise a request's priority by one")
     add_flag(p, "max-waiting", 256, COUNT, "most queued requests before RESOURCE_EXHAUSTED")
     add_flag(p, "shard-timeout", 300.0, SECONDS, "seconds to wait for the shards to come up")

@@ -81,8 +81,10 @@ def smollm2_reference():
 @pytest.mark.processes
 @pytest.mark.smollm2
 # SmolLM2's 3 KV heads split 2 + 1 over two ranks (TP with PP runs on the tiny models above, which
-# split evenly; four SmolLM2 processes on two cores cost the suite 25 s).
-@pytest.mark.parametrize("tp,pp", [(2, 1)])
+# split evenly; four SmolLM2 processes on two cores cost the suite 25 s). Its answer continues the
+# facts' pattern, so speculation proposes and verifies across ranks and stages (the random tiny
+# models copy nothing: no proposal of theirs is ever made).
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_smollm2_parallel_layouts_match_transformers(tp, pp, smollm2_reference):
     ids, (want, margins) = smollm2_reference
     server = Server(
@@ -95,6 +97,7 @@ def test_smollm2_parallel_layouts_match_transformers(tp, pp, smollm2_reference):
             )
             assert_greedy_match(got, want, margins)
         assert last.usage.cached_prompt_tokens > 0
+        assert server.stats().spec_accepted_tokens > 0  # the facts' pattern is proposed and verified
     finally:
         assert server.stop() == 0
 

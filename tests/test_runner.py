@@ -282,3 +282,51 @@ def test_a_layer_group_that_does_not_follow_the_one_the_shard_holds_fails_its_se
     assert "other inputs" in group(_next(2, prompt[:-1], 0, emit=False), 1, 0).failures[2]
     out = group(_first(3, prompt, [0, 1, 2]), 0, num_layers + 1)
     assert f"layers 0 to {num_layers + 1}" in out.failures[3]
+
+
+def test_a_verification_emits_the_accepted_proposals_and_the_tokens_of_plain_decode(model):
+    """Proposals verified in one step: the right ones are accepted, the first wrong one is
+    replaced by the target's token, and decoding goes on from the position the router names
+    (the rejected positions are written again), with the tokens plain decode makes. A plan that
+    goes on from outside the verified positions fails its sequence."""
+    prompt = list(range(100, 111))  # 11 tokens: pages 0 and 1 hold 16 positions
+    plain = _runner(model)
+    first = plain.step(_plan(_first(1, prompt, [0, 1]))).tokens
+    reference = first + _decode(plain, 1, first[0], len(prompt), 8, page_of=lambda pos: 2)
+
+    runner = _runner(model)
+    assert runner.step(_plan(_first(1, prompt, [0, 1]))).tokens == first
+    wrong = (reference[4] + 1) % model.cfg.vocab_size
+    entry = _next(1, [first[0]], len(prompt), [2])  # positions 11..15 and the page for 16..
+    entry.proposals.extend([*reference[1:4], wrong])
+    out = runner.step(_plan(entry))
+    assert not out.failures, out.failures
+    assert out.tokens == reference[1:5] and out.token_counts == [4]  # 3 accepted + the target's
+    # Every proposal accepted: 1 + k tokens.
+    entry = _next(1, [reference[4]], len(prompt) + 4)
+    entry.proposals.extend(reference[5:8])
+    out = runner.step(_plan(entry))
+    assert out.tokens == reference[5:9] and out.token_counts == [4]
+    # The router names where it goes on; a position past what the verification wrote fails.
+    step = runner.step(_plan(_next(1, [reference[8]], len(prompt) + 9)))
+    assert "holds" in step.failures[1] and not runner.table.held
+
+
+def test_a_verification_rewinds_to_any_verified_position_and_refuses_bad_proposals(model):
+    prompt = list(range(100, 111))
+    runner = _runner(model)
+    token = runner.step(_plan(_first(1, prompt, [0, 1]))).tokens[0]
+    entry = _next(1, [token], len(prompt))
+    entry.proposals.extend([1, 2, 3])
+    assert not runner.step(_plan(entry)).failures
+    # Positions 12..14 are the proposals': going on from 12 (the first rejected) is allowed.
+    assert not runner.step(_plan(_next(1, [5], len(prompt) + 1))).failures
+    assert runner.table.get(1).next_pos == len(prompt) + 2
+    # Proposals where nothing is sampled, or past the pages: that sequence fails alone.
+    silent, beyond = _next(1, [5], len(prompt) + 2, emit=False), _next(1, [5], len(prompt))
+    silent.proposals.append(1)
+    beyond.proposals.extend([1] * 5)  # positions 11..16: page 2 not given
+    assert "proposes" in runner.step(_plan(silent)).failures[1]
+    runner = _runner(model)
+    runner.step(_plan(_first(1, prompt, [0, 1])))
+    assert "does not cover" in runner.step(_plan(beyond)).failures[1]

@@ -11,15 +11,21 @@ from shardline.router.core.kv_manager import KVManager
 from shardline.router.core.page_manager import PageManager
 from shardline.router.core.scheduler import Scheduler
 from shardline.router.core.sequence import Sequence, Status
+from shardline.router.core.speculation import NGRAM, Speculator
 
 
-def _seq(i, prompt_len, max_new):
-    return Sequence(
-        seq_id=i, request_id=str(i), prompt_ids=list(range(prompt_len)), max_new_tokens=max_new, sampling=Sampling()
-    )
+def _seq(i, prompt_len, max_new, period=0):
+    """A sequence whose prompt counts up, or repeats `period` tokens (its n-grams then propose)."""
+    prompt = [t % period for t in range(prompt_len)] if period else list(range(prompt_len))
+    return Sequence(seq_id=i, request_id=str(i), prompt_ids=prompt, max_new_tokens=max_new, sampling=Sampling())
 
 
 def _check(pool: PageManager, sched: Scheduler):
+    for seq in sched.running:  # each published page under the hash of the tokens it holds
+        tokens, size = seq.prompt_ids + seq.output_ids, pool.page_size
+        assert len(seq.pages.published) * size <= seq.num_computed
+        want = pool.prompt_hashes(tokens[: len(seq.pages.published) * size + 1])  # +1: full pages
+        assert seq.pages.published == want
     holders = Counter(p for s in sched.running for p in s.pages.block_table)
     assert all(pool.ref[p] == n for p, n in holders.items()), "a page's ref count is not its holders"
     assert len(holders) == pool.referenced
@@ -78,21 +84,27 @@ def test_prefill_and_decode_alternate_while_both_have_work():
     )
 )
 def test_random_workloads_never_leak_or_overcommit(ops):
+    """With speculation: prompts that repeat propose, and each verification accepts a random
+    prefix of its proposals (the rest rolled back); pages are published only as accepted tokens
+    fill them."""
     pool = PageManager(num_pages=12, page_size=4)
-    sched = Scheduler(KVManager(pool), max_batch=4, max_batch_tokens=40)
+    sched = Scheduler(KVManager(pool), max_batch=4, max_batch_tokens=40, speculator=Speculator(NGRAM, 4, 64))
     n = 0
     for op, a, b in ops:
         if op == "add" and sched.kv.can_ever_fit(a + b):
             n += 1
-            sched.add(_seq(n, a, b))
+            sched.add(_seq(n, a, b, period=1 + b % 3))
         elif op == "step" and sched.has_work():
             step = sched.schedule()
             if step is None:
                 continue
+            for s in step.scheduled:
+                s.accepted = (a + b) % (len(s.proposals) + 1)
             sched.complete(step)
             for s in step.scheduled:
                 if s.emit:
-                    s.seq.output_ids.append(1)
+                    s.seq.output_ids.extend([*s.proposals[: s.accepted], 1])
+                assert s.seq.num_tokens <= s.seq.max_tokens
                 if len(s.seq.output_ids) >= s.seq.max_new_tokens:
                     sched.finish(s.seq)
         elif op == "finish_one" and sched.running:
@@ -101,6 +113,40 @@ def test_random_workloads_never_leak_or_overcommit(ops):
             seq = sched.waiting[a % len(sched.waiting)]
             sched.finish(seq)
             assert seq.status is Status.FINISHED
+        _check(pool, sched)
+    for seq in [*sched.waiting, *sched.running]:
+        sched.finish(seq)
+    assert pool.available == pool.num_pages and pool.referenced == 0 and pool.reserved == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 14), st.integers(1, 20), st.integers(1, 3)), min_size=1, max_size=4),
+    st.lists(st.integers(0, 8), min_size=1, max_size=60),
+)
+def test_rejected_proposals_roll_back_and_only_accepted_tokens_fill_published_pages(seqs, accepts):
+    """Sequences whose prompts repeat propose; each verification accepts a prefix of its
+    proposals chosen at random. Every accepted token and the target's are within the request's
+    limits, the pages published hold exactly the tokens output, and nothing leaks."""
+    pool = PageManager(num_pages=24, page_size=4)
+    sched = Scheduler(KVManager(pool), max_batch=4, max_batch_tokens=40, speculator=Speculator(NGRAM, 4, 64))
+    for i, (prompt, max_new, period) in enumerate(seqs):
+        sched.add(_seq(i, prompt, max_new, period))
+    proposed = 0
+    for choice in accepts:
+        step = sched.schedule()
+        if step is None:
+            break
+        for s in step.scheduled:
+            s.accepted = choice % (len(s.proposals) + 1)
+            proposed += len(s.proposals)
+        sched.complete(step)
+        for s in step.scheduled:
+            if s.emit:
+                s.seq.output_ids.extend([*s.proposals[: s.accepted], 1])
+            assert s.seq.num_tokens <= s.seq.max_tokens and s.seq.num_computed == s.seq.num_tokens - s.emit
+            if len(s.seq.output_ids) >= s.seq.max_new_tokens:
+                sched.finish(s.seq)
         _check(pool, sched)
     for seq in [*sched.waiting, *sched.running]:
         sched.finish(seq)

@@ -43,7 +43,7 @@ from shardline.shard.kv_cache import KVPages
 from shardline.shard.layout import Layout
 from shardline.shard.logprobs import MAX_TOP, from_logits, score
 from shardline.shard.model import Transformer
-from shardline.shard.sampler import SamplingParams, sample
+from shardline.shard.sampler import SamplingParams, finite_rows, sample, verify
 from shardline.shard.sequences import SequenceState, SequenceTable
 
 log = logging.getLogger(__name__)
@@ -94,11 +94,12 @@ def pieces(seqs: list[Span], limit: int) -> list[list[tuple[int, Span]]]:
 
 @dataclass
 class StepOutput:
-    tokens: list[int] = field(default_factory=list)  # per emitting sequence that did not fail
+    tokens: list[int] = field(default_factory=list)  # of each emitting sequence that did not fail
     failures: dict[int, str] = field(default_factory=dict)  # seq_id -> why
     graph_launches: int = 0  # decode graphs replayed for the step (0 or 1)
     eager_decode_steps: int = 0  # or the decode step run eagerly (0 or 1)
     logprobs: list[shard_pb2.SequenceLogprobs] = field(default_factory=list)
+    token_counts: list[int] = field(default_factory=list)  # StepResult.token_counts
 
 
 class ModelRunner:
@@ -179,17 +180,21 @@ class ModelRunner:
             return f"the plan announces sequence {s.seq_id} as new, but this shard already holds it"
         if not s.first and state is None:
             return f"the plan continues sequence {s.seq_id}, which this shard does not hold"
-        if state is not None and s.start_pos != state.next_pos:
+        if state is not None and s.start_pos != state.next_pos and not state.holds_verified(s.start_pos):
             return (
                 f"the plan computes from position {s.start_pos}, but this shard holds "
-                f"{state.next_pos} positions of the sequence"
+                f"{state.held_positions()} positions of the sequence"
             )
         if s.sampled_input and s.token_ids:
             return "the plan gives input tokens and asks for the sampled one"
         if s.sampled_input and (state is None or state.sampled is None):
             return "the plan asks for the token sampled in the sequence's previous step, which sampled none here"
+        if s.proposals and (not s.emit or s.sampled_input or s.allowed_tokens or s.HasField("prompt_logprobs")):
+            return "the plan proposes tokens for an entry that does not sample freely from its last input"
+        if s.proposals and layer_start:
+            return "the plan proposes tokens in a layer group"
         n = 1 if s.sampled_input else len(s.token_ids)
-        end = s.start_pos + n
+        end = s.start_pos + n + len(s.proposals)
         if n == 0:
             return "no input tokens"
         if end > self.max_position:
@@ -201,10 +206,13 @@ class ModelRunner:
             return f"block table of {pages} pages is longer than the context needs"
         if s.new_pages and max(s.new_pages) >= self.kv.padding_page:
             return f"page id {max(s.new_pages)} outside the pool of {self.kv.padding_page} pages"
-        if max(s.token_ids, default=0) >= self.vocab_size or (
-            s.HasField("next_token") and s.next_token >= self.vocab_size
+        if (
+            max(s.token_ids, default=0) >= self.vocab_size
+            or max(s.proposals, default=0) >= self.vocab_size
+            or (s.HasField("next_token") and s.next_token >= self.vocab_size)
         ):
-            return f"token id {max([*s.token_ids, s.next_token])} outside the vocabulary of {self.vocab_size}"
+            wrong = max([*s.token_ids, *s.proposals, s.next_token])
+            return f"token id {wrong} outside the vocabulary of {self.vocab_size}"
         if s.allowed_tokens and len(s.allowed_tokens) < mask_bytes(self.vocab_size):
             return (
                 f"a token mask of {len(s.allowed_tokens)} bytes; the vocabulary of {self.vocab_size} "
@@ -233,7 +241,11 @@ class ModelRunner:
                     sp.temperature, sp.top_p or 1.0, sp.top_k, sp.seed, sp.logprobs if sp.HasField("logprobs") else None
                 ),
             )
+        elif state.verified is not None:  # the positions of the last verification it keeps
+            state.next_pos, state.verified = s.start_pos, None
         self.table.append_pages(state, list(s.new_pages))
+        if s.proposals:  # computed as positions after the inputs
+            s.token_ids.extend(s.proposals)
         return state
 
     def _decode_batch(self, tokens: list[int], states: list[SequenceState]):
@@ -316,6 +328,7 @@ class ModelRunner:
         if not entries:
             return out
         scored = {i for i, s in enumerate(entries) if s.HasField("prompt_logprobs")} if finishing else set()
+        verifying = {i for i, s in enumerate(entries) if s.proposals}
         if grouped:  # a layer group of prompt chunks: every chunk's hidden states are kept
             last, chunks = self._prefill(entries, states, set(range(len(entries))), layers)
             every = {i: chunks[i] for i in scored}
@@ -329,11 +342,13 @@ class ModelRunner:
                 out.eager_decode_steps = 1
             every = {i: last[i : i + 1] for i in scored} if last is not None else {}
         else:
-            last, every = self._prefill(entries, states, scored)
+            last, every = self._prefill(entries, states, scored | verifying)
         for i, (s, st) in enumerate(zip(entries, states)):
             st.sampled = None  # until this step samples it a token
             if finishing:
                 st.next_pos += len(s.token_ids)
+                # Positions up to the last input are the sequence's; the proposals' may be rejected.
+                st.verified = st.next_pos - len(s.proposals) if s.proposals else None
                 st.partial, st.partial_layers = None, 0
             else:
                 st.partial, st.partial_layers = chunks[i], layers.stop
@@ -377,34 +392,64 @@ class ModelRunner:
         return torch.stack(rows), {i: torch.cat(parts) for i, parts in kept.items()}
 
     def _sample(self, entries, states, last, every: dict[int, torch.Tensor], out: StepOutput) -> None:
-        """On the sampling shard: scores prompt positions, samples emitting sequences, and adds
-        the log-probabilities asked for."""
-        logprobs = {i: shard_pb2.SequenceLogprobs(seq_id=entries[i].seq_id) for i in every}
-        for i, hidden in every.items():
-            s = entries[i]
-            targets = list(s.token_ids[1:]) + ([s.next_token] if s.HasField("next_token") else [])
-            logprobs[i].prompt.extend(score(self.model.logits, hidden[: len(targets)], targets, s.prompt_logprobs))
-        emitting = [i for i, s in enumerate(entries) if s.emit]
-        if emitting:
-            logits = self.model.logits(last[torch.tensor(emitting, device=self.device)])
-            sampled_at = [states[i].next_pos for i in emitting]
-            masked = [row for row, i in enumerate(emitting) if entries[i].allowed_tokens]
-            packed = (
-                packed_masks([entries[emitting[row]].allowed_tokens for row in masked], self.vocab_size, self.device)
-                if masked
-                else None
-            )
-            draws = sample(logits, [states[i].sampling for i in emitting], sampled_at, masked, packed)
-            for row, (i, draw) in enumerate(zip(emitting, draws)):
-                if draw.failure is not None:
-                    out.failures[entries[i].seq_id] = draw.failure
-                    self.table.release(entries[i].seq_id)
-                    logprobs.pop(i, None)
-                    continue
-                token = states[i].sampled = draw.token
-                out.tokens.append(token)
-                top = states[i].sampling.logprobs
-                if top is not None:
-                    entry = logprobs.setdefault(i, shard_pb2.SequenceLogprobs(seq_id=entries[i].seq_id))
-                    entry.sampled.extend(from_logits(logits[row : row + 1], [token], top))
+        """On the sampling shard: scores prompt positions, samples emitting sequences (verifies
+        those with proposals), and adds the log-probabilities asked for."""
+        logprobs = {}
+        for i, s in enumerate(entries):
+            if s.HasField("prompt_logprobs"):
+                hidden = every[i]
+                targets = list(s.token_ids[1:]) + ([s.next_token] if s.HasField("next_token") else [])
+                logprobs[i] = shard_pb2.SequenceLogprobs(seq_id=s.seq_id)
+                logprobs[i].prompt.extend(score(self.model.logits, hidden[: len(targets)], targets, s.prompt_logprobs))
+        drawn = self._draws(entries, states, last) | self._verifications(entries, states, every)
+        counted = any(entries[i].proposals for i in drawn)
+        for i in sorted(drawn):
+            tokens, failure, logits = drawn[i]
+            if failure is not None:
+                out.failures[entries[i].seq_id] = failure
+                self.table.release(entries[i].seq_id)
+                logprobs.pop(i, None)
+                continue
+            states[i].sampled = tokens[-1]
+            out.tokens.extend(tokens)
+            if counted:
+                out.token_counts.append(len(tokens))
+            top = states[i].sampling.logprobs
+            if top is not None:
+                entry = logprobs.setdefault(i, shard_pb2.SequenceLogprobs(seq_id=entries[i].seq_id))
+                entry.sampled.extend(from_logits(logits[: len(tokens)], tokens, top))
         out.logprobs = [logprobs[i] for i in sorted(logprobs)]
+
+    def _draws(self, entries, states, last) -> dict[int, tuple[list[int], str | None, torch.Tensor]]:
+        """The token of each emitting entry without proposals, by its index: ([token], failure,
+        its logits row)."""
+        emitting = [i for i, s in enumerate(entries) if s.emit and not s.proposals]
+        if not emitting:
+            return {}
+        logits = self.model.logits(last[torch.tensor(emitting, device=self.device)])
+        sampled_at = [states[i].next_pos for i in emitting]
+        masked = [row for row, i in enumerate(emitting) if entries[i].allowed_tokens]
+        packed = (
+            packed_masks([entries[emitting[row]].allowed_tokens for row in masked], self.vocab_size, self.device)
+            if masked
+            else None
+        )
+        draws = sample(logits, [states[i].sampling for i in emitting], sampled_at, masked, packed)
+        rows = enumerate(zip(emitting, draws))
+        return {i: ([draw.token], draw.failure, logits[row : row + 1]) for row, (i, draw) in rows}
+
+    def _verifications(self, entries, states, every) -> dict[int, tuple[list[int], str | None, torch.Tensor]]:
+        """The tokens of each entry with proposals, by its index: (tokens, failure, the logits of
+        the rows that chose them). Its last k + 1 rows take the last input and the k proposals."""
+        out = {}
+        for i, s in enumerate(entries):
+            if not s.proposals:
+                continue
+            k = len(s.proposals)
+            logits = self.model.logits(every[i][-(k + 1) :])
+            if not all(finite_rows(logits)):
+                out[i] = ([], "the model produced non-finite logits for this sequence", logits)
+                continue
+            # next_pos has moved past the proposals: the first row's token sits k positions before it.
+            out[i] = (verify(logits, list(s.proposals), states[i].sampling, states[i].next_pos - k), None, logits)
+        return out

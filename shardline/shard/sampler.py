@@ -62,6 +62,28 @@ def sample_row(logits: torch.Tensor, p: SamplingParams, position: int) -> int:
     return int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp_(max=probs.numel() - 1))
 
 
+def verify(logits: torch.Tensor, proposals: list[int], p: SamplingParams, position: int) -> list[int]:
+    """The tokens a verification emits: logits [k + 1, vocab] of the rows that take the last
+    input and the k proposals, the token of row i at `position` + i. Each row draws its token
+    as a step without proposals would (greedy: the best; sampled: `sample_row`, its uniform a
+    function of the seed and the position), and the proposals equal to those draws are
+    accepted, up to the first that is not, whose draw is emitted instead (or after the last).
+
+    For a proposal that came with certainty (q(x) = 1, as the router's n-grams do), this is
+    rejection sampling (Leviathan et al. 2023; Chen et al. 2023) coupled to the draw without
+    speculation: x is accepted with probability p(x) = min(1, p(x) / q(x)), and a rejection
+    emits a draw from p given that it is not x, which is max(0, p - q) renormalized. So every
+    token is distributed as the target draws it, and a seed gives the same tokens with
+    speculation on or off, whatever was proposed."""
+    best = logits.argmax(dim=-1).tolist() if p.temperature <= 0 else None
+    out = []
+    for i in range(len(proposals) + 1):
+        out.append(best[i] if best is not None else sample_row(logits[i], p, position + i))
+        if i == len(proposals) or out[-1] != proposals[i]:
+            break
+    return out
+
+
 @dataclass(frozen=True)
 class Draw:
     """One row's outcome: its token, or why the row could not be sampled."""
@@ -70,7 +92,7 @@ class Draw:
     failure: str | None = None
 
 
-def _finite_rows(logits: torch.Tensor) -> list[bool]:
+def finite_rows(logits: torch.Tensor) -> list[bool]:
     """Per row, whether every logit is finite. A non-finite value makes its row's sum non-finite
     (NaN, or an infinity that nothing cancels but a NaN), so only a row whose sum is not finite
     (that, or finite values overflowing) is checked value by value: `isfinite(...).all()` over
@@ -89,7 +111,7 @@ def sample(
     """logits [B, vocab] fp32 -> one Draw per row. `masked` rows may take only the tokens their
     packed masks (uint8 [len(masked), bytes], kernels/token_mask.py) allow; `logits` itself is
     left as it is."""
-    finite = _finite_rows(logits)
+    finite = finite_rows(logits)
     empty = [False] * len(params)
     if masked:
         for i, some in zip(masked, packed.any(dim=-1).tolist()):

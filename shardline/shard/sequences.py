@@ -36,6 +36,17 @@ class SequenceState:
     # step that runs the last layer.
     partial: torch.Tensor | None = None
     partial_layers: int = 0
+    # After a verification (SequenceStep.proposals): the position after its last input. This
+    # shard wrote `next_pos` positions, but holds only those up to the next plan's start_pos,
+    # which lies between the two: the router alone learns how many proposals were accepted.
+    verified: int | None = None
+
+    def holds_verified(self, start_pos: int) -> bool:
+        """Whether a plan may go on from `start_pos`: a position its last verification settles."""
+        return self.verified is not None and self.verified <= start_pos <= self.next_pos
+
+    def held_positions(self) -> str:
+        return str(self.next_pos) if self.verified is None else f"{self.verified} to {self.next_pos}"
 
 
 class SequenceTable:

@@ -206,6 +206,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                         eager_decode_steps=out.eager_decode_steps,
                         failures=[shard_pb2.SequenceFailure(seq_id=k, message=v) for k, v in out.failures.items()],
                         logprobs=out.logprobs,
+                        token_counts=out.token_counts,
                     )
                     span.set_attributes(
                         {

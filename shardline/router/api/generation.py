@@ -146,6 +146,8 @@ def info_response(replica: Replica) -> pb.InfoResponse:
         decode_graph_capture_s=max(w.capture_s for w in warmups),
         weight_formats={k: v for i in infos for k, v in i.weight_formats.items()},
         kv_dtype=head.kv_dtype,
+        speculative=config.speculative,
+        spec_tokens=config.spec_tokens,
     )
 
 
@@ -185,6 +187,9 @@ def stats_response(replica: Replica, counters: StatsCounters) -> pb.StatsRespons
             eager_decode_steps=c.eager_decode_steps,
             mixed_steps=c.mixed_steps,
             layer_group_steps=c.layer_group_steps,
+            spec_proposed_tokens=c.spec_proposed_tokens,
+            spec_accepted_tokens=c.spec_accepted_tokens,
+            spec_verifications=c.spec_verifications,
             decode_step_ms_p50=_median([w for w, _ in c.decode_step_times]),
             shard_decode_step_ms_p50=_median([s for _, s in c.decode_step_times]),
         )

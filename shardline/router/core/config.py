@@ -23,6 +23,8 @@ class ReplicaConfig:
     shard_timeout_s: float = 300.0  # for the shards to come up
     step_timeout_s: float = 20.0
     drain_timeout_s: float = 30.0
+    speculative: str = "ngram"  # off | ngram (router/core/speculation.py)
+    spec_tokens: int = 8  # the most tokens proposed for one sequence in one step
 
     @classmethod
     def from_flags(cls, args) -> ReplicaConfig:
@@ -42,4 +44,6 @@ class ReplicaConfig:
             shard_timeout_s=args.shard_timeout,
             step_timeout_s=args.step_timeout_s,
             drain_timeout_s=args.drain_timeout_s,
+            speculative=args.speculative,
+            spec_tokens=args.spec_tokens,
         )

@@ -169,6 +169,7 @@ class Engine:
             not self.shards.samples_alone
             or step.phase is not Phase.DECODE
             or self._cancelled
+            or step.proposed  # where its sequences stand after it is known from its answer alone
             or any(seq.constrained is not None for seq in step.seqs)
         ):
             return None
@@ -203,6 +204,7 @@ class Engine:
                 emit=s.emit,
                 first=held is None,
                 new_pages=block_table[held or 0 :],
+                proposals=s.proposals,
             )
             # A step sent ahead computes the position after the one the step before it computes.
             entry.start_pos, entry.sampled_input = seq.num_computed + step.sampled_inputs, step.sampled_inputs
@@ -234,12 +236,18 @@ class Engine:
         # A step sent ahead starts when the one before it ends.
         received_at = time.perf_counter()
         wall_s, self._received_at = received_at - max(sent.sent_at, self._received_at), received_at
+        failed = {f.seq_id for f in result.failures}
+        emitted = [s for s in step.scheduled if s.emit and s.seq.seq_id not in failed]
+        counts = result.token_counts or [1] * len(emitted)
+        if len(counts) != len(emitted) or sum(counts) != len(result.tokens):
+            raise ShardError(f"step {step_id}: {len(result.tokens)} tokens for {len(emitted)} emitting sequences")
+        for s, count in zip(emitted, counts):
+            if not 1 <= count <= 1 + len(s.proposals):
+                raise ShardError(f"step {step_id}: {count} tokens for a sequence of {len(s.proposals)} proposals")
+            s.accepted = count - 1
+        self.scheduler.timed(step, wall_s)
         for o in self.observers:
             o.step_done(step_id, step, result, wall_s)
-        failed = {f.seq_id for f in result.failures}
-        want = sum(1 for s in step.scheduled if s.emit and s.seq.seq_id not in failed)
-        if len(result.tokens) != want:
-            raise ShardError(f"step {step_id}: {len(result.tokens)} tokens for {want} emitting sequences")
         return result
 
     def _apply(self, step: Step, result: shard_pb2.StepResult, failed: dict[int, str]) -> None:
@@ -255,17 +263,20 @@ class Engine:
                 seq.prompt_scores.extend(scores.prompt)
             if not s.emit:
                 continue  # an intermediate chunk: KV written, nothing sampled
-            token = next(sampled)
+            tokens = [next(sampled) for _ in range(1 + s.accepted)]
             if seq.cancelled or seq.status is Status.FINISHED:
                 continue  # dropped at the top of the next loop, or it ended while a step sent ahead ran
-            if why := self._missing_logprobs(seq, scores):
+            if why := self._missing_logprobs(seq, scores, len(tokens)):
                 self.fail(seq, Failure("INTERNAL", why))
                 continue
-            try:
-                self._emit(seq, token, list(scores.sampled) if scores is not None else [])
-            except Exception as e:  # a detokenizer or stop-string edge case: this request only
-                log.exception("request %s failed on token %d", seq.request_id, token)
-                self.fail(seq, Failure("INTERNAL", f"turning token {token} into text failed: {e!r}"))
+            for i, token in enumerate(tokens):  # until one ends it (EOS, a stop string, a limit)
+                if seq.status is Status.FINISHED:
+                    break
+                try:
+                    self._emit(seq, token, list(scores.sampled[i : i + 1]) if scores is not None else [])
+                except Exception as e:  # a detokenizer or stop-string edge case: this request only
+                    log.exception("request %s failed on token %d", seq.request_id, token)
+                    self.fail(seq, Failure("INTERNAL", f"turning token {token} into text failed: {e!r}"))
         self._next_masks(step)
 
     def _next_masks(self, step: Step) -> None:
@@ -288,9 +299,9 @@ class Engine:
                 self.fail(seq, Failure("INVALID_ARGUMENT", seq.constrained.error))
 
     @staticmethod
-    def _missing_logprobs(seq: Sequence, scores: shard_pb2.SequenceLogprobs | None) -> str | None:
-        if seq.logprobs is not None and (scores is None or len(scores.sampled) != 1):
-            return "the shard returned no log-probability for the sampled token"
+    def _missing_logprobs(seq: Sequence, scores: shard_pb2.SequenceLogprobs | None, tokens: int) -> str | None:
+        if seq.logprobs is not None and (scores is None or len(scores.sampled) != tokens):
+            return "the shard returned no log-probability for a sampled token"
         if seq.prompt_logprobs is not None and not seq.output_ids and len(seq.prompt_scores) != len(seq.prompt_ids) - 1:
             return f"the shards scored {len(seq.prompt_scores)} prompt positions, expected {len(seq.prompt_ids) - 1}"
         return None

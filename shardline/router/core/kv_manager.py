@@ -8,7 +8,8 @@ pages, and it alone writes a sequence's `SequencePages`:
   need, or changes nothing (admission is all or nothing: a running sequence never waits for a
   page);
 - `grow(seq, n)`: takes reserved pages until its block table covers n positions;
-- `publish(seq)`: indexes its pages that became full, once every shard has written them;
+- `publish(seq)`: indexes its pages that became full, once every shard has written them (for
+  proposals, once they were accepted: a rejected one's position is written again);
 - `release(seq)`: returns its pages and what is left of its reservation. Idempotent.
 """
 
@@ -57,14 +58,15 @@ class KVManager:
             pages.block_table.append(self.pool.allocate())
             pages.reserved -= 1
 
-    def publish(self, seq: Sequence) -> None:
+    def publish(self, seq: Sequence, accepted: list[int] = ()) -> None:
         """Indexes every page of the sequence that its computed positions fill, each under the
-        hash chained over the tokens before it (a prompt page's is known from admission)."""
+        hash chained over the tokens before it (a prompt page's is known from admission).
+        `accepted`: proposals the shards accepted, computed but not yet among its outputs."""
         pages, size = seq.pages, self.page_size
         full = seq.num_computed // size
         if len(pages.published) >= full:
             return
-        tokens = seq.prompt_ids + seq.output_ids
+        tokens = [*seq.prompt_ids, *seq.output_ids, *accepted]
         while len(pages.published) < full:
             i = len(pages.published)
             if i < len(pages.prompt_hashes):

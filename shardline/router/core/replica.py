@@ -32,6 +32,7 @@ from shardline.router.core.page_manager import PageManager
 from shardline.router.core.scheduler import Scheduler
 from shardline.router.core.sequence import Failure, Sequence
 from shardline.router.core.shard_client import ShardError, ShardGroup
+from shardline.router.core.speculation import Speculator
 
 log = logging.getLogger("shardline.router")
 BACKOFF_S = (0.5, 1, 2, 4, 5)
@@ -154,6 +155,7 @@ class Replica:
             pair_cost=head.attention_pair_cost,
             num_layers=head.num_layers,
             layer_groups=layer_groups,
+            speculator=Speculator(config.speculative, config.spec_tokens, head.context_length),
         )
         self.engine = Engine(scheduler, self.shards, self.codec, head.context_length, self.observers)
         log.info(

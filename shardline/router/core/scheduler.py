@@ -58,6 +58,7 @@ from collections.abc import Callable, Collection
 
 from shardline.router.core.kv_manager import KVManager
 from shardline.router.core.sequence import Sequence, Status
+from shardline.router.core.speculation import Speculator
 from shardline.router.core.step import Phase, Scheduled, Step
 
 
@@ -74,6 +75,7 @@ class Scheduler:
         pair_cost: float = 0.0,
         layer_groups: int = 1,
         num_layers: int = 0,
+        speculator: Speculator | None = None,
     ):
         if (
             max_batch < 1
@@ -93,6 +95,7 @@ class Scheduler:
                 "layer groups and mixed steps exclude each other: a mixed step's decode rows run every layer"
             )
         self.kv = kv
+        self.speculator = speculator  # which decode rows carry proposals, if any
         # Layer group boundaries: group i runs layers [bounds[i], bounds[i + 1]).
         self.layer_bounds = [round(i * num_layers / layer_groups) for i in range(layer_groups + 1)]
         self._group: Step | None = None  # the chunk running in layer groups, as its last group ran
@@ -124,7 +127,7 @@ class Scheduler:
             return self._rotate(self.max_batch_tokens)
         decode = self._decode()
         # The decode rows take their share of the step's token budget before the chunk does.
-        chunks = self._rotate(self.max_batch_tokens - len(decode.scheduled) if decode else self.max_batch_tokens)
+        chunks = self._rotate(self.max_batch_tokens - decode.num_tokens if decode else self.max_batch_tokens)
         if decode is None or chunks is None:
             return decode or chunks
         return Step(chunks.phase, decode.scheduled + chunks.scheduled)
@@ -153,9 +156,18 @@ class Scheduler:
     def _decode(self) -> Step | None:
         if not self.decoding:
             return None
+        proposals = self.speculator.propose(self.decoding) if self.speculator else {}
+        step = Step(Phase.DECODE)
         for seq in self.decoding:
-            self.kv.grow(seq, seq.num_tokens)
-        return Step(Phase.DECODE, [Scheduled(seq, seq.output_ids[-1:], True, True) for seq in self.decoding])
+            proposal = proposals.get(seq, [])
+            self.kv.grow(seq, seq.num_tokens + len(proposal))
+            step.scheduled.append(Scheduled(seq, seq.output_ids[-1:], True, True, proposal))
+        return step
+
+    def timed(self, step: Step, wall_s: float) -> None:
+        """A step took `wall_s` seconds: what decode steps cost is what speculation weighs."""
+        if self.speculator is not None and step.phase is Phase.DECODE:
+            self.speculator.measured(step.num_tokens, wall_s)
 
     def decode_ahead(self, seqs: list[Sequence]) -> Step | None:
         """The decode step of `seqs`, to be sent while their decode step runs, when it is the step
@@ -165,6 +177,10 @@ class Scheduler:
         the token it samples there. Decode steps are then never rotated with the others: they
         are the only phase with work."""
         if not seqs or self.prefilling or (len(self.decoding) < self.max_batch and self._most_urgent()):
+            return None
+        # A sequence that copies from its context proposes its next tokens: the step after this
+        # one is scheduled once its token is known (a step sent ahead carries no proposals).
+        if self.speculator is not None and self.speculator.propose(seqs, trial=True):
             return None
         for seq in seqs:
             self.kv.grow(seq, seq.num_computed + 2)
@@ -305,8 +321,10 @@ class Scheduler:
             seq = s.seq
             if seq.seq_id in failed or seq.status is Status.FINISHED:
                 continue
-            seq.num_computed += len(s.tokens)
-            self.kv.publish(seq)
+            seq.num_computed += len(s.tokens) + s.accepted  # a rejected proposal's position is written again
+            if s.proposals:
+                seq.drafting.verified(len(s.proposals), s.accepted)
+            self.kv.publish(seq, s.proposals[: s.accepted])
             if not s.decode and seq.num_computed == len(seq.prompt_ids) and seq.status is Status.RUNNING:
                 self.prefilling.remove(seq)
                 self.decoding.append(seq)

@@ -11,6 +11,7 @@ from opentelemetry.trace import Span
 
 from shardline.protos import shard_pb2
 from shardline.router.core.constrained import Constrained
+from shardline.router.core.ngrams import Drafting
 
 
 class Status(enum.Enum):
@@ -98,6 +99,8 @@ class Sequence:
     # the n choices of one request share the first one's prompt pages through the prefix cache.
     after: Sequence | None = None
     constrained: Constrained | None = None  # its matcher, when it has a constraint
+    speculative: bool = True  # its tokens may be proposed and verified (speculation.py)
+    drafting: Drafting | None = None  # its n-gram proposals, once it decodes with speculation on
 
     @property
     def logprobs(self) -> int | None:

@@ -197,7 +197,7 @@ class ShardGroup:
     async def receive(self, plan: shard_pb2.StepPlan) -> shard_pb2.StepResult:
         """Every shard's answer to `plan`, the oldest plan sent and not yet answered."""
         tasks = [asyncio.ensure_future(s.receive(plan)) for s in self.shards]
-        t0, tokens = time.monotonic(), max(1, sum(len(seq.token_ids) for seq in plan.seqs))
+        t0, tokens = time.monotonic(), max(1, sum(len(seq.token_ids) + len(seq.proposals) for seq in plan.seqs))
         hung_after = max(HUNG_AFTER_TIMEOUTS, SLOW_STEP_MARGIN * self.ms_per_token * tokens / 1e3 / self.step_timeout_s)
         try:
             for _ in range(math.ceil(hung_after)):

@@ -23,6 +23,10 @@ class Scheduled:
     tokens: list[int]  # the positions it computes: a decode row's last token, or a prompt chunk
     emit: bool  # it samples its next token (a decode row, or a prompt's final chunk)
     decode: bool  # a decode row, not a prompt chunk
+    # Tokens proposed to follow `tokens` (speculation.py), computed as further positions; the
+    # shards' answer says how many were accepted.
+    proposals: list[int] = field(default_factory=list)
+    accepted: int = 0
 
 
 @dataclass
@@ -61,8 +65,14 @@ class Step:
 
     @property
     def num_tokens(self) -> int:
-        """Positions the step computes."""
-        return len(self.scheduled) if self.sampled_inputs else sum(len(s.tokens) for s in self.scheduled)
+        """Positions the step computes (proposals included)."""
+        if self.sampled_inputs:
+            return len(self.scheduled)
+        return sum(len(s.tokens) + len(s.proposals) for s in self.scheduled)
+
+    @property
+    def proposed(self) -> int:
+        return sum(len(s.proposals) for s in self.scheduled)
 
     @property
     def chunks(self) -> list[Scheduled]:

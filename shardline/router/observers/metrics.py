@@ -111,6 +111,13 @@ class Metrics(RequestEvents):
             registry=r,
         )
 
+        # Speculative decoding, under vLLM's names (its spec_decode_* counters)
+        self.spec_drafts = Counter(p + "spec_decode_num_drafts", "Verifications of proposed tokens", registry=r)
+        self.spec_draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Tokens proposed", registry=r)
+        self.spec_accepted_tokens = Counter(
+            p + "spec_decode_num_accepted_tokens", "Proposed tokens the target accepted", registry=r
+        )
+
     def watch(self, replica) -> None:
         """Gauges (and the replica's failure counts) read from `replica` at scrape time."""
         self.registry.register(_AtScrape(replica))
@@ -142,6 +149,10 @@ class Metrics(RequestEvents):
     def step_done(self, step_id: int, step, result, wall_s: float) -> None:
         self.step_time.labels(step.phase.value).observe(wall_s)
         self.shard_step_time.labels(step.phase.value).observe(result.compute_ms / 1e3)
+        if proposed := step.proposed:
+            self.spec_drafts.inc(sum(1 for s in step.scheduled if s.proposals))
+            self.spec_draft_tokens.inc(proposed)
+            self.spec_accepted_tokens.inc(sum(s.accepted for s in step.scheduled))
 
 
 class _AtScrape:

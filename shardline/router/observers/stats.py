@@ -23,6 +23,7 @@ class StatsCounters(RequestEvents):
         self.decode_graph_launches = self.eager_decode_steps = 0  # summed over the shards
         self.mixed_steps = 0
         self.layer_group_steps = 0
+        self.spec_proposed_tokens = self.spec_accepted_tokens = self.spec_verifications = 0
         # Recent decode steps as (router wall ms, shard compute ms).
         self.decode_step_times: deque[tuple[float, float]] = deque(maxlen=STEP_WINDOW)
 
@@ -39,6 +40,11 @@ class StatsCounters(RequestEvents):
     def step_done(self, step_id: int, step, result, wall_s: float) -> None:
         self.decode_graph_launches += result.graph_launches
         self.eager_decode_steps += result.eager_decode_steps
+        for s in step.scheduled:
+            if s.proposals:
+                self.spec_verifications += 1
+                self.spec_proposed_tokens += len(s.proposals)
+                self.spec_accepted_tokens += s.accepted
         if step.is_prefill:
             if not step.partial:  # a chunk's tokens count once, when its last layer ran
                 self.prompt_tokens_computed += sum(len(chunk.tokens) for chunk in step.chunks)

@@ -62,6 +62,8 @@ class Tracing(RequestEvents):
                 "gen_ai.usage.output_tokens": len(seq.output_ids),
                 "gen_ai.usage.cache_read.input_tokens": seq.cached_prompt_tokens,
                 "gen_ai.response.finish_reasons": [reason],
+                "shardline.request.spec_proposed_tokens": seq.drafting.proposed if seq.drafting else 0,
+                "shardline.request.spec_accepted_tokens": seq.drafting.accepted if seq.drafting else 0,
             }
         )
         if isinstance(end, Failure):
@@ -108,6 +110,8 @@ class Tracing(RequestEvents):
                 "shardline.step.shard_compute_ms": result.compute_ms,
                 "shardline.step.decode_graph_launches": result.graph_launches,
                 "shardline.step.failed_sequences": len(result.failures),
+                "shardline.step.spec_proposed_tokens": step.proposed,
+                "shardline.step.spec_accepted_tokens": sum(s.accepted for s in step.scheduled),
             }
         )
         span.end()

@@ -129,6 +129,7 @@ class Admission:
             span=span,
             after=after,
             constrained=constrained,
+            speculative=not req.HasField("speculative") or req.speculative,
         )
         # No await since _check_room: the id is still free.
         self._running[tenant, seq.request_id] = seq

@@ -59,6 +59,8 @@ def base_request(body: BaseRequest, tool_grammar: str | None = None) -> pb.Gener
     if body.top_p is not None:
         s.top_p = body.top_p
     s.top_k = max(0, body.top_k or 0)
+    if body.speculative is not None:
+        req.speculative = body.speculative
     return req
 
 

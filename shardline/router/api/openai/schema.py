@@ -152,6 +152,7 @@ class BaseRequest(Closed):
     request_id: StrictStr | None = None
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None
+    speculative: StrictBool | None = None  # Shardline's: false opts out of speculative decoding
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -1,0 +1,113 @@
+"""Speculative decoding's policy: which decoding sequences carry proposals in a decode step.
+
+A decode step on a CPU at a small batch is bound by reading the weights, so rows added to it
+cost little beside it: a sequence that proposes k tokens (ngrams.py) is verified as k + 1 rows
+in one step (shard.proto, `SequenceStep.proposals`), and emits its accepted proposals plus one
+token of the target's. In a large batch the rows cost nearly their full price, and a proposal
+pays only where it is likely accepted. So the step's proposals are chosen from what was
+measured:
+
+- `StepCosts`: the wall time of decode steps by their rows (decode rows and proposals), a
+  running average per row count, read between the counts measured by a line through the two
+  nearest;
+- per sequence, the running acceptance of its proposals (ngrams.Drafting), which prices a
+  proposal of k tokens at the tokens it is expected to yield;
+- the step takes proposals best first while they raise its expected tokens per second; one
+  left out counts as such (Drafting.not_sent). Where the costs of a step's rows are not known
+  yet, it speculates and so measures them.
+
+A sequence proposes nothing when its request opted out, when it is constrained (the mask of
+each proposed position would need the matcher advanced through the proposals and rolled back;
+such a sequence decodes a token a step), or when at most one token is left to its limit.
+Proposals never run past `max_new_tokens` or the context: the positions they take are within
+the pages reserved at admission, and a rejected tail's pages stay in the block table as the
+next positions the sequence writes, published only once accepted tokens fill them.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from shardline.router.core.ngrams import Drafting
+from shardline.router.core.sequence import Sequence
+
+OFF, NGRAM = "off", "ngram"
+MODES = (OFF, NGRAM)
+AVERAGING = 0.2  # weight of a new measurement in a row count's running step time
+
+
+@dataclass
+class StepCosts:
+    """Decode steps' wall milliseconds by their rows, as measured."""
+
+    ms: dict[int, float] = field(default_factory=dict)
+    _rows: list[int] = field(default_factory=list)  # the keys of `ms`, sorted
+
+    def add(self, rows: int, ms: float) -> None:
+        old = self.ms.get(rows)
+        if old is None:
+            bisect.insort(self._rows, rows)
+            self.ms[rows] = ms
+        else:
+            self.ms[rows] = old + AVERAGING * (ms - old)
+
+    def estimate(self, rows: int) -> float | None:
+        """The time of a step of `rows` rows: measured, or on the line through the two measured
+        row counts nearest to it (None: fewer than two measured, and not this one)."""
+        if rows in self.ms:
+            return self.ms[rows]
+        known = self._rows
+        if len(known) < 2:
+            return None
+        at = min(max(bisect.bisect(known, rows), 1), len(known) - 1)
+        r0, r1 = known[at - 1], known[at]
+        m0, m1 = self.ms[r0], self.ms[r1]
+        return max(m0 + (m1 - m0) * (rows - r0) / (r1 - r0), 1e-3)
+
+
+class Speculator:
+    def __init__(self, mode: str, most_tokens: int, max_position: int):
+        if mode not in MODES or most_tokens < 1:
+            raise ValueError(f"speculation {mode!r} with {most_tokens} tokens")
+        self.mode, self.most_tokens, self.max_position = mode, most_tokens, max_position
+        self.costs = StepCosts()
+
+    def propose(self, seqs: list[Sequence], trial: bool = False) -> dict[Sequence, list[int]]:
+        """The proposals of a decode step of `seqs`, per sequence that carries any. A `trial`
+        (would the next step speculate?) changes no sequence's record."""
+        if self.mode == OFF:
+            return {}
+        candidates = []
+        for seq in seqs:
+            if not seq.speculative or seq.constrained is not None:
+                continue
+            if seq.drafting is None:
+                seq.drafting = Drafting(self.most_tokens)
+            # Every accepted proposal and the target's token must fit the request's limits.
+            room = min(seq.max_new_tokens - len(seq.output_ids), self.max_position - seq.num_tokens) - 1
+            tokens = seq.drafting.propose(seq.prompt_ids + seq.output_ids, room)
+            if tokens:
+                candidates.append((seq, tokens))
+        return self._worth_it(len(seqs), candidates, trial)
+
+    def _worth_it(
+        self, rows: int, candidates: list[tuple[Sequence, list[int]]], trial: bool
+    ) -> dict[Sequence, list[int]]:
+        """The candidates that raise the step's expected tokens per second, best first."""
+        chosen: dict[Sequence, list[int]] = {}
+        tokens, ms = rows, self.costs.estimate(rows)
+        candidates.sort(key=lambda c: c[0].drafting.acceptance, reverse=True)
+        for seq, proposal in candidates:
+            more_ms = self.costs.estimate(rows + len(proposal))
+            more_tokens = tokens + seq.drafting.expected(len(proposal))
+            if ms is None or more_ms is None or more_tokens / more_ms > tokens / ms:
+                chosen[seq] = proposal
+                rows, tokens, ms = rows + len(proposal), more_tokens, more_ms
+            elif not trial:
+                seq.drafting.not_sent()
+        return chosen
+
+    def measured(self, rows: int, wall_s: float) -> None:
+        """A decode step of `rows` rows took `wall_s` seconds, as the router saw it."""
+        self.costs.add(rows, wall_s * 1e3)

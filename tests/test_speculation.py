@@ -1,0 +1,158 @@
+"""Speculative decoding's parts, each alone: the n-gram proposer, the policy that prices
+proposals from measured step costs, and rejection sampling (the output distribution is the
+target's: a chi-square test over many seeds of a tiny bigram model)."""
+
+import itertools
+
+import torch
+
+from shardline.protos.shard_pb2 import Sampling
+from shardline.router.core.ngrams import Drafting
+from shardline.router.core.sequence import Sequence
+from shardline.router.core.speculation import NGRAM, OFF, Speculator, StepCosts
+from shardline.shard.sampler import SamplingParams, sample_row, verify
+
+
+def test_the_longest_recent_suffix_proposes_what_followed_it():
+    d = Drafting(most_tokens=4)
+    text = [5, 6, 7, 8, 9, 1, 2, 6, 7, 3, 4, 5, 6, 7]
+    # [5, 6, 7] occurred at the start (followed by 8, 9, 1, 2); [6, 7] also later (followed by 3)
+    assert d.propose(text, most=10) == [8, 9, 1, 2]
+    assert d.propose(text, most=2) == [8, 9]
+    assert d.propose([*text, 3], most=10) == [4, 5, 6, 7]  # [6, 7, 3] after position 7
+    assert d.propose([1, 2, 3, 4], most=10) == []  # nothing repeats
+    assert d.propose([1, 2, 3, 1], most=10) == []  # one token is no suffix to go by
+
+
+def test_the_proposal_length_follows_acceptance():
+    d = Drafting(most_tokens=8)
+    assert d.k == 8
+    d.verified(8, 3)  # rejected at the fourth
+    assert d.k == 4 and d.proposed == 8 and d.accepted == 3
+    d.verified(4, 4)  # all accepted: it grows back
+    assert d.k == 8
+    d.verified(8, 0)
+    assert d.k == 1 and d.acceptance < 0.6
+    low = d.acceptance
+    d.not_sent()  # drifts back toward the prior
+    assert low < d.acceptance < 0.6
+    assert d.expected(4) < 4 * d.acceptance
+
+
+def test_step_costs_interpolate_between_measured_row_counts():
+    costs = StepCosts()
+    assert costs.estimate(1) is None
+    costs.add(1, 10.0)
+    assert costs.estimate(1) == 10.0 and costs.estimate(5) is None
+    costs.add(9, 26.0)
+    assert costs.estimate(5) == 18.0 and costs.estimate(17) == 42.0
+    costs.add(1, 20.0)  # a running average
+    assert 10.0 < costs.estimate(1) < 20.0
+
+
+def _decoding(seq_id: int, prompt: list[int], output: list[int], max_new: int = 100) -> Sequence:
+    seq = Sequence(seq_id, str(seq_id), prompt, max_new, Sampling())
+    seq.output_ids = list(output)
+    return seq
+
+
+def test_proposals_are_sent_where_the_measured_costs_say_they_pay():
+    spec = Speculator(NGRAM, 4, max_position=1000)
+    copying = _decoding(1, [1, 2, 3, 4, 5, 6], [1, 2])
+    assert spec.propose([copying]) == {copying: [3, 4, 5, 6]}  # costs unknown: it tries
+    spec.measured(1, 0.010)
+    spec.measured(5, 0.012)  # four more rows cost little: worth it even at a low acceptance
+    copying.drafting.acceptance = 0.2
+    assert spec.propose([copying]) == {copying: [3, 4, 5, 6]}
+    spec.measured(5, 0.100)  # now they cost ten steps (a running average: measure it again)
+    spec.measured(5, 0.100)
+    spec.measured(5, 0.100)
+    assert spec.propose([copying]) == {}
+    # Never past the request's limit: one token of room is the target's own.
+    near_end = _decoding(2, [1, 2, 3, 4, 5, 6], [1, 2], max_new=4)
+    assert spec.propose([near_end], trial=True) in ({near_end: [3]}, {})
+    assert len(Speculator(NGRAM, 4, 1000).propose([near_end])[near_end]) == 1
+    opted_out = _decoding(3, [1, 2, 3, 4], [1, 2])
+    opted_out.speculative = False
+    assert Speculator(NGRAM, 4, 1000).propose([opted_out]) == {}
+    assert Speculator(OFF, 4, 1000).propose([_decoding(4, [1, 2, 3, 4], [1, 2])]) == {}
+
+
+def test_greedy_verification_keeps_the_proposals_the_target_agrees_with():
+    logits = torch.full((4, 10), -1.0)
+    for row, best in enumerate([3, 5, 8, 2]):
+        logits[row, best] = 1.0
+    greedy = SamplingParams()
+    assert verify(logits, [3, 5, 8], greedy, 10) == [3, 5, 8, 2]  # all accepted, then the target's
+    assert verify(logits, [3, 6, 8], greedy, 10) == [3, 5]  # the second rejected: the target's there
+    assert verify(logits, [0, 5, 8], greedy, 10) == [3]
+
+
+# A tiny bigram model: the logits of the next token given the one before.
+VOCAB = 5
+BIGRAM = torch.tensor(
+    [
+        [2.0, 0.5, 0.1, -1.0, 0.3],
+        [0.1, 1.5, 1.4, 0.2, -0.5],
+        [0.0, 0.0, 0.0, 0.0, 0.0],
+        [-2.0, 3.0, 0.5, 0.5, 1.0],
+        [0.7, -0.3, 2.2, 0.1, 0.9],
+    ]
+)
+START, SEEDS = 3, 6000
+PARAMS = dict(temperature=0.9, top_k=4)
+
+
+def _two_tokens(seed: int, verifier) -> tuple[int, int]:
+    """The first two tokens after START, drawn with speculation: the proposer always proposes
+    [1, 2] (often wrong), and each verification's rows are the bigram logits of their inputs."""
+    p = SamplingParams(seed=seed, **PARAMS)
+    out = []
+    while len(out) < 2:
+        proposals = [1, 2]
+        inputs = [out[-1] if out else START, *proposals]
+        out += verifier(BIGRAM[inputs], proposals, p, len(out))
+    return out[0], out[1]
+
+
+def _chi_square(counts: dict, expected: dict, n: int) -> float:
+    return sum((counts.get(cell, 0) - n * q) ** 2 / (n * q) for cell, q in expected.items() if q > 0)
+
+
+def _target_pairs() -> dict:
+    """The target's distribution of the first two tokens, exactly (temperature, top-k)."""
+
+    def probs(prev):
+        logits = BIGRAM[prev] / PARAMS["temperature"]
+        kth = logits.topk(PARAMS["top_k"]).values[-1]
+        return torch.softmax(logits.masked_fill(logits < kth, float("-inf")), -1)
+
+    first = probs(START)
+    return {(a, b): float(first[a] * probs(a)[b]) for a, b in itertools.product(range(VOCAB), repeat=2)}
+
+
+def _accept_everything(logits, proposals, p, position):
+    return [*proposals, sample_row(logits[len(proposals)], p, position + len(proposals))]
+
+
+def test_rejection_sampling_draws_what_the_target_draws():
+    expected = _target_pairs()
+    bound = 52.24  # chi-square, 16 degrees of freedom (the 17 pairs top-k leaves), p = 1e-5
+
+    def statistic(verifier) -> float:
+        counts: dict = {}
+        for seed in range(SEEDS):
+            pair = _two_tokens(seed, verifier)
+            counts[pair] = counts.get(pair, 0) + 1
+        assert all(expected[pair] > 0 for pair in counts), "a token top-k excludes was drawn"
+        return _chi_square(counts, expected, SEEDS)
+
+    assert statistic(verify) < bound
+    # The same test fails a verifier that accepts every proposal (it draws [1, 2] every time).
+    assert statistic(_accept_everything) > 10 * bound
+
+
+def test_a_seed_gives_the_same_verified_tokens_every_time():
+    p = SamplingParams(temperature=1.0, seed=7)
+    rows = BIGRAM[[0, 1, 2, 3]]
+    assert verify(rows, [1, 2, 3], p, 40) == verify(rows.clone(), [1, 2, 3], p, 40)
