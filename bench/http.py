@@ -100,10 +100,10 @@ def against_grpc(args, streams: list[int]) -> dict:
 
 
 @contextlib.contextmanager
-def llama_server(path: str, slots: int, model: str | None = None, context: int | None = None):
+def llama_server(path: str, slots: int, model: str | None = None, context: int | None = None, extra=()):
     """llama.cpp's `llama-server` on a GGUF (SmolLM2's by default) with `slots` (`-np`, continuous
-    batching) sharing `context` tokens of KV cache (2048 a slot by default), on every core; yields
-    its base URL (".../v1") once healthy."""
+    batching) sharing `context` tokens of KV cache (2048 a slot by default), on every core, with
+    `extra` flags; yields its base URL (".../v1") once healthy."""
     from shardline.common.model_source import resolve_model
 
     port = free_port()
@@ -122,6 +122,7 @@ def llama_server(path: str, slots: int, model: str | None = None, context: int |
             "127.0.0.1",
             "--port",
             str(port),
+            *extra,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

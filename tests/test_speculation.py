@@ -61,9 +61,11 @@ def test_proposals_are_sent_where_the_measured_costs_say_they_pay():
     copying = _decoding(1, [1, 2, 3, 4, 5, 6], [1, 2])
     assert spec.propose([copying]) == {copying: [3, 4, 5, 6]}  # costs unknown: it tries
     spec.measured(1, 0.010)
-    spec.measured(5, 0.012)  # four more rows cost little: worth it even at a low acceptance
-    copying.drafting.acceptance = 0.2
+    spec.measured(5, 0.016)  # rows cost 1.5 ms each
+    copying.drafting.acceptance = 0.95
     assert spec.propose([copying]) == {copying: [3, 4, 5, 6]}
+    copying.drafting.acceptance = 0.2  # then only the first is worth its row
+    assert spec.propose([copying]) == {copying: [3]}
     spec.measured(5, 0.100)  # now they cost ten steps (a running average: measure it again)
     spec.measured(5, 0.100)
     spec.measured(5, 0.100)

@@ -12,9 +12,9 @@ measured:
   nearest;
 - per sequence, the running acceptance of its proposals (ngrams.Drafting), which prices a
   proposal of k tokens at the tokens it is expected to yield;
-- the step takes proposals best first while they raise its expected tokens per second; one
-  left out counts as such (Drafting.not_sent). Where the costs of a step's rows are not known
-  yet, it speculates and so measures them.
+- the step takes proposals best first, each cut to the length that raises its expected tokens
+  per second most, while one does; one left out counts as such (Drafting.not_sent). Where the
+  costs of a step's rows are not known yet, it speculates and so measures them.
 
 A sequence proposes nothing when its request opted out, when it is constrained (the mask of
 each proposed position would need the matcher advanced through the proposals and rolled back;
@@ -99,13 +99,21 @@ class Speculator:
         tokens, ms = rows, self.costs.estimate(rows)
         candidates.sort(key=lambda c: c[0].drafting.acceptance, reverse=True)
         for seq, proposal in candidates:
-            more_ms = self.costs.estimate(rows + len(proposal))
-            more_tokens = tokens + seq.drafting.expected(len(proposal))
-            if ms is None or more_ms is None or more_tokens / more_ms > tokens / ms:
-                chosen[seq] = proposal
-                rows, tokens, ms = rows + len(proposal), more_tokens, more_ms
-            elif not trial:
-                seq.drafting.not_sent()
+            best = None  # (rate, proposed, tokens, ms) of the best prefix of the proposal
+            for n in range(1, len(proposal) + 1):
+                more_ms = self.costs.estimate(rows + n)
+                if ms is None or more_ms is None:  # not measured yet: try it whole
+                    best = (0.0, len(proposal), tokens + seq.drafting.expected(len(proposal)), None)
+                    break
+                more_tokens = tokens + seq.drafting.expected(n)
+                if more_tokens / more_ms > (best[0] if best else tokens / ms):
+                    best = (more_tokens / more_ms, n, more_tokens, more_ms)
+            if best is None:
+                if not trial:
+                    seq.drafting.not_sent()
+                continue
+            _, n, tokens, ms = best
+            chosen[seq], rows = proposal[:n], rows + n
         return chosen
 
     def measured(self, rows: int, wall_s: float) -> None:

@@ -1,0 +1,235 @@
+"""Speculative decoding: Shardline with n-gram speculation against itself without it, and
+against llama.cpp's `llama-server` with each of its n-gram speculation kinds, on the same GGUF
+(SmolLM2's default) and the same chat prompts, one server at a time, through the same OpenAI
+client (bench/http.py).
+
+    python -m bench.speculative [--llama-server PATH] [--streams 1,8] [--repeats 3] [--max-new-tokens 160]
+
+Workloads, each a few chat prompts that cycle over the streams: `copy` (repeat or quote a
+paragraph; rewrite code with one name changed; extract JSON fields from a text), where the
+answer copies from the prompt, and `free` (nothing to copy). Greedy, each answer ends at EOS or
+`--max-new-tokens`. Per run: tok/s (completion tokens over the wall time from the first request
+to the last token, prefill included) and decode tok/s (bench/http.py); medians over repeats.
+Shardline's acceptance per workload from its Stats (proposed and accepted tokens). llama-server
+runs with `--spec-type none` and each n-gram kind at its defaults; its best kind per workload
+and concurrency is the peer. Writes bench/out/speculative-<time>.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+
+from bench.common import machine, save
+from bench.http import llama_server, summary
+from harness.client import http_concurrently
+from harness.serve import Server
+from shardline.protos import generation_pb2 as pb
+
+PARAGRAPHS = [
+    "The old lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a brass lantern "
+    "and a notebook in which he wrote the colour of the sea, the direction of the wind and the names of the "
+    "ships that passed the rocky point before the fog rolled in from the north.",
+    "Our library opens at nine on weekdays and at ten on Saturdays. Members may borrow up to six books "
+    "for three weeks, renew them twice online, and reserve titles that are on loan. Late returns cost ten "
+    "cents a day, and lost books are replaced at the price printed on the cover.",
+]
+CODE = [
+    "def total_price(items, tax_rate):\n    subtotal = 0\n    for item in items:\n"
+    "        subtotal += item.price * item.quantity\n    tax = subtotal * tax_rate\n"
+    "    return subtotal + tax\n",
+    "def count_words(text):\n    counts = {}\n    for word in text.lower().split():\n"
+    "        word = word.strip('.,!?')\n        counts[word] = counts.get(word, 0) + 1\n    return counts\n",
+]
+RENAMES = [("subtotal", "net_amount"), ("counts", "frequencies")]
+RECORDS = [
+    "Order 4471 was placed by Maria Gonzalez of 12 Harbour Road, Lisbon, on 3 March 2025 for two "
+    "ceramic vases and one linen tablecloth, paid by credit card, to be delivered by express courier.",
+    "Ticket 9082: the customer Daniel Okafor, email daniel.okafor@example.com, reports that the "
+    "printer model LX-300 in room 214 jams on every second page since the firmware update of Monday.",
+]
+FREE = [
+    "Write a short story about a dragon who learns to bake bread.",
+    "What are some good ways to stay focused while studying? Give advice in your own words.",
+    "Describe an imaginary city on the moon and the people who live there.",
+    "Explain why the sky looks blue to a ten-year-old.",
+]
+
+
+def copy_prompts() -> list[str]:
+    """Prompts whose answers copy from them, phrased as SmolLM2-135M follows them best (asked to
+    output only the renamed code it writes other code; asked for named fields it copies them)."""
+    out = []
+    for text, code, (old, new), record in zip(PARAGRAPHS, CODE, RENAMES, RECORDS):
+        out += [
+            f"Repeat the following paragraph exactly, word for word:\n\n{text}",
+            f"Here is a Python function:\n\n```python\n{code}```\n\nRewrite it with `{old}` renamed to "
+            f"`{new}`. Keep everything else the same.",
+            f"Return a JSON object with the fields id, customer, place, date and subject for this text:\n\n{record}",
+        ]
+    return out
+
+
+WORKLOADS = {"copy": copy_prompts(), "free": FREE}
+
+
+def body(model: str, prompt: str, max_new: int) -> dict:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_new,
+        "temperature": 0.0,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def run(base_url: str, model: str, prompts: list[str], n: int, max_new: int) -> dict:
+    """One stream: every prompt of the workload in turn. n streams: n requests at once, cycling
+    over the prompts."""
+    from harness.client import decode_tok_s, percentiles
+
+    if n == 1:
+        wall, streams = 0.0, []
+        for prompt in prompts:
+            w, s = asyncio.run(http_concurrently(base_url, [body(model, prompt, max_new)]))
+            wall, streams = wall + w, streams + s
+        timed = [s for s in streams if len(s.times) > 1]  # each stream's own decode window
+        decode = sum(len(s.times) - 1 for s in timed) / sum(s.times[-1] - s.times[0] for s in timed)
+    else:
+        wall, streams = asyncio.run(
+            http_concurrently(base_url, [body(model, prompts[i % len(prompts)], max_new) for i in range(n)])
+        )
+        decode = decode_tok_s(streams)
+    tokens = sum(s.completion_tokens for s in streams)
+    return {
+        "wall_s": wall,
+        "completion_tokens": tokens,
+        "tok_s": tokens / wall,
+        "decode_tok_s": decode,
+        "itl_ms": percentiles(x for s in streams for x in s.itl_ms),
+        "errors": [s.error for s in streams if s.error],
+    }
+
+
+def _spec_counts(before, after) -> dict:
+    proposed = after.spec_proposed_tokens - before.spec_proposed_tokens
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    generated = after.tokens_generated - before.tokens_generated
+    return {
+        "proposed": proposed,
+        "accepted": accepted,
+        "verifications": after.spec_verifications - before.spec_verifications,
+        "acceptance": accepted / proposed if proposed else None,
+        "accepted_share_of_output": accepted / generated if generated else None,
+    }
+
+
+def _report(who: str, key: str, entry: dict) -> None:
+    spec = entry.get("spec") or {}
+    print(
+        f"  {who} {key}: {entry['tok_s']:.1f} tok/s (decode {entry['decode_tok_s'] or 0:.1f}), "
+        f"{sum(r['completion_tokens'] for r in entry['runs']) / len(entry['runs']):.0f} tokens"
+        + (f", acceptance {spec['acceptance']:.2f}" if spec.get("acceptance") is not None else ""),
+        flush=True,
+    )
+
+
+def shardline(streams: list[int], max_new: int, repeats: int) -> dict:
+    """Speculation off and on, two servers up at once and driven in turns (the first of the two
+    alternating), so that a ratio compares runs seconds apart on a machine whose speed drifts."""
+    servers = {mode: Server("--speculative", mode, "--max-batch", str(max(streams))) for mode in ("off", "ngram")}
+    try:
+        model = servers["off"].stub.Info(pb.InfoRequest(), timeout=30).model
+        out = {mode: {} for mode in servers}
+        for name, prompts in WORKLOADS.items():
+            for n in streams:
+                key, runs = f"{name}/{n}", {mode: [] for mode in servers}
+                for server in servers.values():  # untimed: warms this shape
+                    run(server.http_url, model, prompts[:1], n, 16)
+                before = servers["ngram"].stats()
+                for rep in range(repeats):
+                    for mode in ("off", "ngram") if rep % 2 == 0 else ("ngram", "off"):
+                        runs[mode].append(run(servers[mode].http_url, model, prompts, n, max_new))
+                for mode in servers:
+                    out[mode][key] = summary(runs[mode])
+                out["ngram"][key]["spec"] = _spec_counts(before, servers["ngram"].stats())
+                for mode in servers:
+                    _report(f"shardline {mode}", key, out[mode][key])
+        return out
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+SPEC_TYPES = ["none", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache"]
+
+
+def llama(path: str, spec: str, streams: list[int], max_new: int, repeats: int) -> dict:
+    out = {}
+    for n in streams:
+        with llama_server(path, n, extra=["--spec-type", spec]) as base_url:
+            for name, prompts in WORKLOADS.items():
+                key = f"{name}/{n}"
+                run(base_url, "smollm2", prompts[:1], n, 16)  # untimed: warms this shape
+                out[key] = summary([run(base_url, "smollm2", prompts, n, max_new) for _ in range(repeats)])
+                _report(f"llama-server {spec}", key, out[key])
+    return out
+
+
+def ratios(result: dict) -> dict:
+    on, off = result["shardline"]["ngram"], result["shardline"]["off"]
+    out = {}
+    for key in on:
+        out[f"{key}: ngram/off"] = on[key]["tok_s"] / off[key]["tok_s"]
+        peers = result.get("llama_server", {})
+        if peers:
+            best = max(peers, key=lambda spec: peers[spec][key]["tok_s"] if spec != "none" else 0)
+            out[f"{key}: ngram/llama-server {best}"] = on[key]["tok_s"] / peers[best][key]["tok_s"]
+            out[f"{key}: off/llama-server none"] = off[key]["tok_s"] / peers["none"][key]["tok_s"]
+    return out
+
+
+def plot(result: dict, png) -> None:
+    import matplotlib.pyplot as plt
+
+    keys = list(result["shardline"]["off"])
+    series = {f"Shardline {m}": result["shardline"][m] for m in ("off", "ngram")}
+    series.update({f"llama-server {s}": r for s, r in result.get("llama_server", {}).items()})
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(series)
+    for i, (label, runs) in enumerate(series.items()):
+        ax.bar([k + i * width for k in range(len(keys))], [runs[k]["tok_s"] for k in keys], width, label=label)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(keys))], [k.replace("/", " x") for k in keys])
+    ax.set_ylabel("tokens/s (prefill included)")
+    ax.set_title("Speculative decoding, SmolLM2-135M Q4_1 GGUF, " + result["cpu"][:40])
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", default="1,8")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER") or shutil.which("llama-server"))
+    parser.add_argument("--spec-types", default=",".join(SPEC_TYPES), help="llama-server's, 'none' among them")
+    args = parser.parse_args()
+    streams = [int(s) for s in args.streams.split(",")]
+    result = {"benchmark": "speculative", **machine(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
+    result["shardline"] = shardline(streams, args.max_new_tokens, args.repeats)
+    if args.llama_server:
+        result["llama_server"] = {
+            spec: llama(args.llama_server, spec, streams, args.max_new_tokens, args.repeats)
+            for spec in args.spec_types.split(",")
+        }
+    result["ratios"] = ratios(result)
+    for key, value in result["ratios"].items():
+        print(f"{key}: {value:.2f}")
+    save("speculative", result, plot)
+
+
+if __name__ == "__main__":
+    main()
