@@ -60,15 +60,22 @@ def test_proposals_are_sent_where_the_measured_costs_say_they_pay():
     spec = Speculator(NGRAM, 4, max_position=1000)
     copying = _decoding(1, [1, 2, 3, 4, 5, 6], [1, 2])
     assert spec.propose([copying]) == {copying: [3, 4, 5, 6]}  # costs unknown: it tries
-    spec.measured(1, 0.010)
-    spec.measured(5, 0.016)  # rows cost 1.5 ms each
+    spec.measured(1, 0.010, ahead=False)
+    spec.measured(5, 0.016, ahead=False)  # rows cost 1.5 ms each
     copying.drafting.acceptance = 0.95
     assert spec.propose([copying]) == {copying: [3, 4, 5, 6]}
-    copying.drafting.acceptance = 0.2  # then only the first is worth its row
-    assert spec.propose([copying]) == {copying: [3]}
-    spec.measured(5, 0.100)  # now they cost ten steps (a running average: measure it again)
-    spec.measured(5, 0.100)
-    spec.measured(5, 0.100)
+    copying.drafting.acceptance = 0.55  # then only the first few are worth their rows
+    assert spec.propose([copying])[copying] in ([3], [3, 4], [3, 4, 5])
+    copying.drafting.acceptance = 0.1  # and not even the first (by MARGIN)
+    assert spec.propose([copying]) == {}
+    copying.drafting.acceptance = 0.55
+    # Unless a step without proposals, sent ahead, costs less than that: its round trip overlaps.
+    spec.measured(1, 0.006, ahead=True)
+    assert spec.propose([copying]) == {}
+    copying.drafting.acceptance = 0.95
+    spec.measured(5, 0.100, ahead=False)  # now they cost ten steps (a running average: measure it again)
+    spec.measured(5, 0.100, ahead=False)
+    spec.measured(5, 0.100, ahead=False)
     assert spec.propose([copying]) == {}
     # Never past the request's limit: one token of room is the target's own.
     near_end = _decoding(2, [1, 2, 3, 4, 5, 6], [1, 2], max_new=4)

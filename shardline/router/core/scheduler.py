@@ -167,7 +167,7 @@ class Scheduler:
     def timed(self, step: Step, wall_s: float) -> None:
         """A step took `wall_s` seconds: what decode steps cost is what speculation weighs."""
         if self.speculator is not None and step.phase is Phase.DECODE:
-            self.speculator.measured(step.num_tokens, wall_s)
+            self.speculator.measured(step.num_tokens, wall_s, step.sampled_inputs)
 
     def decode_ahead(self, seqs: list[Sequence]) -> Step | None:
         """The decode step of `seqs`, to be sent while their decode step runs, when it is the step

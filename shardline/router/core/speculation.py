@@ -9,12 +9,14 @@ measured:
 
 - `StepCosts`: the wall time of decode steps by their rows (decode rows and proposals), a
   running average per row count, read between the counts measured by a line through the two
-  nearest;
+  nearest; apart for steps sent ahead (a step without proposals may be, and then its router
+  round trip overlaps the step before: the cost of not speculating);
 - per sequence, the running acceptance of its proposals (ngrams.Drafting), which prices a
   proposal of k tokens at the tokens it is expected to yield;
 - the step takes proposals best first, each cut to the length that raises its expected tokens
-  per second most, while one does; one left out counts as such (Drafting.not_sent). Where the
-  costs of a step's rows are not known yet, it speculates and so measures them.
+  per second most, while one does by MARGIN at least; one left out counts as such
+  (Drafting.not_sent). Where the costs of a step's rows are not known yet, it speculates and so
+  measures them.
 
 A sequence proposes nothing when its request opted out, when it is constrained (the mask of
 each proposed position would need the matcher advanced through the proposals and rolled back;
@@ -35,6 +37,10 @@ from shardline.router.core.sequence import Sequence
 OFF, NGRAM = "off", "ngram"
 MODES = (OFF, NGRAM)
 AVERAGING = 0.2  # weight of a new measurement in a row count's running step time
+# How much faster the expected tokens per second of a step with proposals must be: the estimates
+# err (acceptance from few verifications, costs read between row counts), and where the gain is
+# that small a mistaken step costs as much as a right one wins.
+MARGIN = 1.3
 
 
 @dataclass
@@ -71,7 +77,10 @@ class Speculator:
         if mode not in MODES or most_tokens < 1:
             raise ValueError(f"speculation {mode!r} with {most_tokens} tokens")
         self.mode, self.most_tokens, self.max_position = mode, most_tokens, max_position
-        self.costs = StepCosts()
+        # Decode steps scheduled once the step before ended (as a step with proposals is), and
+        # those sent ahead while it ran: a step without proposals can be, and then costs only
+        # its compute (the router's work and the round trip overlap it).
+        self.costs, self.ahead_costs = StepCosts(), StepCosts()
 
     def propose(self, seqs: list[Sequence], trial: bool = False) -> dict[Sequence, list[int]]:
         """The proposals of a decode step of `seqs`, per sequence that carries any. A `trial`
@@ -96,7 +105,7 @@ class Speculator:
     ) -> dict[Sequence, list[int]]:
         """The candidates that raise the step's expected tokens per second, best first."""
         chosen: dict[Sequence, list[int]] = {}
-        tokens, ms = rows, self.costs.estimate(rows)
+        tokens, ms = rows, self.ahead_costs.estimate(rows) or self.costs.estimate(rows)
         candidates.sort(key=lambda c: c[0].drafting.acceptance, reverse=True)
         for seq, proposal in candidates:
             best = None  # (rate, proposed, tokens, ms) of the best prefix of the proposal
@@ -106,7 +115,7 @@ class Speculator:
                     best = (0.0, len(proposal), tokens + seq.drafting.expected(len(proposal)), None)
                     break
                 more_tokens = tokens + seq.drafting.expected(n)
-                if more_tokens / more_ms > (best[0] if best else tokens / ms):
+                if more_tokens / more_ms > (best[0] if best else MARGIN * tokens / ms):
                     best = (more_tokens / more_ms, n, more_tokens, more_ms)
             if best is None:
                 if not trial:
@@ -116,6 +125,7 @@ class Speculator:
             chosen[seq], rows = proposal[:n], rows + n
         return chosen
 
-    def measured(self, rows: int, wall_s: float) -> None:
-        """A decode step of `rows` rows took `wall_s` seconds, as the router saw it."""
-        self.costs.add(rows, wall_s * 1e3)
+    def measured(self, rows: int, wall_s: float, ahead: bool) -> None:
+        """A decode step of `rows` rows took `wall_s` seconds, as the router saw it; `ahead`: it
+        was sent while the step before it ran."""
+        (self.ahead_costs if ahead else self.costs).add(rows, wall_s * 1e3)
