@@ -5,9 +5,10 @@ client (bench/http.py).
 
     python -m bench.speculative [--llama-server PATH] [--streams 1,8] [--repeats 3] [--max-new-tokens 160]
 
-Workloads, each a few chat prompts that cycle over the streams: `copy` (repeat or quote a
-paragraph; rewrite code with one name changed; extract JSON fields from a text), where the
-answer copies from the prompt, and `free` (nothing to copy). Greedy, each answer ends at EOS or
+Workloads, each a few chat prompts that cycle over the streams: the copy-heavy ones, `quote`
+(repeat a paragraph), `rename` (rewrite code with one name changed) and `json` (extract fields
+from a text), whose answers copy from their prompts (reported each and together), and `free`
+(nothing to copy). Greedy, each answer ends at EOS or
 `--max-new-tokens`. Per run: tok/s (completion tokens over the wall time from the first request
 to the last token, prefill included) and decode tok/s (bench/http.py); medians over repeats.
 Shardline's acceptance per workload from its Stats (proposed and accepted tokens). llama-server
@@ -58,21 +59,25 @@ FREE = [
 ]
 
 
-def copy_prompts() -> list[str]:
+def copy_workloads() -> dict[str, list[str]]:
     """Prompts whose answers copy from them, phrased as SmolLM2-135M follows them best (asked to
     output only the renamed code it writes other code; asked for named fields it copies them)."""
-    out = []
-    for text, code, (old, new), record in zip(PARAGRAPHS, CODE, RENAMES, RECORDS):
-        out += [
-            f"Repeat the following paragraph exactly, word for word:\n\n{text}",
+    return {
+        "quote": [f"Repeat the following paragraph exactly, word for word:\n\n{text}" for text in PARAGRAPHS],
+        "rename": [
             f"Here is a Python function:\n\n```python\n{code}```\n\nRewrite it with `{old}` renamed to "
-            f"`{new}`. Keep everything else the same.",
-            f"Return a JSON object with the fields id, customer, place, date and subject for this text:\n\n{record}",
-        ]
-    return out
+            f"`{new}`. Keep everything else the same."
+            for code, (old, new) in zip(CODE, RENAMES)
+        ],
+        "json": [
+            f"Return a JSON object with the fields id, customer, place, date and subject for this text:\n\n{record}"
+            for record in RECORDS
+        ],
+    }
 
 
-WORKLOADS = {"copy": copy_prompts(), "free": FREE}
+COPY = ("quote", "rename", "json")  # together: the copy-heavy workload
+WORKLOADS = {**copy_workloads(), "free": FREE}
 
 
 def body(model: str, prompt: str, max_new: int) -> dict:
@@ -178,16 +183,33 @@ def llama(path: str, spec: str, streams: list[int], max_new: int, repeats: int) 
     return out
 
 
-def ratios(result: dict) -> dict:
+def copy_heavy(runs: dict, n: int) -> float:
+    """The copy-heavy workloads at `n` streams together: their completion tokens over their wall
+    time, each workload's median run."""
+    medians = [
+        sorted(runs[f"{name}/{n}"]["runs"], key=lambda r: r["tok_s"])[len(runs[f"{name}/{n}"]["runs"]) // 2]
+        for name in COPY
+    ]
+    return sum(r["completion_tokens"] for r in medians) / sum(r["wall_s"] for r in medians)
+
+
+def ratios(result: dict, streams: list[int]) -> dict:
     on, off = result["shardline"]["ngram"], result["shardline"]["off"]
+    peers = result.get("llama_server", {})
+    rate = {"shardline ngram": on, "shardline off": off, **{f"llama-server {s}": r for s, r in peers.items()}}
     out = {}
+    for n in streams:
+        copy = {who: copy_heavy(runs, n) for who, runs in rate.items()}
+        out[f"copy-heavy/{n}: tok/s"] = copy
+        out[f"copy-heavy/{n}: ngram/off"] = copy["shardline ngram"] / copy["shardline off"]
+        if peers:
+            best = max((w for w in copy if w.startswith("llama-server") and w != "llama-server none"), key=copy.get)
+            out[f"copy-heavy/{n}: ngram/{best}"] = copy["shardline ngram"] / copy[best]
     for key in on:
         out[f"{key}: ngram/off"] = on[key]["tok_s"] / off[key]["tok_s"]
-        peers = result.get("llama_server", {})
         if peers:
-            best = max(peers, key=lambda spec: peers[spec][key]["tok_s"] if spec != "none" else 0)
+            best = max((s for s in peers if s != "none"), key=lambda s: peers[s][key]["tok_s"])
             out[f"{key}: ngram/llama-server {best}"] = on[key]["tok_s"] / peers[best][key]["tok_s"]
-            out[f"{key}: off/llama-server none"] = off[key]["tok_s"] / peers["none"][key]["tok_s"]
     return out
 
 
@@ -225,9 +247,9 @@ def main() -> None:
             spec: llama(args.llama_server, spec, streams, args.max_new_tokens, args.repeats)
             for spec in args.spec_types.split(",")
         }
-    result["ratios"] = ratios(result)
+    result["ratios"] = ratios(result, streams)
     for key, value in result["ratios"].items():
-        print(f"{key}: {value:.2f}")
+        print(f"{key}: {value:.2f}" if isinstance(value, float) else f"{key}: {value}")
     save("speculative", result, plot)
 
 
