@@ -8,12 +8,13 @@ client (bench/http.py).
 Workloads, each a few chat prompts that cycle over the streams: the copy-heavy ones, `quote`
 (repeat a paragraph), `rename` (rewrite code with one name changed) and `json` (extract fields
 from a text), whose answers copy from their prompts (reported each and together), and `free`
-(nothing to copy). Greedy, each answer ends at EOS or
-`--max-new-tokens`. Per run: tok/s (completion tokens over the wall time from the first request
-to the last token, prefill included) and decode tok/s (bench/http.py); medians over repeats.
-Shardline's acceptance per workload from its Stats (proposed and accepted tokens). llama-server
-runs with `--spec-type none` and each n-gram kind at its defaults; its best kind per workload
-and concurrency is the peer. Writes bench/out/speculative-<time>.json and .png.
+(nothing to copy). Greedy, each answer ends at EOS or `--max-new-tokens`. Per run: tok/s
+(completion tokens over the wall time from the first request to the last token, prefill
+included) and decode tok/s (bench/http.py); medians over repeats. The host's read bandwidth is
+measured first (bench/kernels.py); Shardline's acceptance per workload comes from its Stats
+(proposed and accepted tokens). llama-server runs with `--spec-type none` and each n-gram kind
+at its defaults; its best kind per workload and concurrency is the peer. Writes
+bench/out/speculative-<time>.json and .png.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import shutil
 
 from bench.common import machine, save
 from bench.http import llama_server, summary
+from bench.kernels import read_gb_s
 from harness.client import http_concurrently
 from harness.serve import Server
 from shardline.protos import generation_pb2 as pb
@@ -241,6 +243,8 @@ def main() -> None:
     args = parser.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     result = {"benchmark": "speculative", **machine(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
+    result["read_gb_s"] = read_gb_s()  # what a decode step's weights are read at
+    print(f"read bandwidth {result['read_gb_s']:.1f} GB/s", flush=True)
     result["shardline"] = shardline(streams, args.max_new_tokens, args.repeats)
     if args.llama_server:
         result["llama_server"] = {
