@@ -330,3 +330,26 @@ def test_a_verification_rewinds_to_any_verified_position_and_refuses_bad_proposa
     runner = _runner(model)
     runner.step(_plan(_first(1, prompt, [0, 1])))
     assert "does not cover" in runner.step(_plan(beyond)).failures[1]
+
+
+def test_a_constrained_verification_masks_each_row_as_a_sampled_token_is(model):
+    prompt = list(range(100, 111))
+    plain = _runner(model)
+    first = plain.step(_plan(_first(1, prompt, [0, 1]))).tokens
+    reference = first + _decode(plain, 1, first[0], len(prompt), 3)
+    size = mask_bytes(model.cfg.vocab_size)
+    anything, only = b"\xff" * size, bytearray(size)
+    forced = (reference[3] + 1) % model.cfg.vocab_size
+    only[forced // 8] |= 1 << (forced % 8)
+
+    runner = _runner(model)
+    runner.step(_plan(_first(1, prompt, [0, 1])))
+    entry = _next(1, [first[0]], len(prompt))
+    entry.proposals.extend(reference[1:3])
+    entry.allowed_tokens, entry.proposal_masks[:] = anything, [anything, bytes(only)]
+    out = runner.step(_plan(entry))
+    assert out.tokens == [*reference[1:3], forced]  # the last row's draw is the mask's only token
+    missing = _next(1, [forced], len(prompt) + 3)
+    missing.proposals.append(5)
+    missing.allowed_tokens = anything
+    assert "without a mask" in runner.step(_plan(missing)).failures[1]

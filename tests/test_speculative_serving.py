@@ -124,3 +124,23 @@ def test_the_openai_api_takes_the_opt_out_and_answers_the_same(smollm2_server):
         client.chat.completions.create(
             model=model, messages=messages, max_tokens=3, extra_body={"speculative": "sometimes"}
         )
+
+
+def test_a_constrained_answer_is_proposed_within_its_constraint_and_masked_per_row(smollm2_server, copying):
+    """The copied sentence under a regex that its characters satisfy: proposals cut to what the
+    constraint accepts, each row masked, the tokens those of decoding a token a step."""
+    ids, _ = copying
+    regex = "[A-Za-z ,.]{1,400}"
+    before = _spec(smollm2_server)
+    got, text, _ = _generate(smollm2_server, ids, max_new_tokens=NEW_TOKENS, regex=regex)
+    verifications, _, accepted = (a - b for a, b in zip(_spec(smollm2_server), before))
+    assert verifications > 0 and accepted > NEW_TOKENS // 3, (verifications, accepted)
+    plain, plain_text, _ = _generate(smollm2_server, ids, max_new_tokens=NEW_TOKENS, regex=regex, speculative=False)
+    assert (
+        got == plain
+        and text == plain_text
+        and set(text) <= set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ,.")
+    )
+    # A constraint that forbids what the prompt would propose: nothing it refuses is emitted.
+    got, text, _ = _generate(smollm2_server, ids, max_new_tokens=12, regex="[a-z ]{1,60}")
+    assert set(text) <= set("abcdefghijklmnopqrstuvwxyz ")

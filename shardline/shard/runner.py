@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardline.kernels.attention import AttentionBatch, decode_capturable
-from shardline.kernels.token_mask import mask_bytes, packed_masks
+from shardline.kernels.token_mask import mask_bytes, mask_logits, packed_masks
 from shardline.protos import shard_pb2
 from shardline.shard.decode_graphs import DecodeGraphs
 from shardline.shard.kv_cache import KVPages
@@ -189,8 +189,14 @@ class ModelRunner:
             return "the plan gives input tokens and asks for the sampled one"
         if s.sampled_input and (state is None or state.sampled is None):
             return "the plan asks for the token sampled in the sequence's previous step, which sampled none here"
-        if s.proposals and (not s.emit or s.sampled_input or s.allowed_tokens or s.HasField("prompt_logprobs")):
-            return "the plan proposes tokens for an entry that does not sample freely from its last input"
+        if s.proposals and (not s.emit or s.sampled_input or s.HasField("prompt_logprobs")):
+            return "the plan proposes tokens for an entry that does not sample from its last input"
+        if s.proposal_masks and (not s.allowed_tokens or len(s.proposal_masks) != len(s.proposals)):
+            return f"{len(s.proposal_masks)} proposal masks for {len(s.proposals)} proposals"
+        if s.allowed_tokens and s.proposals and len(s.proposal_masks) != len(s.proposals):
+            return "a constrained entry proposes tokens without a mask for each"
+        if any(len(m) < mask_bytes(self.vocab_size) for m in s.proposal_masks):
+            return f"a proposal mask shorter than the {mask_bytes(self.vocab_size)} bytes of the vocabulary"
         if s.proposals and layer_start:
             return "the plan proposes tokens in a layer group"
         n = 1 if s.sampled_input else len(s.token_ids)
@@ -446,10 +452,17 @@ class ModelRunner:
             if not s.proposals:
                 continue
             k = len(s.proposals)
-            logits = self.model.logits(every[i][-(k + 1) :])
+            logits = drawn_from = self.model.logits(every[i][-(k + 1) :])
             if not all(finite_rows(logits)):
                 out[i] = ([], "the model produced non-finite logits for this sequence", logits)
                 continue
+            if s.allowed_tokens:  # each row masked as a sampled token's; logprobs stay raw
+                packed = packed_masks([s.allowed_tokens, *s.proposal_masks], self.vocab_size, self.device)
+                if not bool(packed.any(dim=-1).all()):
+                    out[i] = ([], "the constraint allows no token here", logits)
+                    continue
+                drawn_from = mask_logits(logits.contiguous(), packed)
             # next_pos has moved past the proposals: the first row's token sits k positions before it.
-            out[i] = (verify(logits, list(s.proposals), states[i].sampling, states[i].next_pos - k), None, logits)
+            tokens = verify(drawn_from, list(s.proposals), states[i].sampling, states[i].next_pos - k)
+            out[i] = (tokens, None, logits)
         return out

@@ -13,6 +13,11 @@ then allows a token it refuses on the next step).
 
 EOS is allowed only where the constraint is complete; once it admits nothing more the request
 finishes "stop".
+
+Speculative decoding (speculation.py): proposals are cut to the prefix the constraint accepts
+(`valid_prefix`), and the row that verifies each takes the mask after the ones before it
+(`masks_after`: the matcher consumes them and is rolled back); the accepted tokens are then fed
+one by one, as sampled ones are.
 """
 
 from __future__ import annotations
@@ -40,6 +45,21 @@ class Constrained:
                 "the constraint cannot be continued with this model's tokens: "
                 f"token {token} does not fit it ({self.matcher.get_error()})"
             )
+
+    def valid_prefix(self, tokens: list[int]) -> list[int]:
+        """The longest prefix of proposed `tokens` the constraint accepts from here."""
+        return tokens[: self.matcher.validate_tokens(tokens)] if tokens else []
+
+    def masks_after(self, tokens: list[int]) -> list[bytes]:
+        """The mask after each of `tokens` (a `valid_prefix`), for the rows that verify them;
+        the matcher is rolled back to where it was."""
+        masks = []
+        for token in tokens:
+            self.matcher.consume_token(token)
+            masks.append(self.matcher.compute_bitmask())
+        if tokens:
+            self.matcher.rollback(len(tokens))
+        return masks
 
     def _set_mask(self, mask: bytes) -> None:
         self.mask = mask

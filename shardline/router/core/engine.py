@@ -217,6 +217,7 @@ class Engine:
                     entry.next_token = seq.prompt_ids[end]
             if s.emit and seq.constrained is not None:
                 entry.allowed_tokens = seq.constrained.mask
+                entry.proposal_masks.extend(seq.constrained.masks_after(s.proposals))
             self._announced[seq.seq_id] = len(block_table)
         for o in self.observers:
             o.step_started(self.step_id, step, plan)

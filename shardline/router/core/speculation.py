@@ -18,9 +18,9 @@ measured:
   (Drafting.not_sent). Where the costs of a step's rows are not known yet, it speculates and so
   measures them.
 
-A sequence proposes nothing when its request opted out, when it is constrained (the mask of
-each proposed position would need the matcher advanced through the proposals and rolled back;
-such a sequence decodes a token a step), or when at most one token is left to its limit.
+A sequence proposes nothing when its request opted out, or when at most one token is left to
+its limit; a constrained one proposes only what its constraint accepts (constrained.py), and
+each proposal's row is masked as a sampled token's would be.
 Proposals never run past `max_new_tokens` or the context: the positions they take are within
 the pages reserved at admission, and a rejected tail's pages stay in the block table as the
 next positions the sequence writes, published only once accepted tokens fill them.
@@ -89,13 +89,15 @@ class Speculator:
             return {}
         candidates = []
         for seq in seqs:
-            if not seq.speculative or seq.constrained is not None:
+            if not seq.speculative:
                 continue
             if seq.drafting is None:
                 seq.drafting = Drafting(self.most_tokens)
             # Every accepted proposal and the target's token must fit the request's limits.
             room = min(seq.max_new_tokens - len(seq.output_ids), self.max_position - seq.num_tokens) - 1
             tokens = seq.drafting.propose(seq.prompt_ids + seq.output_ids, room)
+            if tokens and seq.constrained is not None and not trial:
+                tokens = seq.constrained.valid_prefix(tokens)
             if tokens:
                 candidates.append((seq, tokens))
         return self._worth_it(len(seqs), candidates, trial)
