@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MIN_N, MAX_N = 2, 4  # suffix lengths looked up, longest first
+# Suffix lengths looked up, longest first. A 2-token suffix (", the") recurs by chance in any
+# text, and its proposals cost rows that are rejected; 3 measured faster on every workload.
+MIN_N, MAX_N = 3, 4
 PRIOR = 0.6  # the acceptance expected of a sequence's proposals before any was verified
 LEARNING = 0.3  # weight of one verification in the running acceptance
 RECOVERY = 0.05  # how far a proposal not sent moves the acceptance back toward PRIOR
