@@ -61,6 +61,11 @@ def test_proposals_are_sent_where_the_measured_costs_say_they_pay():
     spec = Speculator(NGRAM, 4, max_position=1000)
     copying = _decoding(1, [1, 2, 3, 4, 5, 6, 7], [1, 2, 3])
     assert spec.propose([copying]) == {copying: [4, 5, 6, 7]}  # costs unknown: it tries
+    first = Speculator(NGRAM, 4, max_position=1000)
+    first.measured(1, 0.010, ahead=False)
+    first.measured(5, 0.100, ahead=False)  # rows too dear, but a sequence's first proposal is tried
+    assert first.propose([_decoding(9, [1, 2, 3, 4, 5, 6, 7], [1, 2, 3])])
+    copying.drafting.verified(4, 4)
     spec.measured(1, 0.010, ahead=False)
     spec.measured(5, 0.016, ahead=False)  # rows cost 1.5 ms each
     copying.drafting.acceptance = 0.95

@@ -15,8 +15,8 @@ measured:
   proposal of k tokens at the tokens it is expected to yield;
 - the step takes proposals best first, each cut to the length that raises its expected tokens
   per second most, while one does by MARGIN at least; one left out counts as such
-  (Drafting.not_sent). Where the costs of a step's rows are not known yet, it speculates and so
-  measures them.
+  (Drafting.not_sent). Where the costs of a step's rows are not known yet, and for a sequence's
+  first proposal, it speculates and so measures them.
 
 A sequence proposes nothing when its request opted out, or when at most one token is left to
 its limit; a constrained one proposes only what its constraint accepts (constrained.py), and
@@ -113,7 +113,9 @@ class Speculator:
             best = None  # (rate, proposed, tokens, ms) of the best prefix of the proposal
             for n in range(1, len(proposal) + 1):
                 more_ms = self.costs.estimate(rows + n)
-                if ms is None or more_ms is None:  # not measured yet: try it whole
+                # Not measured yet, or the sequence's first proposal (its acceptance is only the
+                # prior's): try it whole.
+                if ms is None or more_ms is None or not seq.drafting.verifications:
                     best = (0.0, len(proposal), tokens + seq.drafting.expected(len(proposal)), None)
                     break
                 more_tokens = tokens + seq.drafting.expected(n)
