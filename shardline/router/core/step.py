@@ -75,6 +75,11 @@ class Step:
         return sum(len(s.proposals) for s in self.scheduled)
 
     @property
+    def accepted(self) -> int:
+        """Proposals the shards accepted (known once the step is done)."""
+        return sum(s.accepted for s in self.scheduled)
+
+    @property
     def chunks(self) -> list[Scheduled]:
         """The step's prompt chunks."""
         return [s for s in self.scheduled if not s.decode]

@@ -152,7 +152,7 @@ class Metrics(RequestEvents):
         if proposed := step.proposed:
             self.spec_drafts.inc(sum(1 for s in step.scheduled if s.proposals))
             self.spec_draft_tokens.inc(proposed)
-            self.spec_accepted_tokens.inc(sum(s.accepted for s in step.scheduled))
+            self.spec_accepted_tokens.inc(step.accepted)
 
 
 class _AtScrape:

@@ -40,11 +40,9 @@ class StatsCounters(RequestEvents):
     def step_done(self, step_id: int, step, result, wall_s: float) -> None:
         self.decode_graph_launches += result.graph_launches
         self.eager_decode_steps += result.eager_decode_steps
-        for s in step.scheduled:
-            if s.proposals:
-                self.spec_verifications += 1
-                self.spec_proposed_tokens += len(s.proposals)
-                self.spec_accepted_tokens += s.accepted
+        self.spec_verifications += sum(1 for s in step.scheduled if s.proposals)
+        self.spec_proposed_tokens += step.proposed
+        self.spec_accepted_tokens += step.accepted
         if step.is_prefill:
             if not step.partial:  # a chunk's tokens count once, when its last layer ran
                 self.prompt_tokens_computed += sum(len(chunk.tokens) for chunk in step.chunks)
