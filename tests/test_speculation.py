@@ -17,12 +17,13 @@ def test_the_longest_recent_suffix_proposes_what_followed_it():
     d = Drafting(most_tokens=4)
     text = [5, 6, 7, 8, 9, 1, 2, 6, 7, 3, 4, 5, 6, 7]
     # [5, 6, 7] occurred at the start (followed by 8, 9, 1, 2)
-    assert d.propose(text, most=10) == [8, 9, 1, 2]
-    assert d.propose(text, most=2) == [8, 9]
-    assert d.propose([*text, 3], most=10) == [4, 5, 6, 7]  # [6, 7, 3] after position 7
-    assert Drafting(most_tokens=4).propose([1, 2, 3, 4], most=10) == []  # nothing repeats
+    prompt, output = text[:9], text[9:]
+    assert d.propose(prompt, output, most=10) == [8, 9, 1, 2]
+    assert d.propose(prompt, output, most=2) == [8, 9]
+    assert d.propose(prompt, [*output, 3], most=10) == [4, 5, 6, 7]  # [6, 7, 3] after position 7
+    assert Drafting(most_tokens=4).propose([1, 2, 3, 4], [], most=10) == []  # nothing repeats
     # Two tokens recur by chance in any text: too short a suffix to go by.
-    assert Drafting(most_tokens=4).propose([1, 2, 9, 8, 1, 2], most=10) == []
+    assert Drafting(most_tokens=4).propose([1, 2, 9, 8], [1, 2], most=10) == []
 
 
 def test_the_proposal_length_follows_acceptance():

@@ -30,14 +30,21 @@ class Drafting:
     proposed: int = 0  # totals over the sequence's verifications
     accepted: int = 0
     verifications: int = 0
+    _tokens: list[int] = field(default_factory=list)  # the sequence as far as proposed from
     _latest: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> position after it
     _indexed: int = 0  # positions whose preceding n-grams are in _latest
 
     def __post_init__(self):
         self.k = self.k or self.most_tokens
 
-    def propose(self, tokens: list[int], most: int) -> list[int]:
-        """At most min(k, `most`) tokens to follow `tokens` (the sequence so far), or none."""
+    def propose(self, prompt: list[int], output: list[int], most: int) -> list[int]:
+        """At most min(k, `most`) tokens to follow the sequence so far (its `prompt`, then its
+        `output`, which only grows), or none. The sequence is kept here, extended by the new
+        outputs only: no copy of the whole context per step."""
+        tokens = self._tokens
+        if not tokens:
+            tokens.extend(prompt)
+        tokens.extend(output[len(tokens) - len(prompt) :])
         n_tokens = len(tokens)
         self._index(tokens, n_tokens)
         most = min(self.k, most)

@@ -95,7 +95,7 @@ class Speculator:
                 seq.drafting = Drafting(self.most_tokens)
             # Every accepted proposal and the target's token must fit the request's limits.
             room = min(seq.max_new_tokens - len(seq.output_ids), self.max_position - seq.num_tokens) - 1
-            tokens = seq.drafting.propose(seq.prompt_ids + seq.output_ids, room)
+            tokens = seq.drafting.propose(seq.prompt_ids, seq.output_ids, room)
             if tokens and seq.constrained is not None and not trial:
                 tokens = seq.constrained.valid_prefix(tokens)
             if tokens:
