@@ -75,15 +75,20 @@ def test_detokenizer_streams_the_same_text_as_one_decode():
     assert any(d == "" for d in deltas[:-1])  # ... the emoji's first bytes were held back
 
 
-def _stream(stops, pieces):
+def _stream(stops, pieces, matched: list | None = None):
+    """(text sent, whether a stop string ended it); `matched` gets the stop string it ended at."""
     m, out = StopMatcher(stops), ""
     for p in pieces:
         sent, stopped = m.feed(p)
         out += sent
         if stopped:
-            return out, True
-    sent, stopped = m.flush()
-    return out + sent, stopped
+            break
+    else:
+        sent, stopped = m.flush()
+        out += sent
+    if matched is not None:
+        matched.append(m.matched)
+    return out, stopped
 
 
 def test_stop_string_split_across_deltas_is_never_sent():
@@ -108,7 +113,12 @@ def test_stop_matching_equals_cutting_at_the_first_match(text, cuts, stops):
     pieces.append(text[i:])
     hits = [text.find(s) for s in stops if s in text]
     want = text[: min(hits)] if hits else text
-    assert _stream(stops, pieces) == (want, bool(hits))
+    matched = []
+    assert _stream(stops, pieces, matched) == (want, bool(hits))
+    if hits:  # the stop string the text ended at: one that begins where the text was cut
+        assert matched[0] in stops and text[min(hits) :].startswith(matched[0])
+    else:
+        assert matched[0] is None
 
 
 def test_stop_matcher_keeps_only_the_withheld_tail():

@@ -336,7 +336,14 @@ class Engine:
             rest, stopped = stops.flush()
             text, reason = text + rest, FinishReason.STOP if stopped else reason
         seq.outputs.put_nowait(
-            Output([token], text, reason, logprobs=logprobs, prompt_logprobs=seq.prompt_scores if first else [])
+            Output(
+                [token],
+                text,
+                reason,
+                logprobs=logprobs,
+                prompt_logprobs=seq.prompt_scores if first else [],
+                stop=stops.matched if reason else None,
+            )
         )
         if reason:
             self._finish(seq, reason)

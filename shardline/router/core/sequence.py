@@ -55,6 +55,7 @@ class Output:
     failure: Failure | None = None
     logprobs: list = field(default_factory=list)  # shard TokenLogprobs, one per token
     prompt_logprobs: list = field(default_factory=list)  # on the first output, when asked for
+    stop: str | None = None  # on the last: the stop string the output ended at (not part of the text)
 
 
 @dataclass(eq=False)

@@ -48,7 +48,9 @@ class StopMatcher:
         self._node = 0
         self._pending = ""  # text received but not yet sent: the withheld tail
         self._cut: int | None = None  # where a found match starts, as an index into _pending
+        self._cut_len = 0  # and how long it is
         self.stopped = False
+        self.matched: str | None = None  # the stop string the output ended at
 
     def feed(self, delta: str) -> tuple[str, bool]:
         """Returns (text safe to send now, whether a stop string matched). After a match the
@@ -57,7 +59,7 @@ class StopMatcher:
             return "", True
         if not self._next[0]:  # no stop strings
             return delta, False
-        text, node, cut = self._pending + delta, self._node, self._cut
+        text, node, cut, cut_len = self._pending + delta, self._node, self._cut, self._cut_len
         for end in range(len(self._pending) + 1, len(text) + 1):
             ch = text[end - 1]
             while node and ch not in self._next[node]:
@@ -65,17 +67,18 @@ class StopMatcher:
             node = self._next[node].get(ch, 0)
             if self._match[node]:
                 start = end - self._match[node]
-                cut = start if cut is None else min(cut, start)
+                if cut is None or start < cut:
+                    cut, cut_len = start, self._match[node]
             if cut is not None and end - self._depth[node] >= cut:
                 # No partial match that could start before the cut is still alive: stop there.
-                return self._stop(text[:cut])
+                return self._stop(text[:cut], text[cut : cut + cut_len])
         safe = len(text) - self._depth[node]  # cut, if any, lies in the withheld tail
         self._node, self._pending = node, text[safe:]
-        self._cut = None if cut is None else cut - safe
+        self._cut, self._cut_len = None if cut is None else cut - safe, cut_len
         return text[:safe], False
 
-    def _stop(self, out: str) -> tuple[str, bool]:
-        self._pending, self.stopped = "", True
+    def _stop(self, out: str, matched: str) -> tuple[str, bool]:
+        self._pending, self.stopped, self.matched = "", True, matched
         return out, True
 
     def flush(self) -> tuple[str, bool]:
@@ -83,6 +86,6 @@ class StopMatcher:
         if self.stopped:
             return "", True
         if self._cut is not None:
-            return self._stop(self._pending[: self._cut])
+            return self._stop(self._pending[: self._cut], self._pending[self._cut : self._cut + self._cut_len])
         out, self._pending = self._pending, ""
         return out, False
