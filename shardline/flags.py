@@ -125,6 +125,15 @@ def _router_flags(p):
     add_flag(p, "host", "127.0.0.1", help="address the public API listens on")
     add_flag(p, "port", 50051, number(int, 1, 65535), "port of the public gRPC API")
     add_flag(p, "http-port", 8000, number(int, 0, 65535), "port of the OpenAI-compatible HTTP API (0: none)")
+    env = "SHARDLINE_SERVED_MODEL_NAME"
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        default=os.environ.get(env, "").replace(",", " ").split(),
+        help="the names HTTP clients may ask for the model by; the first is listed first "
+        f"(env {env}, comma- or space-separated; default: the model's own name)",
+    )
     add_flag(p, "num-pages", 0, SIZE, "KV pages in the pool (0: what the shards' memory budget holds)")
     add_flag(p, "max-batch", 32, number(int, 1, 4096), "most sequences in one step")
     add_flag(p, "max-batch-tokens", 4096, COUNT, "most prompt tokens in one step")

@@ -43,7 +43,11 @@ def passed_on(args, command: str) -> list[str]:
     out = []
     for name in service_flags(command):
         if name in serve:
-            out += [f"--{name}", str(getattr(args, name.replace("-", "_")))]
+            value = getattr(args, name.replace("-", "_"))
+            if isinstance(value, list):  # a flag of several values: none at all where the list is empty
+                out += [f"--{name}", *value] if value else []
+            else:
+                out += [f"--{name}", str(value)]
     return out
 
 

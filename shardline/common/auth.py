@@ -2,7 +2,7 @@
 
 `--api-keys-file` holds one key per line, optionally followed by a tenant name (`KEY tenant`);
 blank lines and lines starting with `#` are skipped. A key without a tenant name is a tenant of
-its own. Calls present `authorization: Bearer KEY`.
+its own. Calls present `authorization: Bearer KEY` (HTTP calls may send `x-api-key: KEY`).
 
 A presented key is compared, in constant time, with every known key (SHA-256 digests, so
 comparisons have one length), and every comparison runs whatever matched before: how long a
@@ -46,10 +46,12 @@ class ApiKeys:
         return cls(entries)
 
     def tenant(self, metadata) -> str | None:
-        """The tenant of the call's `authorization: Bearer KEY`, or None."""
-        presented = next((v for k, v in metadata or () if k == "authorization" and isinstance(v, str)), "")
-        scheme, _, key = presented.partition(" ")
-        digest = _digest(key.strip() if scheme.lower() == "bearer" else "")
+        """The tenant of the call's `authorization: Bearer KEY` (or, as Anthropic's clients send
+        it, `x-api-key: KEY`), or None."""
+        headers = {k: v for k, v in metadata or () if isinstance(v, str)}
+        scheme, _, key = headers.get("authorization", "").partition(" ")
+        key = key.strip() if scheme.lower() == "bearer" else headers.get("x-api-key", "").strip()
+        digest = _digest(key)
         found = None
         for known, tenant in self._keys:
             if hmac.compare_digest(digest, known) and found is None:

@@ -29,7 +29,7 @@ from shardline.common.tokenizer import TextCodec
 from shardline.common.tokenizer_files import tokenizer_folder
 from shardline.router.api.fleet import FLEET_SERVICE, CacheWatchers, add_fleet_service
 from shardline.router.api.generation import GenerationService
-from shardline.router.api.openai.server import OpenAiApi
+from shardline.router.api.http_app import HttpApi
 from shardline.router.core.config import ReplicaConfig
 from shardline.router.core.replica import Replica
 from shardline.router.core.shard_client import ShardGroup
@@ -68,7 +68,7 @@ async def serve_router(args) -> int:
     tracer = setup_tracing(args.otlp_endpoint, "router", f"router:{args.port}")
     tracing = Tracing(tracer, source.name) if tracer is not None else None
     stats = StatsCounters()
-    metrics = Metrics() if args.metrics_port else None
+    metrics = Metrics()  # served on the HTTP API's /metrics, and on --metrics-port where one is set
     replica = Replica(
         ReplicaConfig.from_flags(args),
         source.name,
@@ -77,8 +77,8 @@ async def serve_router(args) -> int:
         on_serving,
         [o for o in (stats, metrics, tracing) if o],
     )
-    if metrics is not None:
-        metrics.watch(replica)
+    metrics.watch(replica)
+    if args.metrics_port:
         metrics.serve(args.metrics_port, args.host)
         print(f"router metrics http://{args.host}:{args.metrics_port}/metrics", flush=True)
     try:
@@ -109,7 +109,8 @@ async def serve_router(args) -> int:
             if args.tls_cert_file
             else None
         )
-        http = HttpServer(OpenAiApi(replica, admission, tracing, keys).app, args.host, args.http_port, tls)
+        api = HttpApi(replica, admission, tracing, keys, args.served_model_name, metrics.registry)
+        http = HttpServer(api.app, args.host, args.http_port, tls)
         await http.start()  # at once: /health answers 503 until the shard group serves
         print(f"router HTTP API {http.address}/v1", flush=True)
 

@@ -90,6 +90,19 @@ class Admission:
             )
         return self._grammars
 
+    async def tokenize(self, req: pb.GenerateRequest) -> list[int]:
+        """The request's prompt as `admit` would compute it (templated, tokenized), checked as
+        `admit` checks it; nothing is queued. Raises InvalidRequest."""
+        if self.replica.served is None:
+            raise self.unavailable() or InvalidRequest(grpc.StatusCode.UNAVAILABLE, "the shard group is not serving")
+        validate(req, self.limits(), open_ended=True)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._text_worker, prompt_ids, self.replica.codec, req
+            )
+        except TemplateError as e:
+            raise invalid(str(e)) from None
+
     async def admit(
         self, req: pb.GenerateRequest, tenant: str, span=None, open_ended: bool = False, after: Sequence | None = None
     ) -> Sequence:

@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from shardline.common.tokenizer import TextCodec
 from shardline.router.api.openai.choices import Choices, running
 from shardline.router.api.openai.errors import ApiError
-from shardline.router.api.openai.schema import BaseRequest, Error, ErrorResponse, PromptTokensDetails, ToolCall, Usage
+from shardline.router.api.openai.schema import BaseRequest, PromptTokensDetails, ToolCall, Usage
 from shardline.router.core.sequence import FinishReason, Output
 
 log = logging.getLogger(__name__)
@@ -151,31 +151,50 @@ class Answer:
             self.close()
         return as_json(self._whole())
 
+    # -- how a stream is framed (OpenAI's: `data:` events, usage last, then `[DONE]`) ----------------
+    def _event(self, event: BaseModel) -> bytes:
+        return _sse(as_json(event))
+
+    def _chunks(self, index: int, delta: str, calls: list[ToolCall], logprobs: list) -> list[BaseModel]:
+        """The events of one output that has something to show."""
+        return [self._chunk(index, delta, calls, logprobs)]
+
+    def _closing(self) -> list[BaseModel]:
+        """The events after every choice ended."""
+        options = self.body.stream_options
+        return [self._usage_chunk()] if options is not None and options.include_usage else []
+
+    def _error_event(self, error: ApiError) -> bytes:
+        return self._event(error.body)
+
+    def _tail(self) -> bytes:
+        """What ends the stream, however it ended."""
+        return _sse("[DONE]")
+
     async def stream(self) -> AsyncIterator[bytes]:
         try:
-            for chunk in self._opening():
-                yield _sse(as_json(chunk))
+            for event in self._opening():
+                yield self._event(event)
             async with contextlib.aclosing(self._outputs()) as outputs:
                 async for index, out in outputs:
                     seen = len(self.logprobs[index])
                     delta, calls = self._take(index, out)
                     if not (delta or calls or out.finish_reason or out.logprobs):
                         continue  # withheld text (half a character, a possible stop string, a call)
-                    yield _sse(as_json(self._chunk(index, delta, calls, self.logprobs[index][seen:])))
-            options = self.body.stream_options
-            if options is not None and options.include_usage:
-                yield _sse(as_json(self._usage_chunk()))
+                    for event in self._chunks(index, delta, calls, self.logprobs[index][seen:]):
+                        yield self._event(event)
+            for event in self._closing():
+                yield self._event(event)
         except ApiError as e:
             self._failed(e)
-            yield _sse(as_json(e.body))
+            yield self._error_event(e)
         except Exception as e:  # noqa: BLE001 - whatever went wrong, the stream ends with an error event
             log.error("a stream of the HTTP API failed", exc_info=e)
-            yield _sse(
-                as_json(ErrorResponse(error=Error(message=f"internal error ({type(e).__name__})", type="server_error")))
-            )
+            yield self._error_event(ApiError(500, f"internal error ({type(e).__name__})", "server_error"))
         finally:
             self.close()
-        yield _sse("[DONE]")
+        if tail := self._tail():
+            yield tail
 
 
 class StreamedAnswer(StreamingResponse):

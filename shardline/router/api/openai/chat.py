@@ -19,7 +19,9 @@ from shardline.router.api.openai.schema import (
     ChatLogprobs,
     ChatMessage,
     Delta,
+    Message,
     TokenLogprob,
+    Tool,
     ToolCall,
     TopLogprob,
 )
@@ -33,17 +35,24 @@ def chat_requests(body: ChatCompletionRequest, tool_blocks: bool) -> list[pb.Gen
     req.max_new_tokens = body.max_completion_tokens or body.max_tokens or 0
     if body.logprobs:
         req.logprobs = body.top_logprobs or 0
-    for m in body.messages:
+    req.messages.CopyFrom(chat_messages(body.messages, body.tools))
+    return per_choice(req, body)
+
+
+def chat_messages(messages: list[Message], tool_list: list[Tool] | None) -> pb.ChatMessages:
+    """The conversation as the chat template reads it (common/prompts.py)."""
+    out = pb.ChatMessages()
+    for m in messages:
         role = "system" if m.role == "developer" else m.role
         calls = json.dumps([c.model_dump() for c in m.tool_calls]) if m.tool_calls else ""
-        req.messages.messages.append(
+        out.messages.append(
             pb.ChatMessage(
                 role=role, content=m.text(), tool_calls_json=calls, tool_call_id=m.tool_call_id or "", name=m.name or ""
             )
         )
-    if body.tools:
-        req.messages.tools_json = json.dumps([t.model_dump(exclude_none=True) for t in body.tools])
-    return per_choice(req, body)
+    if tool_list:
+        out.tools_json = json.dumps([t.model_dump(exclude_none=True) for t in tool_list])
+    return out
 
 
 class ChatAnswer(Answer):

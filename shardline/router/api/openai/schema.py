@@ -39,7 +39,7 @@ def _number(v):
 Number = Annotated[float, BeforeValidator(_number)]
 
 
-def _unsupported(neutral):
+def unsupported(neutral):
     """A field this server accepts at its neutral value only (what a client sends when it
     means none), and refuses otherwise."""
 
@@ -141,9 +141,9 @@ class BaseRequest(Closed):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
-    presence_penalty: Annotated[Number | None, _unsupported((None, 0))] = None
-    frequency_penalty: Annotated[Number | None, _unsupported((None, 0))] = None
-    logit_bias: Annotated[dict[str, Number] | None, _unsupported((None, {}))] = None
+    presence_penalty: Annotated[Number | None, unsupported((None, 0))] = None
+    frequency_penalty: Annotated[Number | None, unsupported((None, 0))] = None
+    logit_bias: Annotated[dict[str, Number] | None, unsupported((None, {}))] = None
     # vLLM's extensions
     top_k: StrictInt | None = Field(None, ge=-1)  # -1 or 0: off
     ignore_eos: StrictBool = False
@@ -236,9 +236,9 @@ class CompletionRequest(BaseRequest):
     # A string, or token ids; or a batch of one of either.
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    echo: Annotated[StrictBool, _unsupported((False,))] = False
-    suffix: Annotated[StrictStr | None, _unsupported((None, ""))] = None
-    best_of: Annotated[StrictInt | None, _unsupported((None, 1))] = None
+    echo: Annotated[StrictBool, unsupported((False,))] = False
+    suffix: Annotated[StrictStr | None, unsupported((None, ""))] = None
+    best_of: Annotated[StrictInt | None, unsupported((None, 1))] = None
 
     @field_validator("prompt")
     @classmethod
