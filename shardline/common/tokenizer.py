@@ -106,8 +106,8 @@ class TextCodec:
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise TemplateError(f"the chat template failed on the messages: {e!r}") from e
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a byte-level token may hold half a character); a

@@ -261,4 +261,4 @@ class HttpApi:
                 "invalid_request_error",
                 param="tokens",
             )
-        return JSONResponse({"prompt": self.replica.codec.decode(body.tokens)})
+        return JSONResponse({"prompt": self.replica.codec.decode(body.tokens, skip_special=False)})

@@ -1,5 +1,6 @@
 """vLLM's `/tokenize` and `/detokenize`: a prompt (text, or chat messages through the model's
-chat template, exactly as a completion would compute it) as token ids, and token ids as text.
+chat template, exactly as a completion would compute it) as token ids, and token ids as text,
+special tokens included (as vLLM's: a tokenized prompt detokenizes to its text).
 Bodies as vLLM defines them; the options vLLM has and this server does not are refused at any
 value but their default (openai/schema.py's rule)."""
 
@@ -50,5 +51,5 @@ def tokenized(body: TokenizeRequest, ids: list[int], context_length: int, codec:
     """vLLM's TokenizeResponse."""
     answer = {"count": len(ids), "max_model_len": context_length, "tokens": ids, "token_strs": None}
     if body.return_token_strs:
-        answer["token_strs"] = [codec.token_text(t) for t in ids]
+        answer["token_strs"] = [codec.tokenizer.id_to_token(t) for t in ids]  # as vLLM: the vocabulary's pieces
     return answer

@@ -12,8 +12,9 @@ generation (common/chat_bodies.py), answered in Anthropic's shape.
   `cache_read_input_tokens` those that were.
 - Streams are Anthropic's events (`event: <type>` and its JSON): `message_start`, `ping`, each
   content block's `content_block_start`, `_delta` (`text_delta`, `input_json_delta`) and
-  `_stop`, then `message_delta` (stop reason, output tokens) and `message_stop`; a failure
-  after the start is an `error` event.
+  `_stop`, then `message_delta` (stop reason, and the whole usage: what the prefix cache held is
+  known only once the request is scheduled, after `message_start`) and `message_stop`; a
+  failure after the start is an `error` event.
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ class MessagesAnswer(ChatAnswer):
             {
                 "type": "message_delta",
                 "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
-                "usage": {"output_tokens": len(self.choices.seqs[0].output_ids)},
+                "usage": self._usage().model_dump(),  # the cache's share is known by now
             },
             {"type": "message_stop"},
         ]

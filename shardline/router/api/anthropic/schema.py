@@ -68,7 +68,9 @@ class Message(Closed):
 
     @model_validator(mode="after")
     def _blocks_of_its_role(self):
-        kinds = {b.type for b in self.content} if isinstance(self.content, list) else set()
+        blocks = self.content if isinstance(self.content, list) else []
+        kinds = {b.type for b in blocks}
+        kinds |= {r.type for b in blocks if b.type == "tool_result" and isinstance(b.content, list) for r in b.content}
         if kinds & {"image", "document"}:
             raise ValueError("image and document blocks are not supported: the served model reads text")
         if self.role == "user" and kinds & {"tool_use", "thinking", "redacted_thinking"}:
@@ -132,6 +134,15 @@ class CountTokensRequest(Closed):
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     cache_control: CacheControl | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_of_the_tools(self):
+        names, choice = [t.name for t in self.tools or []], self.tool_choice
+        if choice is not None and choice.type in ("any", "tool") and not names:
+            raise ValueError(f"tool_choice: {choice.type!r} needs tools")
+        if choice is not None and choice.type == "tool" and choice.name not in names:
+            raise ValueError(f"tool_choice: no tool is named {choice.name!r}")
+        return self
 
     @model_validator(mode="after")
     def _no_prefill(self):
