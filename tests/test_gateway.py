@@ -8,6 +8,7 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import anthropic
 import grpc
 import httpx
 import openai
@@ -198,6 +199,44 @@ def test_the_openai_api_through_the_gateway_routes_by_prefix_too(fleet):
         return count
 
     wait_for(lambda: running_anywhere() == 0, 2, "every stream to be closed, the router's too")
+
+
+def test_anthropics_api_through_the_gateway_routes_by_prefix_and_answers_in_its_shape(fleet):
+    base = fleet.http_url.removesuffix("/v1")
+    client = anthropic.Anthropic(base_url=base, api_key=KEYS["bob"], max_retries=0, timeout=60)
+    system = "You are a careful assistant who answers in few words. " * 8
+    before, cached_before = _routed(fleet), _cached(fleet)
+    for question in ("Hi?", "Why?", "How?"):
+        answer = client.messages.create(
+            model="llama", max_tokens=2, system=system, messages=[{"role": "user", "content": question}]
+        )
+        assert answer.stop_reason == "max_tokens"
+        time.sleep(0.1)
+    after = _routed(fleet)
+    assert sorted(after[a] - before[a] for a in after) == [0, 3]  # all three on the replica that cached it
+    assert answer.usage.cache_read_input_tokens > 0
+    ((predicted, reported),) = [
+        (p - cached_before[a][0], r - cached_before[a][1])
+        for a, (p, r) in _cached(fleet).items()
+        if after[a] > before[a]
+    ]
+    assert predicted == reported > 0  # the gateway hashed the same prompt as the router, read Anthropic's usage
+    with client.messages.stream(
+        model="llama", max_tokens=3, system=system, messages=[{"role": "user", "content": "Now?"}]
+    ) as stream:
+        assert stream.get_final_message().usage.output_tokens == 3
+    counted = client.messages.count_tokens(model="llama", system=system, messages=[{"role": "user", "content": "Hi?"}])
+    tokenized = httpx.post(
+        base + "/tokenize",
+        headers={"authorization": f"Bearer {KEYS['bob']}"},
+        json={"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Hi?"}]},
+        timeout=30,
+    ).json()
+    assert counted.input_tokens == tokenized["count"] > 100
+    refused = httpx.post(base + "/v1/messages", json={"model": "llama"}, headers={"x-api-key": "wrong"}, timeout=10)
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+    bad = httpx.post(base + "/v1/messages", json={"model": "llama"}, headers={"x-api-key": KEYS["bob"]}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["type"] == "error"  # the router's own answer, passed on
 
 
 def _scrape(port: int) -> dict[tuple[str, str], float]:

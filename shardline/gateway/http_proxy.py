@@ -1,10 +1,12 @@
-"""The gateway's OpenAI-compatible HTTP API: every `/v1/...` request passed to a replica's own
-HTTP API (the port its Fleet snapshot names) and the answer, streamed or not, passed back
-byte for byte; `/health` answers 200 while the gateway serves, 503 otherwise.
+"""The gateway's HTTP APIs: every `/v1/...` request (OpenAI's and Anthropic's), `/tokenize` and
+`/detokenize` passed to a replica's own HTTP API (the port its Fleet snapshot names) and the
+answer, streamed or not, passed back byte for byte; `/health` answers 200 while the gateway
+serves, 503 otherwise. Errors of the gateway's own have the shape of the API called.
 
-Completions and chat completions are routed like gRPC requests (gateway/service.py): their
-prompt is read from the JSON body as the router reads it (the text, the token ids, or the chat
-messages and tools through the chat template) and hashed in the caller's tenant namespace.
+Completions, chat completions and Anthropic's messages are routed like gRPC requests
+(gateway/service.py): their prompt is read from the JSON body as the router reads it (the text,
+the token ids, or the chat messages and tools through the chat template; a Messages body as the
+chat body common/chat_bodies.py makes of it) and hashed in the caller's tenant namespace.
 A body the gateway cannot read is still passed on, routed by load alone: the router answers it
 with its own error. A replica that cannot be reached, or answers 503, before anything was sent
 back is left for the next one, once. The routers check API keys themselves.
@@ -22,23 +24,40 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from shardline.common.auth import NO_TENANT
+from shardline.common.chat_bodies import messages_as_chat
 from shardline.gateway.replicas import Replica
 from shardline.gateway.service import GatewayService, Placement
 from shardline.protos import generation_pb2 as pb
 
-PASSED_ON = ("authorization", "content-type", "accept", "traceparent", "tracestate", "x-request-id")
+PASSED_ON = (
+    "authorization",
+    "x-api-key",
+    "anthropic-version",
+    "anthropic-beta",
+    "content-type",
+    "accept",
+    "traceparent",
+    "tracestate",
+    "x-request-id",
+)
 USAGE_TAIL = 1 << 16  # bytes of an answer kept to read its usage from
 
 
-def _error(status: int, message: str, kind: str) -> JSONResponse:
+def _error(path: str, status: int, message: str, kind: str) -> JSONResponse:
+    """An error of the gateway's own, in the shape of the API at `path` (below /v1)."""
+    if path == "messages" or path.startswith("messages/"):
+        kind = {401: "authentication_error", 503: "overloaded_error"}.get(status, "api_error")
+        return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status)
 
 
 def routing_request(path: str, body: bytes) -> pb.GenerateRequest | None:
-    """The prompt of a completion or chat completion body as a GenerateRequest (what
+    """The prompt of a completion, chat completion or Messages body as a GenerateRequest (what
     common/prompts.py tokenizes), read as router/api/openai/choices.py reads it; None otherwise."""
     try:
         data = json.loads(body)
+        if path == "messages":
+            data, path = messages_as_chat(data), "chat/completions"
         req = pb.GenerateRequest(cache_salt=data.get("cache_salt") or "")
         if path == "completions":
             prompt = data["prompt"]
@@ -70,17 +89,20 @@ def routing_request(path: str, body: bytes) -> pb.GenerateRequest | None:
 
 
 def _cached_tokens(tail: bytes) -> int | None:
-    """prompt_tokens_details.cached_tokens of the answer's usage (a JSON body, or the last
-    server-sent event that carries one), or None when it has none."""
+    """The prompt tokens the answer's usage says were cached (a JSON body, or the last
+    server-sent event that carries a usage): OpenAI's prompt_tokens_details.cached_tokens, or
+    Anthropic's cache_read_input_tokens; None when it has none."""
     for chunk in reversed(tail.split(b"\n")):
         chunk = chunk.removeprefix(b"data: ").strip()
         if b'"usage"' not in chunk:
             continue
         try:
             usage = json.loads(chunk).get("usage") or {}
-            return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         except ValueError:
             return None
+        if "cache_read_input_tokens" in usage:
+            return usage["cache_read_input_tokens"]
+        return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return None
 
 
@@ -112,7 +134,11 @@ class HttpProxy:
         self.service, self.tls = service, tls
         self._clients: dict[str, httpx.AsyncClient] = {}
         self.app = Starlette(
-            routes=[Route("/health", self.health), Route("/v1/{path:path}", self.proxy, methods=["GET", "POST"])]
+            routes=[
+                Route("/health", self.health),
+                Route("/v1/{path:path}", self.proxy, methods=["GET", "POST", "DELETE"]),
+                Route("/{path:path}", self.proxy, methods=["POST"]),  # vLLM's /tokenize, /detokenize
+            ]
         )
 
     async def health(self, request: Request) -> Response:
@@ -135,24 +161,25 @@ class HttpProxy:
         return client
 
     async def proxy(self, request: Request) -> Response:
-        service = self.service
+        service, path = self.service, request.url.path.removeprefix("/v1/")
+        if path.lstrip("/") not in ("tokenize", "detokenize") and not request.url.path.startswith("/v1/"):
+            return _error(path, 404, "Not Found", "not_found_error")
         if not service.accepting:
-            return _error(503, "the gateway is shutting down", "server_error")
+            return _error(path, 503, "the gateway is shutting down", "server_error")
         tenant = NO_TENANT
         if service.keys is not None:
-            tenant = service.keys.tenant([("authorization", request.headers.get("authorization", ""))])
+            tenant = service.keys.tenant(request.headers.items())
             if tenant is None:
-                return _error(
-                    401, "a valid API key is required: send 'Authorization: Bearer <key>'", "authentication_error"
-                )
-        path, body = request.path_params["path"], await request.body()
+                message = "a valid API key is required: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+                return _error(path, 401, message, "authentication_error")
+        body = await request.body()
         gen = routing_request(path, body) if request.method == "POST" else None
         prompt = await service.prompt(gen) if gen is not None else None
         order = [
             route for route in service.order(prompt, tenant, gen.cache_salt if gen else "") if route.replica.http_port
         ]
         if not order:
-            return _error(503, "no replica is serving the HTTP API", "server_error")
+            return _error(path, 503, "no replica is serving the HTTP API", "server_error")
         headers = {k: v for k, v in request.headers.items() if k.lower() in PASSED_ON}
         for attempt, route in enumerate(order[:2]):
             replica = route.replica
@@ -164,7 +191,7 @@ class HttpProxy:
             try:
                 upstream = await client.send(
                     client.build_request(
-                        request.method, f"/v1/{path}", headers=headers, content=body, extensions=self._sni(replica)
+                        request.method, request.url.path, headers=headers, content=body, extensions=self._sni(replica)
                     ),
                     stream=True,
                 )
@@ -173,7 +200,7 @@ class HttpProxy:
                 if not last:
                     replica.counters.failovers += 1
                     continue
-                return _error(503, f"replica {replica.address} cannot be reached: {e!r}", "server_error")
+                return _error(path, 503, f"replica {replica.address} cannot be reached: {e!r}", "server_error")
             except BaseException:
                 self._closed(route, False)
                 raise
