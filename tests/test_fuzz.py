@@ -2,8 +2,8 @@
 field of GenerateRequest and of the OpenAI API's bodies, plus bytes that are neither. Every gRPC
 call ends OK or with INVALID_ARGUMENT / RESOURCE_EXHAUSTED / OUT_OF_RANGE and a message, never
 UNKNOWN or INTERNAL, and never hangs; every HTTP one gets 200, 400, 404, 413 or 429 with an
-OpenAI error body, never a 500 or a dropped connection; afterwards the server is SERVING and holds
-no page."""
+OpenAI error body (an Anthropic one under /v1/messages), never a 500 or a dropped connection;
+afterwards the server is SERVING and holds no page."""
 
 import json
 import math
@@ -269,3 +269,93 @@ def test_bytes_that_are_not_json_get_400_in_openais_shape(server, raw):
     )
     assert response.status_code == 400, (raw, response.text)
     assert response.json()["error"]["message"]
+
+
+# -- Anthropic's Messages API ---------------------------------------------------------------------------
+BLOCKS = st.sampled_from(
+    [
+        {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}},
+        {"type": "image", "source": {"type": "base64", "data": ""}},
+        {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"x": 1}},
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok"},
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "ok"}]},
+        {"type": "thinking", "thinking": "hmm", "signature": "s"},
+        {"type": "unknown"},
+    ]
+)
+MESSAGES_FIELDS = {  # field -> plausible values; any JSON value one time in four
+    "system": text(30) | st.just([{"type": "text", "text": "Be brief."}]),
+    "stop_sequences": st.lists(text(5), max_size=3),
+    "stream": st.booleans(),
+    "temperature": st.sampled_from([0, 0.5, 1, 1.5]),
+    "top_p": st.sampled_from([0.5, 1]),
+    "top_k": st.integers(-1, 50),
+    "metadata": st.just({"user_id": "u"}),
+    "tools": st.just([{"name": "f", "input_schema": {"type": "object", "properties": {"x": {"type": "integer"}}}}]),
+    "tool_choice": st.sampled_from(
+        [{"type": "auto"}, {"type": "any"}, {"type": "none"}, {"type": "tool", "name": "f"}, {"type": "tool"}]
+    ),
+    "thinking": st.sampled_from([{"type": "disabled"}, {"type": "enabled", "budget_tokens": 1024}, {"type": "x"}]),
+    "output_config": st.sampled_from(
+        [{"effort": "low"}, {"format": {"type": "json_schema", "schema": {"type": "integer"}}}, {"format": {}}]
+    ),
+    "service_tier": st.sampled_from(["auto", "standard_only", "priority"]),
+    "cache_control": st.just({"type": "ephemeral"}),
+}
+
+
+COUNTED = {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", "cache_control"}
+
+
+@st.composite
+def messages_bodies(draw, model: str) -> dict:
+    body = {"model": _pick(draw, st.just(model), text(10) | json_values)}
+    plausible = st.fixed_dictionaries(
+        {
+            "role": st.just("user"),
+            "content": text(60) | st.lists(st.sampled_from([{"type": "text", "text": "hi"}]), min_size=1, max_size=2),
+        }
+    )
+    anything = st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant"]), "content": text(60) | st.lists(BLOCKS, min_size=1, max_size=3)}
+    )
+    body["messages"] = _pick(
+        draw, st.lists(plausible, min_size=1, max_size=2), st.lists(anything, min_size=1, max_size=3) | json_values
+    )
+    body["max_tokens"] = _pick(draw, st.integers(1, 8), json_values | st.integers(-5, 0))
+    for field in draw(st.lists(st.sampled_from(sorted(MESSAGES_FIELDS)), max_size=5, unique=True)):
+        body[field] = _pick(draw, MESSAGES_FIELDS[field], json_values)
+    if draw(st.integers(0, 9)) == 0:
+        body[draw(text(12))] = draw(json_values)  # a field nobody knows
+    return body
+
+
+@FUZZ
+@given(data=st.data())
+def test_random_messages_bodies_get_200_or_a_client_error_in_anthropics_shape(server, data):
+    import httpx
+
+    model = server.stub.Info(pb.InfoRequest()).model
+    body = data.draw(messages_bodies(model))
+    path = "/v1/messages"
+    if data.draw(st.integers(0, 9)) == 0:  # what counting takes of the same body
+        path, body = path + "/count_tokens", {k: v for k, v in body.items() if k in COUNTED}
+    response = httpx.post(
+        server.http_url.removesuffix("/v1") + path,
+        content=json.dumps(body),
+        timeout=120,
+        headers={"content-type": "application/json"},
+    )
+    event(f"HTTP {response.status_code}")
+    assert response.status_code in (200, 400, 404, 413, 429), (response.status_code, body, response.text)
+    if response.status_code != 200:
+        answer = response.json()
+        assert answer["type"] == "error" and answer["error"]["message"] and answer["error"]["type"], answer
+    elif path.endswith("count_tokens"):
+        assert response.json()["input_tokens"] > 0
+    elif body.get("stream") is True:
+        events = [line for line in response.text.splitlines() if line.startswith("event: ")]
+        assert events[0] == "event: message_start" and events[-1] == "event: message_stop", events
+        assert "event: error" not in events
+    else:
+        assert response.json()["type"] == "message", response.text

@@ -404,6 +404,27 @@ def test_every_other_error_status_has_openais_shape(server):
     assert server.wait_idle().pages_referenced == 0
 
 
+@pytest.mark.processes
+def test_tokenize_and_detokenize_as_vllm_shapes_them(server):
+    base = server.http_url.removesuffix("/v1")
+    text = "Hello, world"
+    tokens = httpx.post(base + "/tokenize", json={"model": server.model, "prompt": text}, timeout=30).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["token_strs"] is None
+    assert tokens["max_model_len"] == server.stub.Info(pb.InfoRequest()).context_length
+    assert httpx.post(base + "/detokenize", json={"tokens": tokens["tokens"]}, timeout=30).json() == {"prompt": text}
+    chat_ids = httpx.post(base + "/tokenize", json={"messages": chat("Hi")}, timeout=30).json()
+    usage = post(server, "/chat/completions", {"model": server.model, "messages": chat("Hi"), "max_tokens": 1})
+    assert chat_ids["count"] == usage.json()["usage"]["prompt_tokens"]  # the prompt a chat is served with
+    for body, status, phrase in (
+        ({"prompt": "a", "messages": chat("Hi")}, 400, "exactly one of prompt and messages"),
+        ({"model": "gpt-4", "prompt": "a"}, 404, "does not exist"),
+        ({"prompt": "a", "add_special_tokens": False}, 400, "not supported"),
+    ):
+        assert_error(httpx.post(base + "/tokenize", json=body, timeout=30), status, phrase)
+    assert_error(httpx.post(base + "/detokenize", json={"tokens": [0, 10**9]}, timeout=30), 400, "not a token id")
+    assert_error(httpx.post(base + "/detokenize", json={"tokens": "abc"}, timeout=30), 400, "tokens")
+
+
 # -- keys, tenants and limits ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def guarded(tiny_models, tmp_path_factory):
@@ -439,6 +460,7 @@ def test_keys_are_required_and_a_tenants_limits_apply(guarded):
         assert_error(post(guarded, "/completions", body, headers), 401, "API key")
     assert_error(httpx.get(guarded.http_url + "/models"), 401, "API key")
     assert post(guarded, "/completions", body, a).status_code == 200
+    assert post(guarded, "/completions", body, {"x-api-key": "key-of-tenant-a-0123456789"}).status_code == 200
     assert_error(
         post(guarded, "/completions", {**body, "prompt": list(range(100, 400))}, a), 429, "whole page pool holds 256"
     )
@@ -476,11 +498,15 @@ def test_prometheus_counts_http_requests(server, client):
     client.completions.create(model=server.model, prompt="Hi", max_tokens=2)
     wait_for(lambda: finished(server, "length") == before + 1, 10, "the counter to move")
 
+    # The HTTP API's port serves the same registry at /metrics, as vLLM's does.
+    wait_for(lambda: finished(server, "length", http=True) == before + 1, 10, "the HTTP port's /metrics to agree")
 
-def finished(server, reason: str) -> float:
-    """The router's count of requests that ended with `reason` (its Prometheus endpoint)."""
+
+def finished(server, reason: str, http: bool = False) -> float:
+    """The router's count of requests that ended with `reason` (its Prometheus endpoint, or the
+    HTTP API's /metrics)."""
     args = server.proc.args
-    port = int(args[args.index("--metrics-port") + 1])
+    port = server.http_port if http else int(args[args.index("--metrics-port") + 1])
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     family = next(f for f in text_string_to_metric_families(text) if f.name == "shardline:request_finished")
     return sum(s.value for s in family.samples if s.name.endswith("_total") and s.labels["finished_reason"] == reason)
