@@ -26,6 +26,7 @@ from starlette.routing import Route
 from shardline.common.auth import NO_TENANT
 from shardline.common.chat_bodies import messages_as_chat
 from shardline.gateway.replicas import Replica
+from shardline.gateway.response_homes import HEAD, ResponseHomes, answered_id, named_response
 from shardline.gateway.service import GatewayService, Placement
 from shardline.protos import generation_pb2 as pb
 
@@ -132,6 +133,7 @@ class HttpProxy:
 
     def __init__(self, service: GatewayService, tls: tuple[str, str, str] | None = None):
         self.service, self.tls = service, tls
+        self.homes = ResponseHomes()  # where each stored response of the Responses API is kept
         self._clients: dict[str, httpx.AsyncClient] = {}
         self.app = Starlette(
             routes=[
@@ -181,10 +183,14 @@ class HttpProxy:
         if not order:
             return _error(path, 503, "no replica is serving the HTTP API", "server_error")
         headers = {k: v for k, v in request.headers.items() if k.lower() in PASSED_ON}
-        for attempt, route in enumerate(order[:2]):
+        named = named_response(request.method, path, body)
+        # A request naming a stored response goes to its home, then on a 404 to every other
+        # replica (response_homes.py); any other is tried twice at most.
+        tries = self.homes.first(order, named, lambda route: route.replica.address) if named else order[:2]
+        for attempt, route in enumerate(tries):
             replica = route.replica
             client = self._client(replica)
-            last = attempt == 1 or len(order) == 1
+            last = attempt == len(tries) - 1
             replica.counters.requests_routed += 1
             replica.open(route.hashes, route.uncached)  # from now on its prefix counts as coming here
             service.in_flight += 1
@@ -204,14 +210,19 @@ class HttpProxy:
             except BaseException:
                 self._closed(route, False)
                 raise
-            if upstream.status_code == 503 and not last:
+            if upstream.status_code == 503 and not last or named and upstream.status_code == 404 and not last:
                 await upstream.aclose()
                 self._closed(route, False)
-                replica.counters.failovers += 1
+                replica.counters.failovers += upstream.status_code == 503
                 continue
             replica.first_token(route.uncached)  # the answer has begun
+            if named and request.method == "DELETE" and upstream.status_code == 200:
+                self.homes.forget(named)
+            stores = request.method == "POST" and path == "responses" and upstream.status_code == 200
             return _Relayed(
-                upstream, self._relay(upstream, route, gen is not None), lambda route=route: self._closed(route, True)
+                upstream,
+                self._relay(upstream, route, gen is not None, stores),
+                lambda route=route: self._closed(route, True),
             )
         raise AssertionError("unreachable: the last attempt returns")
 
@@ -224,10 +235,18 @@ class HttpProxy:
         name = self.service.replicas.host_of(replica.address)
         return {"sni_hostname": name} if self.tls and name else {}
 
-    async def _relay(self, upstream: httpx.Response, route: Placement, completion: bool):
-        replica, tail = route.replica, b""
+    async def _relay(self, upstream: httpx.Response, route: Placement, completion: bool, stores: bool = False):
+        """Passes the answer on; reads the cached tokens its usage reports and, where it stores a
+        response, the response's id."""
+        replica, tail, head = route.replica, b"", b"" if stores else None
         async for chunk in upstream.aiter_raw():
             tail = (tail + chunk)[-USAGE_TAIL:]
+            if head is not None:
+                head += chunk
+                if (response_id := answered_id(head)) is not None or len(head) >= HEAD:
+                    if response_id is not None:
+                        self.homes.learn(response_id, replica.address)
+                    head = None
             yield chunk
         reported = _cached_tokens(tail) if completion else None
         if reported is not None:
