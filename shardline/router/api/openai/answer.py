@@ -1,6 +1,8 @@
-"""One request's answer, streamed or whole, from its choices' outputs: what chat and text
-completions share. `chat.py` and `completions.py` say how each writes a choice, its
-log-probabilities and its chunks.
+"""One request's answer, streamed or whole, from its choices' outputs: what every generation
+endpoint shares. `chat.py` and `completions.py` say how each writes a choice, its
+log-probabilities and its chunks; another API's answer (anthropic/messages.py) frames its stream
+its own way through the hooks below (`_event`, `_opening`, `_chunks`, `_closing`,
+`_error_event`, `_tail`).
 
 - Streams are server-sent events: one chunk per output of the engine (a step's text delta),
   `finish_reason` in each choice's last content chunk, with `stream_options.include_usage` a last
@@ -152,14 +154,15 @@ class Answer:
         return as_json(self._whole())
 
     # -- how a stream is framed (OpenAI's: `data:` events, usage last, then `[DONE]`) ----------------
-    def _event(self, event: BaseModel) -> bytes:
+    def _event(self, event) -> bytes:
+        """One event of the stream as bytes (here a chunk model; another API's may be a dict)."""
         return _sse(as_json(event))
 
-    def _chunks(self, index: int, delta: str, calls: list[ToolCall], logprobs: list) -> list[BaseModel]:
+    def _chunks(self, index: int, delta: str, calls: list[ToolCall], logprobs: list) -> list:
         """The events of one output that has something to show."""
         return [self._chunk(index, delta, calls, logprobs)]
 
-    def _closing(self) -> list[BaseModel]:
+    def _closing(self) -> list:
         """The events after every choice ended."""
         options = self.body.stream_options
         return [self._usage_chunk()] if options is not None and options.include_usage else []
