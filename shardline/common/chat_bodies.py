@@ -14,6 +14,15 @@ Anthropic's Messages API (`/v1/messages`):
 - tools: `input_schema` is the function's parameters; tool_choice `auto`, `any` (a call is
   required), `tool` (that one), `none`; `disable_parallel_tool_use` is `parallel_tool_calls`
   false; `output_config.format` is `response_format`.
+
+OpenAI's Responses API (`/v1/responses`):
+- `instructions` is a system message first; `input` (a string: one user message) and the items
+  of the conversation `previous_response_id` continues (the caller's to look up) are messages:
+  `message` items (text parts joined), `function_call` items the tool calls of an assistant
+  message, `function_call_output` items tool messages; `reasoning` items are left out.
+- tools are flat (`name` beside `type`), tool_choice `{"type": "function", "name"}` names one;
+  `text.format` is `response_format`, `max_output_tokens` is `max_tokens`, and
+  `message.output_text.logprobs` in `include` asks for log-probabilities (`top_logprobs` of them).
 """
 
 from __future__ import annotations
@@ -104,4 +113,86 @@ def messages_as_chat(body: dict) -> dict:
         chat["tool_choice"] = _anthropic_tool_choice(body["tool_choice"])
         if body["tool_choice"].get("disable_parallel_tool_use"):
             chat["parallel_tool_calls"] = False
+    return chat
+
+
+# -- OpenAI's Responses API (`/v1/responses`) ------------------------------------------------------
+def _part_text(content) -> str:
+    """A message's text: a string, or its text parts (`input_text`, `output_text`, `refusal`)."""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", p.get("refusal", "")) for p in content or [])
+
+
+def _items_as_messages(items: list[dict]) -> list[dict]:
+    """Responses' items as chat messages. An assistant's `function_call` items are tool calls of
+    one assistant message, with the text of the assistant message just before them (one answer
+    written as both, as chat completions answers it); `function_call_output` items are tool
+    messages; `reasoning` items are left out (the prompt is what the model would have read)."""
+    out: list[dict] = []
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            out.append({"role": item["role"], "content": _part_text(item["content"])})
+        elif kind == "function_call":
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
+            last = out[-1] if out else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": ""}
+                out.append(last)
+            last.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _part_text(item["output"])})
+    return out
+
+
+def _responses_tool_choice(choice):
+    if isinstance(choice, dict):  # {"type": "function", "name": ...}
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def _text_format(fmt: dict) -> dict:
+    if fmt["type"] != "json_schema":
+        return {"type": fmt["type"]}
+    schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if fmt.get(k) is not None}
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def responses_as_chat(body: dict, history: list[dict]) -> dict:
+    """A Responses body as a chat completion body. `history`: the items of the conversation its
+    `previous_response_id` names (the earlier requests' input items and their output items, in
+    order), which come before its own input; `instructions` is a system message first (an
+    earlier request's instructions are not carried over, as OpenAI states)."""
+    messages = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
+    items = body["input"]
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    messages += _items_as_messages([*history, *items])
+    chat = {"model": body["model"], "messages": messages, "stream": body.get("stream", False)}
+    for name, to in (("temperature", "temperature"), ("top_p", "top_p"), ("max_output_tokens", "max_tokens")):
+        if body.get(name) is not None:
+            chat[to] = body[name]
+    if body.get("tools"):
+        chat["tools"] = [
+            {
+                "type": "function",
+                "function": {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None},
+            }
+            for t in body["tools"]
+        ]
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _responses_tool_choice(body["tool_choice"])
+    if body.get("parallel_tool_calls") is not None:
+        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
+    fmt = (body.get("text") or {}).get("format")
+    if fmt:
+        chat["response_format"] = _text_format(fmt)
+    if "message.output_text.logprobs" in (body.get("include") or []):
+        chat["logprobs"] = True
+        chat["top_logprobs"] = body.get("top_logprobs") or 0
     return chat
