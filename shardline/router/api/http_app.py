@@ -2,6 +2,8 @@
 a second front end of the replica's admission (requests/admission.py) beside the gRPC one:
 
 - OpenAI's: `/v1/chat/completions`, `/v1/completions`, `/v1/models` (openai/);
+- OpenAI's Responses API: `/v1/responses`, and `GET` / `DELETE /v1/responses/{id}` of the
+  responses this router keeps (openai/responses.py, openai/response_store.py);
 - Anthropic's Messages API: `/v1/messages`, `/v1/messages/count_tokens` (anthropic/);
 - vLLM's `/tokenize` and `/detokenize` (tokens.py), `/metrics` (Prometheus), `/health`.
 
@@ -35,11 +37,13 @@ from shardline.router.api import tokens
 from shardline.router.api.anthropic import messages
 from shardline.router.api.anthropic.errors import anthropic_error
 from shardline.router.api.endpoint import Endpoint
+from shardline.router.api.openai import responses
 from shardline.router.api.openai.answer import Answer, StreamedAnswer
 from shardline.router.api.openai.chat import ChatAnswer, chat_requests
 from shardline.router.api.openai.choices import Choices
 from shardline.router.api.openai.completions import CompletionAnswer, completion_requests
 from shardline.router.api.openai.errors import ApiError, invalid_body
+from shardline.router.api.openai.response_store import ResponseStore
 from shardline.router.api.openai.schema import ChatCompletionRequest, CompletionRequest, Model, ModelList
 from shardline.router.api.openai.tools import declares_calls
 from shardline.router.core.replica import Replica
@@ -114,7 +118,12 @@ class HttpApi:
             "/v1/completions",
             Endpoint("text_completion", CompletionRequest, completion_requests, CompletionAnswer),
         )
-        self._route("/v1/messages", messages.endpoint(blocks, lambda: replica.served.head.context_length))
+        context_length = lambda: replica.served.head.context_length
+        self.responses = ResponseStore()
+        self._route("/v1/responses", responses.endpoint(self.responses, blocks, context_length))
+        app.get("/v1/responses/{response_id}")(self.retrieve)
+        app.delete("/v1/responses/{response_id}")(self.delete)
+        self._route("/v1/messages", messages.endpoint(blocks, context_length))
         app.post("/v1/messages/count_tokens")(self.count_tokens)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
@@ -212,6 +221,8 @@ class HttpApi:
     async def _start(self, request: Request, endpoint: Endpoint, tenant: str, span) -> Answer:
         body = parse(endpoint.schema, await read_body(request))
         model = self._model(body.model)
+        if endpoint.prepare is not None:
+            endpoint.prepare(body, tenant)
         try:
             reqs = endpoint.requests(body)
         except ValueError as e:  # what protobuf cannot carry: a lone surrogate, an int past its field
@@ -262,3 +273,15 @@ class HttpApi:
                 param="tokens",
             )
         return JSONResponse({"prompt": self.replica.codec.decode(body.tokens, skip_special=False)})
+
+    # -- stored responses (the Responses API) --------------------------------------------------------
+    async def retrieve(self, request: Request, response_id: str) -> JSONResponse:
+        stored = self.responses.get(self._tenant(request), response_id)
+        if stored is None:
+            raise responses.not_found(response_id)
+        return JSONResponse(stored.response)
+
+    async def delete(self, request: Request, response_id: str) -> JSONResponse:
+        if not self.responses.delete(self._tenant(request), response_id):
+            raise responses.not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
