@@ -2,7 +2,8 @@
 the same greedy text as chat completions for the same conversation, every stream event in
 order, a JSON schema text format, a forced function call and its output round trip, a stored
 conversation continued by `previous_response_id`, GET and DELETE of stored responses, and
-errors in OpenAI's shape; the store's bound and tenants in process."""
+errors in OpenAI's shape; in process, the chat body a Responses body is served as, the bodies
+Codex CLI and the Agents SDK send, and the store's bound and tenants."""
 
 import json
 
@@ -11,7 +12,10 @@ import jsonschema
 import openai
 import pytest
 
+from shardline.common.chat_bodies import responses_as_chat
 from shardline.router.api.openai.response_store import ResponseStore, Stored
+from shardline.router.api.openai.responses import as_chat
+from shardline.router.api.openai.responses_schema import ResponsesRequest
 
 SYSTEM = "You are a helpful assistant. Answer briefly."
 WEATHER = {
@@ -269,3 +273,89 @@ def test_the_store_keeps_the_most_recent_and_a_tenant_reads_its_own():
     assert store.get("a", "resp_2") is None and store.get("a", "resp_1") is not None
     assert store.get("b", "resp_1") is None and not store.delete("b", "resp_1")
     assert store.delete("a", "resp_1") and store.get("a", "resp_1") is None
+
+
+def test_a_body_and_its_history_as_the_chat_body_that_asks_for_the_same_generation():
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},  # the short form of a message
+        {"type": "reasoning", "id": "rs_1", "summary": []},  # left out of the prompt
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+    ]
+    body = {
+        "model": "m",
+        "instructions": "Be brief.",
+        "input": [{"type": "function_call_output", "call_id": "call_1", "output": "Sunny."}],
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "parallel_tool_calls": False,
+        "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}, "strict": True}},
+        "max_output_tokens": 9,
+    }
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert responses_as_chat(body, history) == {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},  # one answer, text and call
+            {"role": "tool", "tool_call_id": "call_1", "content": "Sunny."},
+        ],
+        "stream": False,
+        "max_tokens": 9,
+        "tools": [CHAT_WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "parallel_tool_calls": False,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "w", "schema": {"type": "object"}, "strict": True},
+        },
+    }
+    assert responses_as_chat({"model": "m", "input": "Hi"}, [])["messages"] == [{"role": "user", "content": "Hi"}]
+
+
+def test_what_codex_and_the_agents_sdk_send_is_accepted():
+    codex = {  # Codex CLI's request (codex-rs ResponsesApiRequest), store off, nothing to reason with
+        "model": "m",
+        "instructions": "You are Codex.",
+        "input": [
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "<permissions>"}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List files."}]},
+            {"type": "reasoning", "summary": [], "content": None, "encrypted_content": None},
+            {"type": "function_call", "name": "shell", "arguments": '{"command": ["ls"]}', "call_id": "call_1"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "README.md"},
+        ],
+        "tools": [{"type": "function", "name": "shell", "description": "Runs", "strict": False, "parameters": {}}],
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "reasoning": None,
+        "store": False,
+        "stream": True,
+        "include": [],
+        "prompt_cache_key": "0199-thread",
+        "text": {"verbosity": "medium"},
+        "client_metadata": {"x-codex-turn": "1"},
+    }
+    agents = {  # the Agents SDK's, continuing its own stored response with the items it got back
+        "model": "m",
+        "previous_response_id": "resp_1",
+        "input": [
+            {
+                "id": "msg_1",
+                "type": "message",
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": "Hi", "annotations": [], "logprobs": []}],
+            },
+            {"role": "user", "content": "More?"},
+        ],
+        "include": ["reasoning.encrypted_content"],
+        "truncation": "disabled",
+        "metadata": {"run": "7"},
+        "top_logprobs": 0,
+        "service_tier": "auto",
+        "prompt_cache_retention": "in_memory",
+    }
+    for body in (codex, agents):
+        ResponsesRequest.model_validate(body)
+        as_chat(ResponsesRequest.model_validate(body), [])  # and the chat body it is served as
