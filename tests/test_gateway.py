@@ -239,6 +239,49 @@ def test_anthropics_api_through_the_gateway_routes_by_prefix_and_answers_in_its_
     assert bad.status_code == 400 and bad.json()["type"] == "error"  # the router's own answer, passed on
 
 
+def test_openais_responses_through_the_gateway_find_their_stored_conversation(fleet):
+    client = openai.OpenAI(base_url=fleet.http_url, api_key=KEYS["bob"], max_retries=0, timeout=60)
+    instructions = "You are a patient assistant who answers in few words. " * 8
+    before, cached_before = _routed(fleet), _cached(fleet)
+    first = None
+    for question in ("Hi?", "Why?", "How?"):
+        first = client.responses.create(model="llama", instructions=instructions, input=question, max_output_tokens=2)
+        time.sleep(0.1)
+    after = _routed(fleet)
+    assert sorted(after[a] - before[a] for a in after) == [0, 3]  # routed by the prefix the router computes
+    ((home, (predicted, reported)),) = [
+        (a, (p - cached_before[a][0], r - cached_before[a][1]))
+        for a, (p, r) in _cached(fleet).items()
+        if after[a] > before[a]
+    ]
+    assert predicted == reported > 0 and first.usage.input_tokens_details.cached_tokens > 0
+
+    # The conversation is kept by the replica that answered: a request naming it goes there,
+    # whatever else routing would pick (a stream's id is learned from its first event).
+    def routed_to(action):
+        before = _routed(fleet)
+        result = action()
+        after = _routed(fleet)
+        return [a for a in after for _ in range(after[a] - before[a])], result
+
+    def stream_one():
+        events = list(client.responses.create(model="llama", input="Again?", max_output_tokens=2, stream=True))
+        return events[0].response.id
+
+    (elsewhere,), streamed = routed_to(stream_one)
+    for stored, kept in ((first.id, home), (streamed, elsewhere)):
+        assert routed_to(lambda stored=stored: client.responses.retrieve(stored))[0] == [kept]
+        where, follow = routed_to(
+            lambda stored=stored: client.responses.create(
+                model="llama", previous_response_id=stored, input="Then?", max_output_tokens=2
+            )
+        )
+        assert where == [kept] and follow.usage.input_tokens > 20
+    assert routed_to(lambda: client.responses.delete(first.id))[0] == [home]
+    tried, _ = routed_to(lambda: pytest.raises(openai.NotFoundError, client.responses.retrieve, first.id))
+    assert sorted(tried) == sorted(after)  # no replica keeps it now: each was asked
+
+
 def _scrape(port: int) -> dict[tuple[str, str], float]:
     """(metric name, its labels as text) -> value, from a Prometheus endpoint on loopback."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -3,10 +3,12 @@
 answer, streamed or not, passed back byte for byte; `/health` answers 200 while the gateway
 serves, 503 otherwise. Errors of the gateway's own have the shape of the API called.
 
-Completions, chat completions and Anthropic's messages are routed like gRPC requests
-(gateway/service.py): their prompt is read from the JSON body as the router reads it (the text,
-the token ids, or the chat messages and tools through the chat template; a Messages body as the
-chat body common/chat_bodies.py makes of it) and hashed in the caller's tenant namespace.
+Completions, chat completions, Anthropic's messages and OpenAI's responses are routed like gRPC
+requests (gateway/service.py): their prompt is read from the JSON body as the router reads it
+(the text, the token ids, or the chat messages and tools through the chat template; a Messages
+or Responses body as the chat body common/chat_bodies.py makes of it) and hashed in the
+caller's tenant namespace. A request naming a stored response goes to the replica that keeps
+it (response_homes.py).
 A body the gateway cannot read is still passed on, routed by load alone: the router answers it
 with its own error. A replica that cannot be reached, or answers 503, before anything was sent
 back is left for the next one, once. The routers check API keys themselves.
@@ -24,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from shardline.common.auth import NO_TENANT
-from shardline.common.chat_bodies import messages_as_chat
+from shardline.common.chat_bodies import messages_as_chat, responses_as_chat
 from shardline.gateway.replicas import Replica
 from shardline.gateway.response_homes import HEAD, ResponseHomes, answered_id, named_response
 from shardline.gateway.service import GatewayService, Placement
@@ -59,6 +61,8 @@ def routing_request(path: str, body: bytes) -> pb.GenerateRequest | None:
         data = json.loads(body)
         if path == "messages":
             data, path = messages_as_chat(data), "chat/completions"
+        elif path == "responses" and not data.get("previous_response_id"):  # with one: to its home
+            data, path = responses_as_chat(data, []), "chat/completions"
         req = pb.GenerateRequest(cache_salt=data.get("cache_salt") or "")
         if path == "completions":
             prompt = data["prompt"]
@@ -91,19 +95,22 @@ def routing_request(path: str, body: bytes) -> pb.GenerateRequest | None:
 
 def _cached_tokens(tail: bytes) -> int | None:
     """The prompt tokens the answer's usage says were cached (a JSON body, or the last
-    server-sent event that carries a usage): OpenAI's prompt_tokens_details.cached_tokens, or
-    Anthropic's cache_read_input_tokens; None when it has none."""
+    server-sent event that carries a usage): OpenAI's prompt_tokens_details.cached_tokens (the
+    Responses API's input_tokens_details), or Anthropic's cache_read_input_tokens; None when it has
+    none."""
     for chunk in reversed(tail.split(b"\n")):
         chunk = chunk.removeprefix(b"data: ").strip()
         if b'"usage"' not in chunk:
             continue
         try:
-            usage = json.loads(chunk).get("usage") or {}
-        except ValueError:
+            data = json.loads(chunk)
+            usage = data.get("usage") or (data.get("response") or {}).get("usage") or {}  # a Responses event's
+        except (ValueError, AttributeError):
             return None
-        if "cache_read_input_tokens" in usage:
+        if "cache_read_input_tokens" in usage:  # Anthropic's
             return usage["cache_read_input_tokens"]
-        return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}  # chat's, responses'
+        return details.get("cached_tokens", 0)
     return None
 
 
