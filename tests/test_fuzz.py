@@ -2,8 +2,8 @@
 field of GenerateRequest and of the OpenAI API's bodies, plus bytes that are neither. Every gRPC
 call ends OK or with INVALID_ARGUMENT / RESOURCE_EXHAUSTED / OUT_OF_RANGE and a message, never
 UNKNOWN or INTERNAL, and never hangs; every HTTP one gets 200, 400, 404, 413 or 429 with an
-OpenAI error body (an Anthropic one under /v1/messages), never a 500 or a dropped connection;
-afterwards the server is SERVING and holds no page."""
+OpenAI error body (an Anthropic one under /v1/messages; the Responses API's bodies too), never a
+500 or a dropped connection; afterwards the server is SERVING and holds no page."""
 
 import json
 import math
@@ -304,6 +304,8 @@ MESSAGES_FIELDS = {  # field -> plausible values; any JSON value one time in fou
 }
 
 
+# Anything but a valid length above 8: an answer that may run to the context takes seconds.
+short_or_wrong = json_values.filter(lambda v: not (isinstance(v, int) and not isinstance(v, bool) and v > 8))
 COUNTED = {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", "cache_control"}
 
 
@@ -322,7 +324,7 @@ def messages_bodies(draw, model: str) -> dict:
     body["messages"] = _pick(
         draw, st.lists(plausible, min_size=1, max_size=2), st.lists(anything, min_size=1, max_size=3) | json_values
     )
-    body["max_tokens"] = _pick(draw, st.integers(1, 8), json_values | st.integers(-5, 0))
+    body["max_tokens"] = _pick(draw, st.integers(1, 8), short_or_wrong | st.integers(-5, 0))
     for field in draw(st.lists(st.sampled_from(sorted(MESSAGES_FIELDS)), max_size=5, unique=True)):
         body[field] = _pick(draw, MESSAGES_FIELDS[field], json_values)
     if draw(st.integers(0, 9)) == 0:
@@ -359,3 +361,81 @@ def test_random_messages_bodies_get_200_or_a_client_error_in_anthropics_shape(se
         assert "event: error" not in events
     else:
         assert response.json()["type"] == "message", response.text
+
+
+# -- OpenAI's Responses API -------------------------------------------------------------------------------
+ITEMS = st.sampled_from(
+    [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"role": "assistant", "content": "ok"},
+        {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": '{"x": 1}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "2"},
+        {"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]},
+        {"type": "reasoning", "summary": []},
+        {"type": "unknown"},
+    ]
+)
+RESPONSES_FIELDS = {  # field -> plausible values; any JSON value one time in four
+    "instructions": text(30),
+    "stream": st.booleans(),
+    "temperature": st.sampled_from([0, 0.7, 1, 2]),
+    "top_p": st.sampled_from([0.5, 1]),
+    "store": st.booleans(),
+    "previous_response_id": st.sampled_from(["resp_unknown", ""]),
+    "metadata": st.just({"k": "v"}),
+    "tools": st.just([{"type": "function", "name": "f", "parameters": {"type": "object"}}]),
+    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "name": "f"}]),
+    "parallel_tool_calls": st.booleans(),
+    "text": st.sampled_from(
+        [
+            {"format": {"type": "text"}},
+            {"format": {"type": "json_object"}},
+            {"format": {"type": "json_schema", "name": "x", "schema": {"type": "integer"}}},
+            {"format": {"type": "json_schema"}},
+        ]
+    ),
+    "reasoning": st.sampled_from([{"effort": "low"}, {"effort": "x"}]),
+    "truncation": st.sampled_from(["disabled", "auto"]),
+    "include": st.just(["reasoning.encrypted_content"]),
+}
+
+
+@st.composite
+def responses_bodies(draw, model: str) -> dict:
+    body = {"model": _pick(draw, st.just(model), text(10) | json_values)}
+    plausible = text(60) | st.lists(
+        st.fixed_dictionaries({"role": st.just("user"), "content": text(30)}), min_size=1, max_size=2
+    )
+    body["input"] = _pick(draw, plausible, st.lists(ITEMS, min_size=1, max_size=3) | json_values)
+    body["max_output_tokens"] = _pick(draw, st.integers(1, 8), short_or_wrong | st.integers(-5, 0))
+    for field in draw(st.lists(st.sampled_from(sorted(RESPONSES_FIELDS)), max_size=5, unique=True)):
+        body[field] = _pick(draw, RESPONSES_FIELDS[field], json_values)
+    if draw(st.integers(0, 9)) == 0:
+        body[draw(text(12))] = draw(json_values)  # a field nobody knows
+    return body
+
+
+@FUZZ
+@given(data=st.data())
+def test_random_responses_bodies_get_200_or_a_client_error_in_openais_shape(server, data):
+    import httpx
+
+    model = server.stub.Info(pb.InfoRequest()).model
+    body = data.draw(responses_bodies(model))
+    response = httpx.post(
+        server.http_url + "/responses",
+        content=json.dumps(body),
+        timeout=120,
+        headers={"content-type": "application/json"},
+    )
+    event(f"HTTP {response.status_code}")
+    assert response.status_code in (200, 400, 404, 413, 429), (response.status_code, body, response.text)
+    if response.status_code != 200:
+        error = response.json()["error"]
+        assert error["message"] and error["type"], error
+    elif body.get("stream") is True:
+        events = [line for line in response.text.splitlines() if line.startswith("event: ")]
+        assert events[0] == "event: response.created", events
+        assert events[-1] in ("event: response.completed", "event: response.incomplete"), events
+    else:
+        assert response.json()["object"] == "response", response.text
