@@ -1,8 +1,8 @@
 """The Fleet service (protos/fleet.proto): the router's prefix index and load, streamed to the
 gateways in front of many replicas.
 
-One publisher task looks every PERIOD_S: it takes the page pool's change log (core/page_manager.py
-appends every page published or reclaimed to it) and the load, and when either changed, or
+One publisher task looks every PERIOD_S: it takes what its change log of the page pool holds
+(core/page_manager.py appends every page published or reclaimed to it) and the load, and when either changed, or
 HEARTBEAT_S passed without a message, sends one message to every watcher: a watcher that hears
 nothing for a few heartbeats knows the router is gone, even where no connection reset tells it.
 Everything runs on the router's event loop, between steps, so a snapshot and the changes after
@@ -25,7 +25,7 @@ import grpc
 
 from shardline.protos import fleet_pb2 as fpb
 from shardline.protos import fleet_pb2_grpc
-from shardline.router.core.page_manager import PageManager
+from shardline.router.core.page_manager import Change, PageManager
 from shardline.router.core.replica import Replica
 
 FLEET_SERVICE = fpb.DESCRIPTOR.services_by_name["Fleet"].full_name
@@ -42,6 +42,7 @@ class CacheWatchers:
         self.replica, self.tenants_share_cache, self.http_port = replica, tenants_share_cache, http_port
         self.epoch, self.seq = "", 0
         self._pool: PageManager | None = None
+        self._log: list[Change] = []  # the pool's changes not sent yet
         self._load: fpb.Load | None = None
         self._sent_at = 0.0
         self._queues: set[asyncio.Queue] = set()
@@ -86,19 +87,17 @@ class CacheWatchers:
         pool = self.replica.pool
         if pool is not self._pool or not self.epoch:
             if self._pool is not None:
-                self._pool.changes = None
+                self._pool.unwatch(self._log)
             self._pool, self.epoch, self.seq = pool, uuid.uuid4().hex, 0
-            if pool is not None:
-                pool.changes = []
+            self._log = pool.watch() if pool is not None else []
             self._load = self.load()
             self._send_all(self.snapshot)
             return
-        changes, load = (pool.changes or []) if pool is not None else [], self.load()
-        if not changes and load == self._load and time.monotonic() - self._sent_at < HEARTBEAT_S:
+        load = self.load()
+        if not self._log and load == self._load and time.monotonic() - self._sent_at < HEARTBEAT_S:
             return
-        if pool is not None:
-            pool.changes = []
-        final = {h: indexed for indexed, h in changes}  # a hash's last change is what holds now
+        final = {c.hash: c.stored for c in self._log}  # a hash's last change is what holds now
+        self._log.clear()
         self.seq += 1
         self._load = load
         event = fpb.CacheEvent(

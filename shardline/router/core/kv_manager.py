@@ -74,7 +74,8 @@ class KVManager:
             else:
                 parent = pages.published[-1] if i else self.pool.root_hash(seq.cache_namespace)
                 h = self.pool.chain(parent, tokens[i * size : (i + 1) * size])
-            self.pool.publish(pages.block_table[i], h, pages.block_table[i - 1] if i else None)
+            page_tokens = tokens[i * size : (i + 1) * size]
+            self.pool.publish(pages.block_table[i], h, pages.block_table[i - 1] if i else None, page_tokens)
             pages.published.append(h)
 
     def release(self, seq: Sequence) -> None:

@@ -19,19 +19,34 @@ operation):
    protected queue never exceeds `protected_ratio * pool`, overflow demotes its oldest page to
    the newest end of probation, and probation is reclaimed first.
 
-Prefix hashes chain over full pages (common/prefix_hash.py, which a gateway shares). Every
-change of the index (a page published, reclaimed or dropped by a reset) is appended to `changes`
-while it is a list: (True, hash) published, (False, hash) gone (router/api/fleet.py streams them).
+Prefix hashes chain over full pages (common/prefix_hash.py, which a gateway shares). The page
+manager is the one source of the index's changes: every page published, reclaimed or dropped by a
+reset is appended as a `Change` to each log a consumer opened with `watch` (router/api/fleet.py
+streams them to gateways, router/api/kv_events.py to vLLM's subscribers). One record is made per
+change and shared by the logs; with no log open nothing is made.
 """
 
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from shardline.common import prefix_hash
 from shardline.router.core.page_queue import PageLinks, PageQueue
 
 LRU, SLRU = "lru", "slru"
+
+
+class Change(NamedTuple):
+    """One change of the prefix index: a page published (`stored`: the hash of the page before it
+    in its chain, None for a chain's first page, and the page's token ids), or gone (reclaimed or
+    reset). A log's order is the index's: a parent is published before its children."""
+
+    stored: bool
+    hash: bytes
+    parent: bytes | None = None
+    tokens: Sequence[int] = ()
 
 
 class PageManager:
@@ -65,7 +80,7 @@ class PageManager:
         self.reserved = 0
         self.hit_tokens = 0
         self.query_tokens = 0
-        self.changes: list[tuple[bool, bytes]] | None = None
+        self.logs: list[list[Change]] = []  # one per consumer (`watch`)
 
     # -- counts -----------------------------------------------------------------------------------
     @property
@@ -114,6 +129,23 @@ class PageManager:
             pages.append(page)
         return pages
 
+    # -- the change logs ------------------------------------------------------------------------------
+    def watch(self) -> list[Change]:
+        """Opens a log that every later change of the index is appended to; its consumer empties it
+        as it reads (`log.clear()`) and closes it with `unwatch`."""
+        log: list[Change] = []
+        self.logs.append(log)
+        return log
+
+    def unwatch(self, log: list[Change]) -> None:
+        self.logs = [other for other in self.logs if other is not log]
+
+    def _gone(self, page_hash: bytes) -> None:
+        if self.logs:
+            change = Change(False, page_hash)
+            for log in self.logs:
+                log.append(change)
+
     # -- admission and allocation ----------------------------------------------------------------
     def admit(self, hits: list[int], total_pages: int, prompt_tokens: int) -> bool:
         """Pins the hit pages and reserves the rest of `total_pages`, or does nothing at all."""
@@ -145,8 +177,7 @@ class PageManager:
             if len(queue):
                 page = queue.pop_oldest()
                 del self.index[self.hash[page]]
-                if self.changes is not None:
-                    self.changes.append((False, self.hash[page]))
+                self._gone(self.hash[page])
                 self.hash[page] = self.parent[page] = None
                 self.protected_flag[page] = 0
                 return page
@@ -157,9 +188,10 @@ class PageManager:
         self.reserved -= n
 
     # -- publication and release -----------------------------------------------------------------
-    def publish(self, page: int, page_hash: bytes, parent_page: int | None) -> bool:
+    def publish(self, page: int, page_hash: bytes, parent_page: int | None, tokens: Sequence[int] = ()) -> bool:
         """Indexes a full page whose KV every shard has written; `parent_page` is the page before
-        it in the same block table (None for the first page). Refused (False) when the prefix is
+        it in the same block table (None for the first page), `tokens` the page's token ids (for
+        the change logs). Refused (False) when the prefix is
         already indexed through another page, or when the parent page is not indexed itself:
         then this page and the rest of its chain stay private, so no indexed page ever hangs
         off a prefix that could be reclaimed before it."""
@@ -171,8 +203,10 @@ class PageManager:
         assert self.ref[page] > 0 and self.hash[page] is None
         self.index[page_hash] = page
         self.hash[page], self.parent[page] = page_hash, parent
-        if self.changes is not None:
-            self.changes.append((True, page_hash))
+        if self.logs:
+            change = Change(True, page_hash, parent, tokens)
+            for log in self.logs:
+                log.append(change)
         return True
 
     def release(self, pages: list[int]) -> None:
@@ -200,8 +234,7 @@ class PageManager:
         for queue in (self.probation, self.protected):
             while len(queue):
                 page = queue.pop_oldest()
-                if self.changes is not None:
-                    self.changes.append((False, self.hash[page]))
+                self._gone(self.hash[page])
                 self.hash[page] = self.parent[page] = None
                 self.protected_flag[page] = 0
                 self._free.append(page)
