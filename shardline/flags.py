@@ -215,6 +215,29 @@ def _router_flags(p):
         choices=["tenant", "all"],
     )
 
+    add_flag(
+        p,
+        "kv-events-endpoint",
+        "",
+        help="publish the prefix index's changes as vLLM's KV cache events (ZMQ PUB, msgpack), e.g. "
+        "tcp://*:5557 (bound; an address of one host is connected to, as vLLM does); with --replicas N "
+        "replica i takes port + i; empty: none",
+    )
+    add_flag(
+        p,
+        "kv-events-replay-endpoint",
+        "",
+        help="where subscribers ask for missed KV event batches by sequence number (ZMQ ROUTER, bound), "
+        "e.g. tcp://*:5558; empty: none",
+    )
+    add_flag(
+        p,
+        "kv-events-topic",
+        "kv@{pod_ip}:{port}@{model}",
+        help="the KV events' ZMQ topic, as llm-d's KV-cache indexer parses it (kv@<pod>@<model>): "
+        "{pod_ip} is $POD_IP (else --host), {port} the HTTP port, {model} the model's served name",
+    )
+
 
 def _public_tls_flags(p):
     add_flag(

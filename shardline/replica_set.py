@@ -4,7 +4,7 @@ processes of one command.
 - Replica i is a `serve` of its own (a router and its shard group, supervised as one by
   shardline/launcher.py) whose router listens on free ports (gRPC, and HTTP when --http-port is
   set, which the gateway's HTTP API passes requests on to); with --metrics-port M, the gateway's
-  metrics are on M and replica i's on M + 1 + i.
+  metrics are on M and replica i's on M + 1 + i; KV event endpoints on a port P take P + i.
 - A replica whose `serve` exits is started again after a backoff that doubles from 1 s to 30 s;
   the gateway routes around it meanwhile, and resyncs its (empty) cache when it is back.
 - The gateway (`shardline gateway`) exiting ends the command with 1.
@@ -40,7 +40,22 @@ def replica_command(args, port: int, http_port: int, n: int) -> list[str]:
         str(http_port if args.http_port else 0),
         "--metrics-port",
         str(metrics),
+        "--kv-events-endpoint",
+        offset_endpoint(args.kv_events_endpoint, n),
+        "--kv-events-replay-endpoint",
+        offset_endpoint(args.kv_events_replay_endpoint, n),
     ]
+
+
+def offset_endpoint(endpoint: str, n: int) -> str:
+    """Replica n's ZMQ endpoint, as vLLM offsets one per data-parallel rank: a TCP port + n, or
+    `_dp<n>` after another address."""
+    if not endpoint or n == 0:
+        return endpoint
+    address, _, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://"):
+        return f"{address}:{int(port) + n}" if port.isdigit() else endpoint  # the router refuses a bad one
+    return f"{endpoint}_dp{n}"
 
 
 def gateway_command(args, routers: list[str]) -> list[str]:

@@ -30,6 +30,7 @@ from shardline.common.tokenizer_files import tokenizer_folder
 from shardline.router.api.fleet import FLEET_SERVICE, CacheWatchers, add_fleet_service
 from shardline.router.api.generation import GenerationService
 from shardline.router.api.http_app import HttpApi
+from shardline.router.api.kv_events import KvEventPublisher, topic_of
 from shardline.router.core.config import ReplicaConfig
 from shardline.router.core.replica import Replica
 from shardline.router.core.shard_client import ShardGroup
@@ -102,6 +103,8 @@ async def serve_router(args) -> int:
     watchers = CacheWatchers(replica, tenants_share_cache=args.prefix_cache_sharing == "all", http_port=args.http_port)
     add_fleet_service(server, watchers)
     publisher = asyncio.ensure_future(watchers.run())
+    kv_events = _kv_events(args, replica, source.name)
+    kv_publisher = asyncio.ensure_future(kv_events.run()) if kv_events else None
     listen(server, address, args)
     if args.http_port:
         tls = (
@@ -120,6 +123,10 @@ async def serve_router(args) -> int:
     await replica.run(stop)  # returns once a stop was asked for and the drain is over
     watchers.tick()  # the watchers hear that the replica stopped serving
     publisher.cancel()
+    if kv_events is not None:
+        kv_events.tick()
+        kv_publisher.cancel()
+        kv_events.close()
     exit_soon(15)  # whatever hangs from here on, the process ends
     if http is not None:
         await http.stop()
@@ -127,3 +134,16 @@ async def serve_router(args) -> int:
         await server.stop(grace=2.0)
     await shards.close()
     return 0
+
+
+def _kv_events(args, replica: Replica, model: str) -> KvEventPublisher | None:
+    """The KV event publisher the flags ask for (router/api/kv_events.py), its sockets bound."""
+    if not args.kv_events_endpoint:
+        if args.kv_events_replay_endpoint:
+            raise SystemExit("--kv-events-replay-endpoint replays what --kv-events-endpoint publishes: set both")
+        return None
+    served = args.served_model_name[0] if args.served_model_name else model
+    topic = topic_of(args.kv_events_topic, args.host, args.http_port, served)
+    events = KvEventPublisher(replica, args.kv_events_endpoint, args.kv_events_replay_endpoint, topic)
+    print(f"router KV events {args.kv_events_endpoint} topic {topic}", flush=True)
+    return events
