@@ -1,4 +1,5 @@
-"""The router's Prometheus metrics, under a `shardline:` prefix with the names vLLM users know.
+"""The router's Prometheus metrics, under a `shardline:` prefix with the names vLLM users know, and
+the gauges an endpoint picker reads from vLLM under vLLM's own `vllm:` names.
 
 The router aggregates what the shards report (each step's compute time comes back in its
 `StepResult`), so one scrape target describes the whole replica; shards expose no endpoint.
@@ -10,6 +11,8 @@ pool, but the counters here are the router's own.
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -177,3 +180,31 @@ class _AtScrape:
             for state in ("referenced", "reserved", "evictable", "free"):
                 pages.add_metric([state], getattr(pool, state))
         yield from (running, waiting, prefilling, usage, pages)
+        yield from _vllm_named(load, pool)
+
+
+def _vllm_named(load, pool):
+    """The gauges an inference gateway's endpoint picker reads from a vLLM server, under vLLM's
+    names and labels, so that it picks among Shardline replicas as it would among vLLM pods (the
+    Gateway API Inference Extension's defaults for vLLM: requests waiting and running, KV cache
+    usage, the LoRA adapters' info and the cache config's block size and block count; a missing
+    one is an error at each scrape there). vLLM's usage counts the blocks in use; ours the pages
+    referenced or reserved, what admission cannot give to another request."""
+    waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting to be processed")
+    running = GaugeMetricFamily("vllm:num_requests_running", "Requests in model execution batches")
+    usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+    config = GaugeMetricFamily(
+        "vllm:cache_config_info", "Information of the KV cache config", labels=["block_size", "num_gpu_blocks"]
+    )
+    lora = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Running stats on LoRA requests (Shardline serves no adapters)",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    if load is not None:
+        waiting.add_metric([], load.waiting)
+        running.add_metric([], load.running)
+        usage.add_metric([], (pool.referenced + pool.reserved) / pool.num_pages if pool.num_pages else 0.0)
+        config.add_metric([str(pool.page_size), str(pool.num_pages)], 1.0)
+    lora.add_metric(["0", "", ""], time.time())  # vLLM's value: when the adapters' state was taken
+    yield from (waiting, running, usage, config, lora)
