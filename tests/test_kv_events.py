@@ -340,3 +340,18 @@ def test_the_metrics_an_endpoint_picker_reads_from_vllm(server):
     assert f'vllm:cache_config_info{{block_size="{PAGE}",num_gpu_blocks="{PAGES}"}} 1.0' in text
     assert 'vllm:lora_requests_info{max_lora="0",running_lora_adapters="",waiting_lora_adapters=""}' in text
     time.sleep(0)  # (the values are read at scrape time: nothing to wait for)
+
+
+def test_the_topic_and_the_endpoints_of_several_replicas(monkeypatch):
+    from shardline.replica_set import offset_endpoint
+    from shardline.router.api.kv_events import topic_of
+
+    monkeypatch.delenv("POD_IP", raising=False)
+    assert topic_of("kv@{pod_ip}:{port}@{model}", "0.0.0.0", 8000, "m") == "kv@127.0.0.1:8000@m"
+    assert topic_of("kv@{pod_ip}:{port}@{model}", "10.1.2.3", 8000, "m") == "kv@10.1.2.3:8000@m"
+    monkeypatch.setenv("POD_IP", "10.9.9.9")
+    assert topic_of("kv@{pod_ip}@{model}", "0.0.0.0", 8000, "m") == "kv@10.9.9.9@m"
+    with pytest.raises(SystemExit, match="--kv-events-topic 'kv@{pod}'"):
+        topic_of("kv@{pod}", "0.0.0.0", 8000, "m")
+    assert [offset_endpoint("tcp://*:5557", n) for n in range(3)] == ["tcp://*:5557", "tcp://*:5558", "tcp://*:5559"]
+    assert offset_endpoint("ipc:///tmp/kv", 2) == "ipc:///tmp/kv_dp2" and offset_endpoint("", 3) == ""
