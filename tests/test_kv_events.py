@@ -83,19 +83,20 @@ DECODER = Decoder(type=KVEventBatch)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-def replay(endpoint: str, start: int, timeout_ms: int = 5000) -> list[tuple[int, bytes]]:
+def replay(endpoint: str, start: int, timeout_ms: int = 5000, delimited: bool = True) -> list[tuple[int, bytes]]:
     """Every batch the replay socket keeps from `start` on. The request is vLLM's (8 bytes
     big-endian after an empty delimiter, as a REQ socket frames it); a DEALER reads the many
-    replies, where a REQ socket (as in vLLM's example) takes the first and drops the rest."""
+    replies, where a REQ socket (as in vLLM's example) takes the first and drops the rest.
+    `delimited` False: a bare DEALER's request, without the delimiter."""
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(endpoint)
     try:
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        dealer.send_multipart([b"", start.to_bytes(8, "big")] if delimited else [start.to_bytes(8, "big")])
         got = []
         while dealer.poll(timeout_ms):
-            delimiter, seq_bytes, payload = dealer.recv_multipart()
-            assert delimiter == b""
+            *delimiter, seq_bytes, payload = dealer.recv_multipart()
+            assert delimiter == ([b""] if delimited else [])
             if not payload:  # the end marker
                 assert seq_bytes == END_SEQ
                 return got
@@ -232,15 +233,17 @@ def test_the_publisher_sends_vllms_batches_and_replays_them():
         kv.tick()
         kv.tick()  # nothing changed: nothing sent
         assert (kv.seq, kv.sent, kv.dropped) == (3, 3, 0)
-        batches = []
+        batches: list = []
 
-        def ask():
-            batches.extend(replay(f"tcp://127.0.0.1:{replay_port}", 1))
+        def ask(start, delimited):
+            batches.append(replay(f"tcp://127.0.0.1:{replay_port}", start, delimited=delimited))
 
-        asker = threading.Thread(target=ask)
-        asker.start()
-        wait_for(lambda: kv.tick() or not asker.is_alive(), 10, "the replay")  # answered between ticks
-        assert [seq for seq, _ in batches] == [1, 2]
+        for start, delimited in ((1, True), (2, False)):
+            asker = threading.Thread(target=ask, args=(start, delimited))
+            asker.start()
+            wait_for(lambda t=asker: kv.tick() or not t.is_alive(), 10, "the replay")  # answered between ticks
+        batches, bare = batches
+        assert [seq for seq, _ in batches] == [1, 2] and bare == batches[1:]
         stored, cleared = (DECODER.decode(p).events for _, p in batches)
         (event,) = stored
         assert event.block_hashes == [external_hash(h) for h in pool.prompt_hashes([5, 6, 7, 8, 0])]

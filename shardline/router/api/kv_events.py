@@ -210,14 +210,16 @@ class KvEventPublisher:
                 frames = self._replay.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 3 or len(frames[2]) != 8:  # a REQ client sends [identity, b"", start seq]
+            # [identity, b"", start seq] from a REQ (or a DEALER that frames it so), [identity,
+            # start seq] from a bare DEALER; the answer goes back with the same envelope.
+            *envelope, request = frames
+            if len(request) != 8 or not 1 <= len(envelope) <= 2 or envelope[1:] not in ([], [b""]):
                 continue
-            client, start = frames[0], int.from_bytes(frames[2], "big")
-            first = self._kept[0][0] if self._kept else 0
+            start, first = int.from_bytes(request, "big"), self._kept[0][0] if self._kept else 0
             try:
                 for seq, payload in itertools.islice(self._kept, max(0, start - first), None):
-                    self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
-                self._replay.send_multipart((client, b"", END_SEQ, b""), zmq.NOBLOCK)
+                    self._replay.send_multipart((*envelope, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
+                self._replay.send_multipart((*envelope, END_SEQ, b""), zmq.NOBLOCK)
             except zmq.ZMQError as e:  # the client is gone
                 log.warning("a KV event replay was cut short: %s", e)
 
