@@ -87,6 +87,17 @@ REGISTERED_PLUGINS = {
     "concurrency-detector",
     "utilization-detector",
 }
+# The engine core-metrics-extractor maps without being told (GIE v1.5.0,
+# pkg/epp/framework/plugins/datalayer/extractor/metrics/factories.go): pods labelled `vllm`, or
+# not labelled, are read by vLLM's names. (It also reads vLLM's LoRA and cache-config info metrics;
+# one that is missing fails only its own field, with an error logged at every scrape.)
+BUILTIN_ENGINES = {
+    "vllm": {
+        "queuedRequestsSpec": "vllm:num_requests_waiting",
+        "runningRequestsSpec": "vllm:num_requests_running",
+        "kvUsageSpec": "vllm:kv_cache_usage_perc",
+    },
+}
 
 
 def _documents() -> list[dict]:
@@ -277,8 +288,10 @@ def test_the_epp_reads_metrics_shardline_exports():
     (extractor,) = [p for p in plugins.values() if p["type"] == "core-metrics-extractor"]
     params = extractor["parameters"]
     label = params.get("engineLabelKey", "inference.networking.k8s.io/engine-type")
-    engine = workload["spec"]["template"]["metadata"]["labels"][label]
-    (spec,) = [e for e in params["engineConfigs"] if e["name"] == engine]
+    engine = workload["spec"]["template"]["metadata"]["labels"].get(label, params.get("defaultEngine", "vllm"))
+    specs = {**BUILTIN_ENGINES, **{e["name"]: e for e in params.get("engineConfigs", [])}}
+    assert engine in specs, f"the pods' engine {engine!r} has no metric mapping in the EPP"
+    spec = specs[engine]
     names = {
         spec[key].partition("{")[0]  # a spec may select labels: name{label=value}
         for key in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "loraSpec", "cacheInfoSpec")
