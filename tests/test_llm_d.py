@@ -87,6 +87,77 @@ REGISTERED_PLUGINS = {
     "concurrency-detector",
     "utilization-detector",
 }
+# The fields the EPP reads. Its config file is decoded strictly, but each plugin's `parameters`
+# go through Go's json.Unmarshal, which drops a misspelt field without a word: so the test knows
+# the parameters of the plugins used here, from their structs (llm-d v0.8.0
+# preciseprefixcache.PluginConfig; llm-d-kv-cache v0.7.1 kvblock.TokenProcessorConfig,
+# kvcache.Config, kvblock.IndexConfig, tokenization.Config (the UDS build), UdsTokenizerConfig,
+# kvevents.Config, PodDiscoveryConfig; GIE v1.5.0 apix/config/v1alpha1 EndpointPickerConfig,
+# metrics-data-source's and core-metrics-extractor's parameters). None: any value; [tree]: a list
+# of such objects.
+ANY = None
+CONFIG_FIELDS = {
+    "apiVersion": ANY,
+    "kind": ANY,
+    "featureGates": ANY,
+    "plugins": [{"name": ANY, "type": ANY, "parameters": ANY}],
+    "schedulingProfiles": [{"name": ANY, "plugins": [{"pluginRef": ANY, "weight": ANY}]}],
+    "saturationDetector": ANY,
+    "dataLayer": {"sources": [{"pluginRef": ANY, "extractors": [{"pluginRef": ANY}]}]},
+    "flowControl": ANY,
+    "parser": ANY,
+}
+PARAMETER_FIELDS = {
+    "precise-prefix-cache-scorer": {
+        "tokenProcessorConfig": {"blockSize": ANY, "hashSeed": ANY},
+        "indexerConfig": {
+            "kvBlockIndexConfig": {
+                "inMemoryConfig": ANY,
+                "redisConfig": ANY,
+                "valkeyConfig": ANY,
+                "costAwareMemoryConfig": ANY,
+                "enableMetrics": ANY,
+                "metricsLoggingInterval": ANY,
+            },
+            "tokenizersPoolConfig": {
+                "modelName": ANY,
+                "workersCount": ANY,
+                "uds": {"socketFile": ANY, "useTCP": ANY, "modelTokenizerMap": ANY},
+            },
+            "kvCacheBackendConfigs": ANY,
+        },
+        "kvEventsConfig": {
+            "zmqEndpoint": ANY,
+            "topicFilter": ANY,
+            "concurrency": ANY,
+            "engineType": ANY,
+            "discoverPods": ANY,
+            "podDiscoveryConfig": {"podLabelSelector": ANY, "podNamespace": ANY, "socketPort": ANY},
+        },
+        "speculativeIndexing": ANY,
+        "speculativeTTL": ANY,
+    },
+    "core-metrics-extractor": {
+        "engineLabelKey": ANY,
+        "defaultEngine": ANY,
+        "engineConfigs": [
+            {
+                "name": ANY,
+                "queuedRequestsSpec": ANY,
+                "runningRequestsSpec": ANY,
+                "kvUsageSpec": ANY,
+                "loraSpec": ANY,
+                "cacheInfoSpec": ANY,
+                "cacheBlockSizeLabelName": ANY,
+                "cacheNumBlocksLabelName": ANY,
+                "cacheBlockSizeSpec": ANY,
+                "cacheNumBlocksSpec": ANY,
+            }
+        ],
+    },
+    "metrics-data-source": {"scheme": ANY, "path": ANY, "insecureSkipVerify": ANY},
+}
+
 # The engine core-metrics-extractor maps without being told (GIE v1.5.0,
 # pkg/epp/framework/plugins/datalayer/extractor/metrics/factories.go): pods labelled `vllm`, or
 # not labelled, are read by vLLM's names. (It also reads vLLM's LoRA and cache-config info metrics;
@@ -280,6 +351,27 @@ def test_the_epp_config_names_only_registered_plugins():
     (profile,) = config["schedulingProfiles"]
     kinds = {plugins[p["pluginRef"]]["type"] for p in profile["plugins"]}
     assert {"precise-prefix-cache-scorer", "kv-cache-utilization-scorer", "queue-scorer", "max-score-picker"} <= kinds
+
+
+def _unknown_fields(value, fields, path: str = "") -> list[str]:
+    """The keys of `value` that `fields` (a tree as CONFIG_FIELDS) does not know, as paths."""
+    if fields is ANY:
+        return []
+    if isinstance(fields, list):
+        return [u for i, item in enumerate(value) for u in _unknown_fields(item, fields[0], f"{path}[{i}]")]
+    unknown = [f"{path}.{k}" for k in value if k not in fields]
+    return unknown + [u for k, v in value.items() if k in fields for u in _unknown_fields(v, fields[k], f"{path}.{k}")]
+
+
+def test_the_epp_config_sets_only_fields_the_epp_reads():
+    config = _epp_config()
+    assert not _unknown_fields(config, CONFIG_FIELDS)
+    for name, plugin in _plugins(config).items():
+        if plugin["type"] in PARAMETER_FIELDS:
+            unknown = _unknown_fields(plugin.get("parameters", {}), PARAMETER_FIELDS[plugin["type"]], name)
+            assert not unknown, f"fields the EPP would ignore: {unknown}"
+        else:
+            assert "parameters" not in plugin, f"{name}: parameters this test does not know the fields of"
 
 
 def test_the_epp_reads_metrics_shardline_exports():
