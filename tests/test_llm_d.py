@@ -413,8 +413,10 @@ def test_the_kv_events_reach_the_precise_scorer_as_it_expects_them():
     # port>; it hashes blocks under the topic's model and prompts under the request's, the name a
     # client asks for: the router's first --served-model-name.
     model = router.served_model_name[0]
-    assert router.kv_events_topic == f"kv@{POD_IP}:{pool['targetPorts'][0]['number']}@{model}"
-    assert router.kv_events_topic.startswith(events.get("topicFilter", "kv@"))
+    # The topic may be written with the fields the router fills, {pod_ip} ($POD_IP), {port} and {model}.
+    topic = router.kv_events_topic.format(pod_ip=POD_IP, port=router.http_port, model=model)
+    assert topic == f"kv@{POD_IP}:{pool['targetPorts'][0]['number']}@{model}"
+    assert topic.startswith(events.get("topicFilter", "kv@"))
     assert "@" not in model
     # Blocks: the EPP cuts the events' tokens and the prompts into blocks of the routers' pages.
     assert params["tokenProcessorConfig"]["blockSize"] == router.page_size
