@@ -301,7 +301,9 @@ def test_the_pool_selects_the_replica_pods_at_the_routers_http_port():
     assert sorted(router.shards.split(",")) == sorted(a.listen for a in shards.values())
     assert {a.model for a in shards.values()} == {router.model}
     assert {a.page_size for a in shards.values()} == {router.page_size}
-    # The Gateway routes everything to the pool.
+
+
+def test_the_gateway_routes_every_request_to_the_pool():
     route = _one("HTTPRoute")["spec"]
     gateway = _one("Gateway")
     assert [(p.get("kind", "Gateway"), p["name"]) for p in route["parentRefs"]] == [
