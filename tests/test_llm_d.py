@@ -15,11 +15,13 @@ from unittest import mock
 
 import jsonschema
 import kubernetes_validate
+import msgspec
 import pytest
 import yaml
 
 from shardline.cli import build_parser
 from shardline.flags import service_flags
+from shardline.router.api.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, topic_of
 from shardline.router.observers.metrics import Metrics
 from tests.support import ROOT
 
@@ -415,8 +417,9 @@ def test_the_kv_events_reach_the_precise_scorer_as_it_expects_them():
     # port>; it hashes blocks under the topic's model and prompts under the request's, the name a
     # client asks for: the router's first --served-model-name.
     model = router.served_model_name[0]
-    # The topic may be written with the fields the router fills, {pod_ip} ($POD_IP), {port} and {model}.
-    topic = router.kv_events_topic.format(pod_ip=POD_IP, port=router.http_port, model=model)
+    # The topic as the router fills its fields in ({pod_ip} from $POD_IP, {port}, {model}).
+    with mock.patch.dict(os.environ, {"POD_IP": POD_IP}):
+        topic = topic_of(router.kv_events_topic, router.host, router.http_port, model)
     assert topic == f"kv@{POD_IP}:{pool['targetPorts'][0]['number']}@{model}"
     assert topic.startswith(events.get("topicFilter", "kv@"))
     assert "@" not in model
@@ -436,3 +439,33 @@ def test_the_kv_events_reach_the_precise_scorer_as_it_expects_them():
     assert open_ports == {"http"}
     ((peer,),) = [rule["from"] for rule in policy["ingress"] if "from" in rule]
     assert peer["podSelector"]["matchLabels"].items() <= epp["spec"]["template"]["metadata"]["labels"].items()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the routers send each event as a map tagged under 'type' (vLLM since vllm-project/vllm#42892); "
+    "llm-d-kv-cache v0.7.1, in the EPP image pinned here, reads only positional arrays: an EPP built on "
+    "llm-d-kv-cache v0.9.0 or later (llm-d/llm-d-kv-cache#661), or routers that can send arrays, close this",
+)
+def test_the_pinned_epp_decodes_the_routers_kv_events():
+    """A batch as the router encodes it (router/api/kv_events.py), read as llm-d-kv-cache v0.7.1's
+    VLLMAdapter reads one (pkg/kvevents/engineadapter/vllm_adapter.go): the batch a positional array
+    [ts, events, dp_rank]; each event an array, its tag first; BlockStored's block hashes, parent,
+    token ids and block size at 1 to 4, BlockRemoved's hashes at 1. A batch with one event it cannot
+    decode is dropped whole."""
+    batch = KVEventBatch(
+        ts=1.0,
+        events=[
+            BlockStored([11, 12], None, list(range(32)), 16, None, "GPU", None),
+            BlockRemoved([12], "GPU"),
+            AllBlocksCleared(),
+        ],
+        data_parallel_rank=0,
+    )
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.Encoder().encode(batch))
+    assert isinstance(decoded, list) and isinstance(decoded[1], list)
+    stored, removed, cleared = decoded[1]
+    for event, tag in ((stored, "BlockStored"), (removed, "BlockRemoved"), (cleared, "AllBlocksCleared")):
+        assert isinstance(event, list) and event[0] == tag, f"{tag} is sent as {event!r}"
+    assert stored[1:5] == [[11, 12], None, list(range(32)), 16]
+    assert removed[1] == [12]
