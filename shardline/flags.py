@@ -237,6 +237,14 @@ def _router_flags(p):
         help="the KV events' ZMQ topic, as llm-d's KV-cache indexer parses it (kv@<pod>@<model>): "
         "{pod_ip} is $POD_IP (else --host), {port} the HTTP port, {model} the model's served name",
     )
+    add_flag(
+        p,
+        "kv-events-encoding",
+        "map",
+        help="each KV event as vLLM encodes it now (map: tagged under 'type') or did before "
+        "vllm-project/vllm#42892 (array), which llm-d-kv-cache before v0.9 and older Dynamo relays read",
+        choices=["map", "array"],
+    )
 
 
 def _public_tls_flags(p):

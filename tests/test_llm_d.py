@@ -21,7 +21,7 @@ import yaml
 
 from shardline.cli import build_parser
 from shardline.flags import service_flags
-from shardline.router.api.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, topic_of
+from shardline.router.api.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch, topic_of
 from shardline.router.observers.metrics import Metrics
 from tests.support import ROOT
 
@@ -441,31 +441,31 @@ def test_the_kv_events_reach_the_precise_scorer_as_it_expects_them():
     assert peer["podSelector"]["matchLabels"].items() <= epp["spec"]["template"]["metadata"]["labels"].items()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the routers send each event as a map tagged under 'type' (vLLM since vllm-project/vllm#42892); "
-    "llm-d-kv-cache v0.7.1, in the EPP image pinned here, reads only positional arrays: an EPP built on "
-    "llm-d-kv-cache v0.9.0 or later (llm-d/llm-d-kv-cache#661), or routers that can send arrays, close this",
-)
-def test_the_pinned_epp_decodes_the_routers_kv_events():
-    """A batch as the router encodes it (router/api/kv_events.py), read as llm-d-kv-cache v0.7.1's
-    VLLMAdapter reads one (pkg/kvevents/engineadapter/vllm_adapter.go): the batch a positional array
-    [ts, events, dp_rank]; each event an array, its tag first; BlockStored's block hashes, parent,
-    token ids and block size at 1 to 4, BlockRemoved's hashes at 1. A batch with one event it cannot
-    decode is dropped whole."""
-    batch = KVEventBatch(
-        ts=1.0,
-        events=[
-            BlockStored([11, 12], None, list(range(32)), 16, None, "GPU", None),
-            BlockRemoved([12], "GPU"),
-            AllBlocksCleared(),
-        ],
-        data_parallel_rank=0,
-    )
-    decoded = msgspec.msgpack.decode(msgspec.msgpack.Encoder().encode(batch))
-    assert isinstance(decoded, list) and isinstance(decoded[1], list)
-    stored, removed, cleared = decoded[1]
-    for event, tag in ((stored, "BlockStored"), (removed, "BlockRemoved"), (cleared, "AllBlocksCleared")):
-        assert isinstance(event, list) and event[0] == tag, f"{tag} is sent as {event!r}"
-    assert stored[1:5] == [[11, 12], None, list(range(32)), 16]
-    assert removed[1] == [12]
+def test_the_pinned_epp_decodes_the_kv_events_the_manifests_routers_send():
+    """A batch as the manifest's routers encode it (router/api/kv_events.py, with the manifest's
+    --kv-events-encoding), read as llm-d-kv-cache v0.7.1's VLLMAdapter reads one
+    (pkg/kvevents/engineadapter/vllm_adapter.go): the batch a positional array [ts, events,
+    dp_rank]; each event an array, its tag first; BlockStored's block hashes, parent, token ids and
+    block size at 1 to 4, BlockRemoved's hashes at 1. A batch with one event it cannot decode is
+    dropped whole: the default encoding (vLLM's since #42892, events as maps) is one."""
+    containers = _containers(_named("Deployment", "shardline-replica"))
+    (router,) = [c for c in containers.values() if c["command"][1] == "router"]
+    encoding = _parsed(router).kv_events_encoding
+    events = [
+        BlockStored([11, 12], None, list(range(32)), 16, None, "GPU", None),
+        BlockRemoved([12], "GPU"),
+        AllBlocksCleared(),
+    ]
+
+    def read_as_llm_d_0_7(payload: bytes) -> None:
+        decoded = msgspec.msgpack.decode(payload)
+        assert isinstance(decoded, list) and isinstance(decoded[1], list)
+        stored, removed, cleared = decoded[1]
+        for event, tag in ((stored, "BlockStored"), (removed, "BlockRemoved"), (cleared, "AllBlocksCleared")):
+            assert isinstance(event, list) and event[0] == tag, f"{tag} is sent as {event!r}"
+        assert stored[1:5] == [[11, 12], None, list(range(32)), 16]
+        assert removed[1] == [12]
+
+    read_as_llm_d_0_7(encode_batch(msgspec.msgpack.Encoder(), events, encoding, 1.0))
+    with pytest.raises(AssertionError, match="is sent as"):
+        read_as_llm_d_0_7(encode_batch(msgspec.msgpack.Encoder(), events, "map", 1.0))

@@ -144,6 +144,8 @@ def _kv_events(args, replica: Replica, model: str) -> KvEventPublisher | None:
         return None
     served = args.served_model_name[0] if args.served_model_name else model
     topic = topic_of(args.kv_events_topic, args.host, args.http_port, served)
-    events = KvEventPublisher(replica, args.kv_events_endpoint, args.kv_events_replay_endpoint, topic)
+    events = KvEventPublisher(
+        replica, args.kv_events_endpoint, args.kv_events_replay_endpoint, topic, args.kv_events_encoding
+    )
     print(f"router KV events {args.kv_events_endpoint} topic {topic}", flush=True)
     return events

@@ -5,7 +5,9 @@ What goes out is what vLLM's ZmqEventPublisher sends (vllm/distributed/kv_events
 - a ZMQ PUB socket at --kv-events-endpoint sends multipart [topic, seq, payload]: seq counts the
   batches from 0 as 8 bytes big-endian, payload is a msgpack `KVEventBatch` (ts, events,
   data_parallel_rank): the batch a positional array, each event a map tagged with its type under
-  "type" (vLLM's encoding since vllm-project/vllm#42892);
+  "type" (vLLM's encoding since vllm-project/vllm#42892), or with `--kv-events-encoding array` a
+  positional array, its type first (vLLM's before it, which llm-d-kv-cache before its v0.9 and
+  Dynamo's older relays read);
 - a ZMQ ROUTER socket at --kv-events-replay-endpoint answers a REQ client's start seq (8 bytes
   big-endian) with a [seq, payload] message per batch still kept (the last REPLAY_BATCHES) from
   there on, then the end marker [-1 as 8 bytes, b""].
@@ -90,6 +92,25 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+ENCODINGS = ("map", "array")
+
+
+def as_array(event: KVCacheEvent) -> list:
+    """An event as vLLM encoded it before vllm-project/vllm#42892 (`array_like` structs): its type,
+    then its fields in order, the defaults at the end left out."""
+    values = [getattr(event, name) for name in event.__struct_fields__]
+    required = len(event.__struct_fields__) - len(event.__struct_defaults__)
+    while len(values) > required and values[-1] is None:
+        values.pop()
+    return [type(event).__name__, *values]
+
+
+def encode_batch(encoder: msgspec.msgpack.Encoder, events: list[KVCacheEvent], encoding: str, ts: float) -> bytes:
+    if encoding == "array":
+        events = [as_array(e) for e in events]
+    return encoder.encode(KVEventBatch(ts=ts, events=events, data_parallel_rank=0))
+
+
 def external_hash(page_hash: bytes) -> int:
     """A page hash as vLLM sends a block hash by default (`maybe_convert_block_hash`)."""
     return int.from_bytes(page_hash[-8:], "big")
@@ -138,8 +159,10 @@ class KvEventPublisher:
     """`replica`: whose page pool (`replica.pool`) is described. Binds (or, for an address of
     one host, connects, as vLLM does) at once: an endpoint ZMQ refuses stops the router."""
 
-    def __init__(self, replica, endpoint: str, replay_endpoint: str = "", topic: str = ""):
-        self.replica, self.topic = replica, topic.encode()
+    def __init__(self, replica, endpoint: str, replay_endpoint: str = "", topic: str = "", encoding: str = "map"):
+        if encoding not in ENCODINGS:
+            raise ValueError(f"unknown KV event encoding {encoding!r}")
+        self.replica, self.topic, self.encoding = replica, topic.encode(), encoding
         self.seq, self.sent, self.dropped = 0, 0, 0
         self._ctx = zmq.Context()
         self._pub = self._socket(zmq.PUB, endpoint, "--kv-events-endpoint", HWM)
@@ -191,7 +214,7 @@ class KvEventPublisher:
 
     def _send(self, events: list[KVCacheEvent]) -> None:
         seq, self.seq = self.seq, self.seq + 1
-        payload = self._encoder.encode(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0))
+        payload = encode_batch(self._encoder, events, self.encoding, time.time())
         self._kept.append((seq, payload))  # a batch PUB could not send can still be replayed
         self._cleared = isinstance(events[-1], AllBlocksCleared)
         try:
