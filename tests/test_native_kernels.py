@@ -2,6 +2,9 @@
 attention over pages (with q/k norms and rotation), the MLP's silu-and-multiply. The quantized
 linear kernel is checked with the layers in test_quantized.py."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +24,24 @@ def test_the_kernels_build_on_this_machine():
     """The README's setup needs a C++ compiler and builds the kernels; a machine where they do
     not build serves on torch's kernels, and that is a failure here, not a skip (the shard logs why)."""
     assert native.available(), f"Shardline's CPU kernels did not build into {native.build_folder()}"
+
+
+@pytest.mark.processes
+def test_a_build_lock_left_by_a_killed_process_does_not_stop_the_next_start():
+    """torch's build lock is a file every other loader waits on until it is gone; one left by a
+    process killed while loading (an OOM kill of a starting shard) must not hang every later start."""
+    stale = native.build_folder() / "lock"
+    stale.touch()
+    try:
+        loaded = subprocess.run(
+            [sys.executable, "-c", "from shardline.kernels import native; print(native.available())"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        stale.unlink(missing_ok=True)
+    assert loaded.stdout.strip() == "True", loaded.stderr[-2000:]
 
 
 @pytest.fixture

@@ -10,6 +10,8 @@ kernels; `SHARDLINE_NATIVE_KERNELS=0` asks for that (comparisons).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -99,20 +101,37 @@ def _load() -> bool:
     folder = build_folder()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name="shardline_native",
-            sources=[str(f) for f in SOURCES],
-            build_directory=str(folder),
-            extra_cflags=flags(),
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        with _building(folder):
+            cpp_extension.load(
+                name="shardline_native",
+                sources=[str(f) for f in SOURCES],
+                build_directory=str(folder),
+                extra_cflags=flags(),
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as e:  # noqa: BLE001 - any build failure means: use torch's kernels
         log.warning("Shardline's CPU kernels could not be built (%s); using torch's", str(e).splitlines()[0])
         return False
     _register_fakes()
     return True
+
+
+@contextlib.contextmanager
+def _building(folder: Path):
+    """One process at a time loads (and, where the sources changed, builds) the kernels of a
+    folder, under a lock the kernel releases when its holder dies. torch's own lock is a file
+    (`lock`) that every other loader waits on until it is gone: a process killed while loading
+    (an OOM kill, a SIGKILL of a starting server) leaves it behind, and every later start would
+    wait forever. Under this lock nobody else is loading, so such a file is stale: removed."""
+    with open(folder / "build.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            (folder / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def _register_fakes() -> None:
