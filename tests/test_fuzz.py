@@ -9,6 +9,7 @@ import json
 import math
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, event, given, settings
@@ -19,6 +20,7 @@ from tests.support import Server, health_status
 
 pytestmark = pytest.mark.processes  # every test here starts processes
 
+HTTP = httpx.Client()  # one for every request: a client of its own would build a TLS context each time (~30 ms)
 ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE}
 FUZZ = settings(
     max_examples=100,
@@ -233,12 +235,10 @@ def http_bodies(draw, model: str) -> dict:
 @FUZZ
 @given(data=st.data())
 def test_random_http_bodies_get_200_or_a_client_error_in_openais_shape(server, data):
-    import httpx
-
     model = server.stub.Info(pb.InfoRequest()).model
     body = data.draw(http_bodies(model))
     path = "/chat/completions" if "messages" in body else "/completions"
-    response = httpx.post(
+    response = HTTP.post(
         server.http_url + path,
         content=json.dumps(body),
         timeout=120,  # NaN and Infinity too
@@ -262,9 +262,7 @@ def test_random_http_bodies_get_200_or_a_client_error_in_openais_shape(server, d
     | st.sampled_from([b"", b"{", b"null", b"[]", b'{"model": 1e999}', b'{"prompt": "\\ud800"}', b"\xff\xfe"])
 )
 def test_bytes_that_are_not_json_get_400_in_openais_shape(server, raw):
-    import httpx
-
-    response = httpx.post(
+    response = HTTP.post(
         server.http_url + "/completions", content=raw, headers={"content-type": "application/json"}, timeout=60
     )
     assert response.status_code == 400, (raw, response.text)
@@ -335,14 +333,12 @@ def messages_bodies(draw, model: str) -> dict:
 @FUZZ
 @given(data=st.data())
 def test_random_messages_bodies_get_200_or_a_client_error_in_anthropics_shape(server, data):
-    import httpx
-
     model = server.stub.Info(pb.InfoRequest()).model
     body = data.draw(messages_bodies(model))
     path = "/v1/messages"
     if data.draw(st.integers(0, 9)) == 0:  # what counting takes of the same body
         path, body = path + "/count_tokens", {k: v for k, v in body.items() if k in COUNTED}
-    response = httpx.post(
+    response = HTTP.post(
         server.http_url.removesuffix("/v1") + path,
         content=json.dumps(body),
         timeout=120,
@@ -418,11 +414,9 @@ def responses_bodies(draw, model: str) -> dict:
 @FUZZ
 @given(data=st.data())
 def test_random_responses_bodies_get_200_or_a_client_error_in_openais_shape(server, data):
-    import httpx
-
     model = server.stub.Info(pb.InfoRequest()).model
     body = data.draw(responses_bodies(model))
-    response = httpx.post(
+    response = HTTP.post(
         server.http_url + "/responses",
         content=json.dumps(body),
         timeout=120,
