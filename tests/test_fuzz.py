@@ -204,6 +204,24 @@ HTTP_FIELDS = {  # field -> plausible values; any JSON value one time in four
 }
 
 
+def _with_fields(draw, body: dict, fields: dict) -> dict:
+    """`body` with up to five of `fields` (field -> plausible values; any JSON value one time in
+    four) and, one time in ten, a field nobody knows."""
+    for field in draw(st.lists(st.sampled_from(sorted(fields)), max_size=5, unique=True)):
+        body[field] = _pick(draw, fields[field], json_values)
+    if draw(st.integers(0, 9)) == 0:
+        body[draw(text(12))] = draw(json_values)
+    return body
+
+
+def _post(url: str, body: dict) -> httpx.Response:
+    """The body sent (NaN and Infinity too): 200, or a client error; never a 500 or a dropped connection."""
+    response = HTTP.post(url, content=json.dumps(body), timeout=120, headers={"content-type": "application/json"})
+    event(f"HTTP {response.status_code}")
+    assert response.status_code in (200, 400, 404, 413, 429), (response.status_code, body, response.text)
+    return response
+
+
 @st.composite
 def http_bodies(draw, model: str) -> dict:
     chat = draw(st.booleans())
@@ -225,11 +243,7 @@ def http_bodies(draw, model: str) -> dict:
     body["max_tokens"] = _pick(draw, st.integers(1, 8), json_values | st.integers(-5, 2**40))
     if chat and not (isinstance(body["max_tokens"], int) and 1 <= body["max_tokens"] <= 8):
         body["max_completion_tokens"] = 8  # what limits a chat then: open-ended ones run for seconds
-    for field in draw(st.lists(st.sampled_from(sorted(HTTP_FIELDS)), max_size=5, unique=True)):
-        body[field] = _pick(draw, HTTP_FIELDS[field], json_values)
-    if draw(st.integers(0, 9)) == 0:
-        body[draw(text(12))] = draw(json_values)  # a field nobody knows
-    return body
+    return _with_fields(draw, body, HTTP_FIELDS)
 
 
 @FUZZ
@@ -238,14 +252,7 @@ def test_random_http_bodies_get_200_or_a_client_error_in_openais_shape(server, d
     model = server.stub.Info(pb.InfoRequest()).model
     body = data.draw(http_bodies(model))
     path = "/chat/completions" if "messages" in body else "/completions"
-    response = HTTP.post(
-        server.http_url + path,
-        content=json.dumps(body),
-        timeout=120,  # NaN and Infinity too
-        headers={"content-type": "application/json"},
-    )
-    event(f"HTTP {response.status_code}")
-    assert response.status_code in (200, 400, 404, 413, 429), (response.status_code, body, response.text)
+    response = _post(server.http_url + path, body)
     if response.status_code != 200:
         error = response.json()["error"]
         assert error["message"] and error["type"], error
@@ -323,11 +330,7 @@ def messages_bodies(draw, model: str) -> dict:
         draw, st.lists(plausible, min_size=1, max_size=2), st.lists(anything, min_size=1, max_size=3) | json_values
     )
     body["max_tokens"] = _pick(draw, st.integers(1, 8), short_or_wrong | st.integers(-5, 0))
-    for field in draw(st.lists(st.sampled_from(sorted(MESSAGES_FIELDS)), max_size=5, unique=True)):
-        body[field] = _pick(draw, MESSAGES_FIELDS[field], json_values)
-    if draw(st.integers(0, 9)) == 0:
-        body[draw(text(12))] = draw(json_values)  # a field nobody knows
-    return body
+    return _with_fields(draw, body, MESSAGES_FIELDS)
 
 
 @FUZZ
@@ -338,14 +341,7 @@ def test_random_messages_bodies_get_200_or_a_client_error_in_anthropics_shape(se
     path = "/v1/messages"
     if data.draw(st.integers(0, 9)) == 0:  # what counting takes of the same body
         path, body = path + "/count_tokens", {k: v for k, v in body.items() if k in COUNTED}
-    response = HTTP.post(
-        server.http_url.removesuffix("/v1") + path,
-        content=json.dumps(body),
-        timeout=120,
-        headers={"content-type": "application/json"},
-    )
-    event(f"HTTP {response.status_code}")
-    assert response.status_code in (200, 400, 404, 413, 429), (response.status_code, body, response.text)
+    response = _post(server.http_url.removesuffix("/v1") + path, body)
     if response.status_code != 200:
         answer = response.json()
         assert answer["type"] == "error" and answer["error"]["message"] and answer["error"]["type"], answer
@@ -404,11 +400,7 @@ def responses_bodies(draw, model: str) -> dict:
     )
     body["input"] = _pick(draw, plausible, st.lists(ITEMS, min_size=1, max_size=3) | json_values)
     body["max_output_tokens"] = _pick(draw, st.integers(1, 8), short_or_wrong | st.integers(-5, 0))
-    for field in draw(st.lists(st.sampled_from(sorted(RESPONSES_FIELDS)), max_size=5, unique=True)):
-        body[field] = _pick(draw, RESPONSES_FIELDS[field], json_values)
-    if draw(st.integers(0, 9)) == 0:
-        body[draw(text(12))] = draw(json_values)  # a field nobody knows
-    return body
+    return _with_fields(draw, body, RESPONSES_FIELDS)
 
 
 @FUZZ
@@ -416,14 +408,7 @@ def responses_bodies(draw, model: str) -> dict:
 def test_random_responses_bodies_get_200_or_a_client_error_in_openais_shape(server, data):
     model = server.stub.Info(pb.InfoRequest()).model
     body = data.draw(responses_bodies(model))
-    response = HTTP.post(
-        server.http_url + "/responses",
-        content=json.dumps(body),
-        timeout=120,
-        headers={"content-type": "application/json"},
-    )
-    event(f"HTTP {response.status_code}")
-    assert response.status_code in (200, 400, 404, 413, 429), (response.status_code, body, response.text)
+    response = _post(server.http_url + "/responses", body)
     if response.status_code != 200:
         error = response.json()["error"]
         assert error["message"] and error["type"], error
