@@ -67,8 +67,13 @@ def wait(what: str, ready, timeout: float) -> None:
 
 
 def healthy(service: str) -> bool:
-    done = run("docker", "inspect", "-f", "{{.State.Health.Status}}", container(service), check=False)
-    return done.stdout.strip() == "healthy"
+    """Whether the service's health check passes; stops the check where Docker has given up on it
+    (its retries spent), with the end of its log."""
+    status = run("docker", "inspect", "-f", "{{.State.Health.Status}}", container(service), check=False).stdout.strip()
+    if status == "unhealthy":
+        logs = run("docker", "logs", "--tail", "20", container(service), check=False)
+        raise SystemExit(f"{service} is unhealthy; its log ends:\n{logs.stdout}{logs.stderr}")
+    return status == "healthy"
 
 
 def base_image(asked: str | None) -> str:
