@@ -1,7 +1,7 @@
 """docker-compose.yml for real: builds the image, starts Shardline's services in containers and
 checks them from outside, the way a user would, timing each step.
 
-    python3 deploy/compose_check.py [--base IMAGE] [--torch-wheel FILE] [--ca-bundle FILE]
+    python3 deploy/compose_check.py [--base IMAGE] [--torch-wheel FILE] [--ca-bundle FILE] [--compose-file FILE]
 
 Needs a Docker daemon and `docker-compose` (Debian: `apt-get install docker.io docker-compose
 debootstrap`, then `dockerd &`); Python's standard library only. Steps:
@@ -9,14 +9,16 @@ debootstrap`, then `dockerd &`); Python's standard library only. Steps:
    by `debootstrap` and `docker import` (kept as shardline-base:bookworm);
 2. `shardline:cpu` built with the torch wheel and CA bundle given (or found on this machine);
 3. `docker-compose up` of the certificates, two shards, two routers and the gateway (the
-   Collector, Jaeger, Prometheus and Grafana come from a registry and are left out), until the
-   gateway is healthy;
+   Collector, Jaeger, Prometheus and Grafana come from a registry and are left out, so an override
+   turns tracing off: no service logs export errors), until the gateway is healthy;
 4. a streamed chat completion through the gateway, over TLS with an API key; a request without a
    key refused (401);
 5. `docker kill` of replica 0's router: the next requests are served by replica 1;
 6. replica 1's router crashes (its process SIGKILLed from the host, as an OOM kill would): the
    restart policy brings it back and it serves again;
-7. `docker-compose down -v` leaves no container, network or volume behind.
+7. no service logged a traceback or a failed span export;
+8. `docker-compose down -v` leaves no container, network or volume behind.
+--compose-file checks another file (a broken copy, say) with the repository as its project directory.
 Exits 1 at the first step that fails, with what it saw.
 """
 
@@ -50,8 +52,15 @@ def run(*cmd: str, check: bool = True, timeout: float = 1800, **kw) -> subproces
     return done
 
 
+# The services checked run without the Collector: tracing off, or every span batch logs an error.
+UNTRACED = {"services": {name: {"environment": {"OTEL_SDK_DISABLED": "true"}} for name in SERVICES[1:]}}
+LOGGED_ERRORS = ("Traceback", "Failed to export", "while exporting")  # a crash; the OTLP exporter's complaints
+FILES: list[str] = []  # the compose file and the override, set by main
+
+
 def compose(*args: str, **kw) -> subprocess.CompletedProcess:
-    return run("docker-compose", "-p", PROJECT, *args, cwd=ROOT, **kw)
+    files = [a for f in FILES for a in ("-f", f)]
+    return run("docker-compose", "-p", PROJECT, "--project-directory", str(ROOT), *files, *args, cwd=ROOT, **kw)
 
 
 def container(service: str) -> str:
@@ -143,6 +152,7 @@ def main() -> int:
     p.add_argument("--torch-wheel", default=wheels[0] if wheels else None, help="a local torch wheel")
     bundle = "/etc/ssl/certs/ca-certificates.crt"
     p.add_argument("--ca-bundle", default=bundle if os.path.exists(bundle) else None, help="CA bundle pip trusts")
+    p.add_argument("--compose-file", default=str(ROOT / "docker-compose.yml"), help="the compose file to check")
     args = p.parse_args()
     timings: dict[str, float] = {}
 
@@ -161,6 +171,10 @@ def main() -> int:
         keys.write_text(f"{secrets.token_hex(24)} check\n")
         made_keys = True
     key = next(line.split()[0] for line in keys.read_text().splitlines() if line.strip() and line[0] != "#")
+    override = tempfile.NamedTemporaryFile("w", suffix=".yml", delete=False)
+    json.dump(UNTRACED, override)  # JSON is YAML
+    override.close()
+    FILES[:] = [str(Path(args.compose_file).resolve()), override.name]
     try:
         step(
             "up until the gateway is healthy",
@@ -198,8 +212,13 @@ def main() -> int:
                 chat(key, context),
             ),
         )
+        logs = compose("logs", "--no-color", *SERVICES).stdout
+        bad = [line for line in logs.splitlines() if any(sign in line for sign in LOGGED_ERRORS)]
+        if bad:
+            raise SystemExit("services logged errors:\n" + "\n".join(bad[:20]))
     finally:
         step("down -v", lambda: compose("down", "-v", "--remove-orphans"))
+        os.unlink(override.name)
         if made_keys:
             keys.unlink()
     listings = (
