@@ -81,7 +81,11 @@ def healthy(service: str) -> bool:
     status = run("docker", "inspect", "-f", "{{.State.Health.Status}}", container(service), check=False).stdout.strip()
     if status == "unhealthy":
         logs = run("docker", "logs", "--tail", "20", container(service), check=False)
-        raise SystemExit(f"{service} is unhealthy; its log ends:\n{logs.stdout}{logs.stderr}")
+        checks = run("docker", "inspect", "-f", "{{json .State.Health.Log}}", container(service), check=False)
+        raise SystemExit(
+            f"{service} is unhealthy; its last health checks:\n{checks.stdout[-1500:]}\n"
+            f"its log ends:\n{logs.stdout}{logs.stderr}"
+        )
     return status == "healthy"
 
 
