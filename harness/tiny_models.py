@@ -38,6 +38,45 @@ TINY_CONFIGS = {
         head_dim=32,
         tie_word_embeddings=False,
     ),
+    # Mixtures of experts: 8 experts of 32 units (16 per TP rank), 2 per token; Qwen3-MoE with a
+    # dense layer among its sparse ones, Qwen2-MoE with a shared expert and unnormalized weights.
+    "qwen3_moe": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+    ),
+    "mixtral": dict(
+        hidden_size=64,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ),
+    "qwen2_moe": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -65,6 +104,9 @@ def make_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     }[arch]
     tok = smollm2_tokenizer()
     config = cls[0](

@@ -37,31 +37,49 @@ def _serve(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture
-def moe_folder(tiny_models, tmp_path):
-    """A Qwen3-MoE checkpoint as far as its config says (the check reads nothing else)."""
-    folder = tmp_path / "Qwen3-MoE-tiny"
+def unknown_folder(tiny_models, tmp_path):
+    """A checkpoint of an architecture Shardline has no model code for, as far as its config says
+    (the check reads nothing else)."""
+    folder = tmp_path / "OLMoE-tiny"
     shutil.copytree(tiny_models["qwen3"], folder)
     config = json.loads((folder / "config.json").read_text())
-    config.update(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    config.update(model_type="olmoe", num_experts=8, num_experts_per_tok=2)
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
 
-@pytest.mark.processes
-def test_a_mixture_of_experts_is_refused_once_with_status_2_by_serve_and_by_a_shard(moe_folder):
-    t0 = time.monotonic()
-    done = _serve("--model", str(moe_folder))
-    assert done.returncode == REFUSED, done.stderr
-    assert "mixture of experts ('qwen3_moe') is not served" in done.stderr
-    assert "restart" not in done.stderr and time.monotonic() - t0 < 30  # refused, not retried
-    shard = subprocess.run(
-        [sys.executable, "-m", "shardline.cli", "shard", "--model", str(moe_folder), "--listen", "unix:/tmp/x"],
+def _shard(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "shardline.cli", "shard", *args, "--listen", "unix:/tmp/x"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert shard.returncode == REFUSED and "mixture of experts" in shard.stderr, shard.stderr
+
+
+@pytest.mark.processes
+def test_an_unknown_architecture_is_refused_once_with_status_2_by_serve_and_by_a_shard(unknown_folder):
+    t0 = time.monotonic()
+    done = _serve("--model", str(unknown_folder))
+    assert done.returncode == REFUSED, done.stderr
+    assert "the architecture 'olmoe' is not served" in done.stderr
+    assert "restart" not in done.stderr and time.monotonic() - t0 < 30  # refused, not retried
+    shard = _shard("--model", str(unknown_folder))
+    assert shard.returncode == REFUSED and "'olmoe' is not served" in shard.stderr, shard.stderr
+
+
+@pytest.mark.processes
+def test_a_config_its_checkpoint_does_not_match_is_refused_not_restarted(tiny_models, tmp_path):
+    """A mixture's config over a dense model's tensors: the missing tensors named, status 2."""
+    folder = tmp_path / "Qwen3-MoE-no-experts"
+    shutil.copytree(tiny_models["qwen3"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    (folder / "config.json").write_text(json.dumps(config))
+    shard = _shard("--model", str(folder), "--weights", "dequantized")
+    assert shard.returncode == REFUSED, shard.stderr
+    assert "the checkpoint has no model.layers.0.mlp.gate.weight" in shard.stderr
 
 
 @pytest.mark.processes

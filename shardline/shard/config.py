@@ -9,7 +9,11 @@ from pathlib import Path
 
 @dataclass
 class ModelConfig:
-    """Llama-family decoder: Llama 2/3, SmolLM2, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm)."""
+    """Llama-family decoder: Llama 2/3, SmolLM2, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm), and their
+    mixtures of experts: Mixtral (`llama` with experts), Qwen2-MoE (shared expert) and Qwen3-MoE.
+
+    A mixture's layers are sparse (`num_experts` MLPs of `expert_intermediate_size`, a token's
+    `experts_per_token` picked by a router) but for `dense_layers` (an MLP of `intermediate_size`)."""
 
     architecture: str
     vocab_size: int
@@ -27,13 +31,29 @@ class ModelConfig:
     qk_norm: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's expert every token takes, gated by a sigmoid
+    norm_topk_prob: bool = True  # the picked experts' weights renormalized to sum to 1
+    dense_layers: list[int] = field(default_factory=list)
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def active_intermediate_size(self) -> int:
+        """The MLP units a token runs through in a sparse layer (or the dense MLP's)."""
+        if not self.num_experts:
+            return self.intermediate_size
+        return self.experts_per_token * self.expert_intermediate_size + self.shared_expert_intermediate_size
 
     @property
     def attention_pair_cost(self) -> float:
         """One attention pair's multiply-adds (q·k and p·v over every head for a new token and one
         token it sees) over one token's through the weights of a layer."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        weights = self.hidden_size * (2 * q + 2 * kv + 3 * self.intermediate_size)
+        weights = self.hidden_size * (2 * q + 2 * kv + 3 * self.active_intermediate_size)
         return 2 * q / weights
 
     @classmethod
@@ -46,12 +66,16 @@ class ModelConfig:
         heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         eos = [eos] if isinstance(eos, int) else list(eos or [])
+        experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
+        layers = raw["num_hidden_layers"]
+        step = raw.get("decoder_sparse_step") or 1
+        dense = [i for i in range(layers) if i in (raw.get("mlp_only_layers") or []) or (i + 1) % step]
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads", heads),
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
@@ -59,10 +83,16 @@ class ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            qkv_bias=arch == "qwen2" or raw.get("attention_bias", False),
-            qk_norm=arch == "qwen3",
+            qkv_bias=arch in ("qwen2", "qwen2_moe") or raw.get("attention_bias", False),
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             eos_token_ids=eos,
             name=raw.get("_name_or_path") or path.name,
+            num_experts=experts,
+            experts_per_token=raw.get("num_experts_per_tok", 0) if experts else 0,
+            expert_intermediate_size=(raw.get("moe_intermediate_size") or raw["intermediate_size"]) if experts else 0,
+            shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0) if experts else 0,
+            norm_topk_prob=raw.get("norm_topk_prob", arch == "mixtral"),
+            dense_layers=dense if experts else [],
         )
 
     @classmethod
@@ -72,18 +102,20 @@ class ModelConfig:
             return f.contents() if f is not None else default
 
         arch = field_value("general.architecture")
-        if arch not in ("llama", "qwen2", "qwen3"):
+        if arch not in ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe"):
             raise ValueError(f"GGUF architecture {arch!r} is not supported")
         tensors = {t.name for t in reader.tensors}
         hidden = field_value(f"{arch}.embedding_length")
         heads = field_value(f"{arch}.attention.head_count")
         eos = field_value("tokenizer.ggml.eos_token_id")
+        layers = field_value(f"{arch}.block_count")
+        experts = field_value(f"{arch}.expert_count", 0)
         return cls(
             architecture=arch,
             vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
             hidden_size=hidden,
             intermediate_size=field_value(f"{arch}.feed_forward_length"),
-            num_layers=field_value(f"{arch}.block_count"),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=field_value(f"{arch}.attention.head_count_kv", heads),
             head_dim=field_value(f"{arch}.attention.key_length", hidden // heads),
@@ -95,6 +127,18 @@ class ModelConfig:
             qk_norm="blk.0.attn_q_norm.weight" in tensors,
             eos_token_ids=[] if eos is None else [int(eos)],
             name=name,
+            num_experts=experts,
+            experts_per_token=field_value(f"{arch}.expert_used_count", 0) if experts else 0,
+            # Mixtral's experts are as wide as its feed_forward_length says; Qwen's say their own
+            expert_intermediate_size=(
+                field_value(f"{arch}.expert_feed_forward_length") or field_value(f"{arch}.feed_forward_length")
+            )
+            if experts
+            else 0,
+            shared_expert_intermediate_size=field_value(f"{arch}.expert_shared_feed_forward_length", 0),
+            # as llama.cpp reads each: Qwen2-MoE's weights are the softmax's, the others' renormalized
+            norm_topk_prob=bool(field_value(f"{arch}.expert_weights_norm", arch != "qwen2moe")),
+            dense_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors] if experts else [],
         )
 
     def to_json(self) -> str:

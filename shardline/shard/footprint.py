@@ -1,8 +1,8 @@
 """What serving a model takes, known before a byte of its weights is read: whether Shardline serves
 it at all, and the memory each shard needs against what the machine (or its container) has.
 
-A model Shardline does not serve (an architecture it has no model code for, a mixture of experts)
-or one that does not fit raises `Unservable`; the shard and `shardline serve` then exit with
+A model Shardline does not serve (an architecture it has no model code for) or one that does not
+fit raises `Unservable`; the shard and `shardline serve` then exit with
 status 2 and the message, once, and the launcher does not start the shards again.
 
 A shard's memory, from the file's header and the flags (torch-free: the launcher checks every
@@ -30,7 +30,9 @@ from shardline.common.model_source import ModelSource
 from shardline.shard.config import ModelConfig
 from shardline.shard.layout import layer_range
 
-SERVED = ("llama", "qwen2", "qwen3")  # architectures (HF model_type, GGUF general.architecture)
+# architectures: Hugging Face model_type, GGUF general.architecture (Mixtral's is llama's)
+SERVED = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+SERVED_GGUF = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}  # GGUF types whose blocks int4 holds exactly
 FLOAT = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -48,8 +50,10 @@ LOADER_BYTES = 64 << 20  # and what reading brings in besides: the gguf package'
 # beyond the caches (kernels/quantized.py's COLD_BYTES, ours and torch's) and torch's of the layer
 MEASURING_BYTES = 2 * (16 << 20)
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-_HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+_AS_GGUF = dict(zip(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), LINEARS))
+_AS_GGUF |= {"w1": "ffn_gate", "w3": "ffn_up", "w2": "ffn_down"}  # Mixtral's experts
+# a mixture's experts (3-D: every expert's in one) and shared expert, held as the dense MLP's are
+EXPERT_LINEARS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 
 
 REFUSED = 2  # the exit status of a process that refuses to serve its model
@@ -100,12 +104,8 @@ def read_model(source: ModelSource) -> tuple[ModelConfig, list[Tensor]]:
         return ModelConfig(**kept["config"]), [Tensor(n, p, k, tuple(d), o) for n, p, k, d, o in kept["tensors"]]
     raw = json.loads((source.path / "config.json").read_text())
     arch = raw.get("model_type", "llama")
-    if arch not in SERVED or any(raw.get(k) for k in _MOE_KEYS):
-        what = "a mixture of experts" if any(raw.get(k) for k in _MOE_KEYS) or "moe" in arch else "an architecture"
-        raise Unservable(
-            f"{source.path.name}: {what} ({arch!r}) is not served; Shardline serves the dense decoders "
-            f"{', '.join(SERVED)}"
-        )
+    if arch not in SERVED:
+        raise Unservable(f"{source.path.name}: the architecture {arch!r} is not served ({', '.join(SERVED)} are)")
     try:
         cfg = ModelConfig.from_hf(source.path)
     except (KeyError, ValueError) as e:
@@ -113,7 +113,7 @@ def read_model(source: ModelSource) -> tuple[ModelConfig, list[Tensor]]:
     return cfg, _safetensors_tensors(source.path)
 
 
-HEADER_VERSION = 2  # what a kept header holds: a new version is read from the file again
+HEADER_VERSION = 3  # what a kept header holds: a new version is read from the file again
 
 
 def _read_gguf_header(source: ModelSource) -> tuple[ModelConfig, list[tuple]]:
@@ -121,8 +121,8 @@ def _read_gguf_header(source: ModelSource) -> tuple[ModelConfig, list[tuple]]:
 
     reader = GGUFReader(str(source.path))
     arch = reader.fields["general.architecture"].contents()
-    if arch not in SERVED:
-        raise Unservable(f"{source.path.name}: the architecture {arch!r} is not served ({', '.join(SERVED)} are)")
+    if arch not in SERVED_GGUF:
+        raise Unservable(f"{source.path.name}: the architecture {arch!r} is not served ({', '.join(SERVED_GGUF)} are)")
     return ModelConfig.from_gguf(reader, source.name), [
         (t.name, int(t.n_elements), t.tensor_type.name, [int(d) for d in t.shape], int(t.data_offset))
         for t in reader.tensors
@@ -149,13 +149,19 @@ def _gguf_name(hf: str) -> str:
     names them, its other tensors as blk.3.<their name>, the embedding and LM head as GGUF's."""
     parts = hf.split(".")
     if len(parts) >= 5 and parts[:2] == ["model", "layers"]:
-        part = LINEARS[_HF_LINEARS.index(parts[-2])] if parts[-2] in _HF_LINEARS else "_".join(parts[3:-1])
+        part = _AS_GGUF[parts[-2]] if parts[-2] in _AS_GGUF else "_".join(parts[3:-1])
         return f"blk.{parts[2]}.{part}.{parts[-1]}"
     return {"lm_head.weight": "output.weight", "model.embed_tokens.weight": "token_embd.weight"}.get(hf, hf)
 
 
 # The linears a layer serves fused: their tensors are held at one width, that of the widest.
 FUSED = {"attn_q": "wqkv", "attn_k": "wqkv", "attn_v": "wqkv", "ffn_gate": "w13", "ffn_up": "w13"}
+FUSED |= {f"ffn_{p}_{x}": f"w13_{x}" for p in ("gate", "up") for x in ("exps", "shexp")}
+
+
+def _in_w13(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) == 4 and FUSED.get(parts[2], "").startswith("w13")
 
 
 def _bits(kinds: set[str], layer: str, weights: str, quantize: str) -> int | str | None:
@@ -207,7 +213,7 @@ def shard_footprint(
         if parts[0] == "blk":
             if int(parts[1]) not in layers:
                 continue
-            if parts[2] in LINEARS and parts[-1] == "weight":
+            if parts[2] in LINEARS + EXPERT_LINEARS and parts[-1] == "weight":
                 group = [p for p, f in FUSED.items() if f == FUSED.get(parts[2])] or [parts[2]]
                 kinds = {
                     by_name[f"blk.{parts[1]}.{p}.weight"].kind for p in group if f"blk.{parts[1]}.{p}.weight" in by_name
@@ -228,8 +234,8 @@ def shard_footprint(
             held += t.params * DTYPE_BYTES[dtype]
     logits = 2 * max_batch * cfg.vocab_size * 4 if samples else 0
     if streamed:  # a layer at a time, a slice of rows at a time, beside what is made
-        largest = max(
-            (t.params * (2 if t.name.endswith(("ffn_gate.weight", "ffn_up.weight")) else 1) for t in tensors),
+        largest = max(  # an expert's: the loader makes them one at a time
+            (t.params // (t.dims[2] if len(t.dims) == 3 else 1) * (2 if _in_w13(t.name) else 1) for t in tensors),
             default=0,
         )
         making = (MAKING_BYTES + INT4_BYTES) * largest + MEASURING_BYTES

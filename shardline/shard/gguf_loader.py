@@ -35,8 +35,8 @@ from shardline.kernels.quantized import QuantizedEmbedding, QuantizedLinear, Tie
 from shardline.kernels.stacked import StackedLinear
 from shardline.shard.footprint import Tensor, Unservable, read_model
 from shardline.shard.layout import Layout, layer_range
-from shardline.shard.model import Rotary, Transformer, uninitialized
-from shardline.shard.parallel import keep_stage, tp_slice
+from shardline.shard.model import MLP, MoE, Rotary, Transformer, uninitialized
+from shardline.shard.parallel import keep_stage, mlp_units, tp_slice
 
 log = logging.getLogger(__name__)
 FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}
@@ -58,16 +58,21 @@ class _Stored:
         data = file[self.offset : self.offset + self.n_bytes]
         if self.kind in ("F32", "F16"):
             data = data.view(np.float32 if self.kind == "F32" else np.float16)
-        self.data = data.reshape(tuple(reversed(self.dims))) if self.kind in ("F32", "F16") else data.reshape(rows, -1)
+        if self.kind not in ("F32", "F16"):
+            self.data = data.reshape(rows, -1)
+        else:  # a vector as it is; a matrix (or every expert's, one above the other) as rows
+            self.data = data.reshape(rows, self.dims[0]) if len(self.dims) > 1 else data
 
 
 class _Part:
     """Rows (and columns) of one GGUF tensor that go into a layer: `rows` index the tensor's rows
-    as the model orders them (llama.cpp's Q/K rows are permuted for its RoPE: undone here)."""
+    as the model orders them (llama.cpp's Q/K rows are permuted for its RoPE: undone here). A 3-D
+    tensor of experts is its experts' rows one above the other."""
 
     def __init__(self, tensor: _Stored, rows: np.ndarray | None = None, cols: range | None = None):
         self.tensor, self.kind = tensor, tensor.kind
-        self.n, self.k = (tensor.dims[1], tensor.dims[0]) if len(tensor.dims) == 2 else (tensor.dims[0], 1)
+        dims = tensor.dims
+        self.n, self.k = (int(np.prod(dims[1:])), dims[0]) if len(dims) > 1 else (dims[0], 1)
         self.rows = np.arange(self.n) if rows is None else rows
         self.cols = range(self.k) if cols is None else cols
 
@@ -222,7 +227,8 @@ class GgufLoader:
     def _part(self, name: str, rows: np.ndarray | None = None, cols: range | None = None) -> _Part:
         if name not in self.tensors:
             raise Unservable(f"{self.name} has no tensor {name}, which a {self.cfg.architecture} layer needs")
-        self._read.append(self.tensors[name])
+        if self.tensors[name] not in self._read:
+            self._read.append(self.tensors[name])
         return _Part(self.tensors[name], rows, cols)
 
     def _read_ahead(self, prefix: str) -> None:
@@ -313,11 +319,10 @@ class GgufLoader:
                 )
             attn.wqkv = self._linear(qkv, bias)
             attn.wo = self._linear([self._part(p + "attn_output.weight", cols=range(q_rows[0], q_rows[-1] + 1))])
-            mlp = block.mlp
-            mlp.w13 = self._linear(
-                [self._part(p + "ffn_gate.weight", unit_rows), self._part(p + "ffn_up.weight", unit_rows)]
-            )
-            mlp.w2 = self._linear([self._part(p + "ffn_down.weight", cols=units)])
+            if isinstance(block.mlp, MoE):
+                self._moe(p, block.mlp)
+            else:
+                self._mlp(block.mlp, p + "ffn_{}.weight", unit_rows, units)
             self._release()
         tied = "output.weight" not in self.tensors
         if model.lm_head is not None:  # the sampling shard
@@ -335,6 +340,30 @@ class GgufLoader:
         del self.file, self.tensors  # the file's mapping goes with them
         log.info("read %s's weights into the serving layout in %.1f s", cfg.name, time.perf_counter() - t0)
         return model.eval().requires_grad_(False)
+
+    def _mlp(self, mlp: MLP, names: str, rows: np.ndarray, units: range, expert: int = 0) -> None:
+        """An MLP from the tensors `names`.format(gate|up|down): rows `rows` of gate's and up's,
+        columns `units` of down's; `expert`'s of 3-D ones."""
+        gate, up, down = (self._part(names.format(kind)) for kind in ("gate", "up", "down"))
+        at = expert * (gate.n // max(1, self.cfg.num_experts))
+        mlp.w13 = self._linear([self._part(names.format(kind), at + rows) for kind in ("gate", "up")])
+        out = expert * (down.n // max(1, self.cfg.num_experts))
+        mlp.w2 = self._linear([self._part(names.format("down"), np.arange(out, out + self.cfg.hidden_size), units)])
+
+    def _moe(self, p: str, moe: MoE) -> None:
+        """A sparse layer: its router whole, and this TP rank's units of every expert (of the
+        shared expert too), each expert's blocks read from the 3-D tensors as a layer of its own."""
+        moe.gate = self._linear([self._part(p + "ffn_gate_inp.weight")])
+        units = mlp_units(self.cfg.expert_intermediate_size, self.layout)
+        for e, expert in enumerate(moe.experts):
+            self._mlp(expert, p + "ffn_{}_exps.weight", np.arange(units.start, units.stop), units, e)
+        if moe.shared is not None:
+            shared = mlp_units(self.cfg.shared_expert_intermediate_size, self.layout)
+            self._mlp(moe.shared, p + "ffn_{}_shexp.weight", np.arange(shared.start, shared.stop), shared)
+            # a vector in the file ({n_embd}), a one-row layer in the model
+            moe.shared_gate = nn.Linear(self.cfg.hidden_size, 1, bias=False, device="cpu", dtype=self.dtype)
+            moe.shared_gate.weight.data = self._dense(p + "ffn_gate_inp_shexp.weight").reshape(1, -1)
+            moe.shared_gate.requires_grad_(False)
 
     def _embedding(self, model: Transformer, tied: bool) -> nn.Module:
         part = self._part("token_embd.weight")

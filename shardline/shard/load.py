@@ -158,6 +158,10 @@ def load_shard(args) -> LoadedShard:
         model.cfg.num_layers,
         time.perf_counter() - t0,
     )
+    if decode_graphs and full.num_experts:
+        # which experts a step runs is known only once its router has run: no graph to replay
+        log.info("a mixture of experts decodes without decode graphs")
+        decode_graphs = False
     kv_dtype = kv_dtype_for(args.kv_dtype, model, dtype)
     per_page = bytes_per_page(model.cfg, args.page_size, kv_dtype)
     info = shard_pb2.ShardInfo(

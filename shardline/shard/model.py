@@ -1,4 +1,5 @@
-"""A Llama-family decoder as a plain torch module (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3).
+"""A Llama-family decoder as a plain torch module (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, and the
+mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE).
 
 The forward pass takes a flat batch of tokens from any number of sequences; where their K/V lives
 is described by an `AttentionBatch`. It returns hidden states: the caller picks the positions it
@@ -92,23 +93,68 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.w13 = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.w13(x).chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 
-class Block(nn.Module):
+class MoE(nn.Module):
+    """A sparse MLP: the router (`gate`) scores every expert per token, the `top_k` best run on it
+    and their outputs are summed, weighted by the softmax of the scores (renormalized over the
+    picked ones where `norm_topk_prob`); a `shared` expert, where there is one, runs on every
+    token, weighted by a sigmoid of its own gate.
+
+    Rows are grouped by expert, so each expert multiplies all of its rows at once (a decode step
+    of 16 streams with 8 of 64 experts each: some 60 experts of about 2 rows, not 128 products of
+    one row); experts go in ascending order, as the reference sums them."""
+
     def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.experts_per_token, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.expert_intermediate_size) for _ in range(cfg.num_experts))
+        shared = cfg.shared_expert_intermediate_size
+        self.shared = MLP(cfg.hidden_size, shared) if shared else None
+        self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> each token's experts [T, top_k] and their weights [T, top_k] (x's dtype)."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(x.dtype)
+
+    def forward(self, x):
+        experts, weights = self.route(x)
+        out = torch.zeros_like(x)
+        picks = experts.flatten()
+        order = torch.argsort(picks, stable=True)  # (token, choice) pairs, grouped by expert
+        tokens, weights = order // self.top_k, weights.flatten()[order]
+        start = 0
+        for expert, count in enumerate(torch.bincount(picks, minlength=len(self.experts)).tolist()):
+            if count:
+                rows = tokens[start : start + count]
+                y = self.experts[expert](x.index_select(0, rows)) * weights[start : start + count, None]
+                out.index_add_(0, rows, y)
+                start += count
+        if self.shared is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.is_sparse(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, cos_sin, k_pages, v_pages, batch):
         x = x + self.attn(self.attn_norm(x), cos_sin, k_pages, v_pages, batch)
@@ -120,7 +166,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position)

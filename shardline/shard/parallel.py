@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardline.shard.layout import Layout, layer_range
-from shardline.shard.model import Transformer
+from shardline.shard.model import MLP, MoE, Transformer
 
 
 def init_distributed(layout: Layout, init_method: str, device: torch.device):
@@ -85,18 +85,34 @@ def tp_slice(cfg, layout: Layout) -> tuple[range, range, range]:
     return q_heads, kv, layer_range(cfg.intermediate_size, layout.tp_rank, layout.tp)
 
 
+def mlp_units(size: int, layout: Layout) -> range:
+    """This TP rank's units of an MLP `size` wide (a dense layer's, an expert's, the shared expert's)."""
+    return layer_range(size, layout.tp_rank, layout.tp)
+
+
+def _split_mlp(mlp: MLP, units: range) -> None:
+    inter = mlp.w2.weight.shape[1]
+    gate = _rows(mlp.w13.weight, units.start, len(units))
+    up = _rows(mlp.w13.weight, inter + units.start, len(units))
+    mlp.w13.weight = nn.Parameter(torch.cat([gate, up]), requires_grad=False)
+    mlp.w2.weight = nn.Parameter(_cols(mlp.w2.weight, units.start, len(units)), requires_grad=False)
+
+
 def shard_tensor_parallel(model: Transformer, layout: Layout, group) -> None:
     """Splits attention heads and the MLP across the stage's TP ranks, in place.
 
     wqkv and w13 are split by output rows (column parallel), wo and w2 by input columns (row
-    parallel) followed by an all-reduce of their outputs. The LM head stays whole on the one
-    shard that samples: it then needs no collective per step, which on gloo costs more than the
-    replicated weights save.
+    parallel) followed by an all-reduce of their outputs. A mixture of experts splits every
+    expert's units alike (and the shared expert's), its router whole on every rank: each rank
+    sums its part of every picked expert's output, and one all-reduce of the sum per layer adds
+    them up, as one of w2's does in a dense layer. The LM head stays whole on the one shard that
+    samples: it then needs no collective per step, which on gloo costs more than the replicated
+    weights save.
     """
     tp, cfg = layout.tp, model.cfg
     if tp == 1:
         return
-    hd, inter = cfg.head_dim, cfg.intermediate_size
+    hd = cfg.head_dim
     q_heads, kv, units = tp_slice(cfg, layout)
     q_size, kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
 
@@ -115,10 +131,13 @@ def shard_tensor_parallel(model: Transformer, layout: Layout, group) -> None:
         if attn.wqkv.bias is not None:
             attn.wqkv.bias = nn.Parameter(split_qkv(attn.wqkv.bias), requires_grad=False)
         attn.wo.weight = nn.Parameter(_cols(attn.wo.weight, q_heads.start * hd, len(q_heads) * hd), requires_grad=False)
-        gate = _rows(mlp.w13.weight, units.start, len(units))
-        up = _rows(mlp.w13.weight, inter + units.start, len(units))
-        mlp.w13.weight = nn.Parameter(torch.cat([gate, up]), requires_grad=False)
-        mlp.w2.weight = nn.Parameter(_cols(mlp.w2.weight, units.start, len(units)), requires_grad=False)
+        if isinstance(mlp, MoE):
+            for expert in mlp.experts:
+                _split_mlp(expert, mlp_units(cfg.expert_intermediate_size, layout))
+            if mlp.shared is not None:
+                _split_mlp(mlp.shared, mlp_units(cfg.shared_expert_intermediate_size, layout))
+        else:
+            _split_mlp(mlp, units)
     connect_tensor_parallel(model, layout, group)
 
 
@@ -130,9 +149,17 @@ def connect_tensor_parallel(model: Transformer, layout: Layout, group) -> None:
         dist.all_reduce(output, group=group)
         return output
 
-    q_heads, kv, units = tp_slice(model.cfg, layout)
+    cfg = model.cfg
+    q_heads, kv, units = tp_slice(cfg, layout)
     for block in model.layers:
         block.attn.num_heads, block.attn.num_kv_heads = len(q_heads), len(kv)
         block.attn.wo.register_forward_hook(all_reduce)
-        block.mlp.w2.register_forward_hook(all_reduce)
-    model.cfg = replace(model.cfg, num_heads=len(q_heads), num_kv_heads=len(kv), intermediate_size=len(units))
+        (block.mlp if isinstance(block.mlp, MoE) else block.mlp.w2).register_forward_hook(all_reduce)
+    model.cfg = replace(
+        cfg,
+        num_heads=len(q_heads),
+        num_kv_heads=len(kv),
+        intermediate_size=len(units),
+        expert_intermediate_size=len(mlp_units(cfg.expert_intermediate_size, layout)),
+        shared_expert_intermediate_size=len(mlp_units(cfg.shared_expert_intermediate_size, layout)),
+    )

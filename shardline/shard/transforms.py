@@ -90,10 +90,11 @@ def mark_quantized(model: Transformer, source: ModelSource, weights: str, quanti
     block layers take int4 and the LM head int8, whose logits suffer most from 4 bits."""
     types = gguf_types(source) if source.kind == "gguf" and weights == "native" else {}
     sources = parameter_sources(model.cfg, types)
+    # A mixture's routers stay dense: a token's experts are picked by small differences of scores.
     linears = [
-        f"layers.{i}.{part}"
-        for i in range(model.cfg.num_layers)
-        for part in ("attn.wqkv", "attn.wo", "mlp.w13", "mlp.w2")
+        name
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and name.startswith("layers.") and not name.endswith(("mlp.gate", "shared_gate"))
     ]
     for name in [*linears, "lm_head"]:
         kinds = {types.get(t, "F32") for t in sources[name + ".weight"]}
@@ -247,6 +248,11 @@ class FusedDecodeBlock(nn.Module):
 
 
 def fusable(block: nn.Module) -> bool:
+    """Whether a block's decode step can be one `DecodeLayer`: a dense MLP (a mixture of experts
+    runs as modules: its attention on the native decode operator, each expert on its quantized
+    kernel), every part quantized and untouched by TP."""
+    if not isinstance(block.mlp, MLP):
+        return False
     linears = _linears(block)
     parts = [part for layer in linears for part in parts_of(layer)]
     return (

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from shardline.common.files import publish
 from shardline.common.model_source import ModelSource
 from shardline.shard.config import ModelConfig
+from shardline.shard.footprint import Unservable
 from shardline.shard.model import Rotary, Transformer, uninitialized
 
 log = logging.getLogger(__name__)
@@ -37,13 +38,23 @@ _GGUF_BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# A mixture's experts: one 3-D tensor per kind in a GGUF, a tensor per expert in a checkpoint.
+_GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, expert: int | None = None) -> str:
+    """The Hugging Face name of a GGUF tensor (of `expert`'s slice of a 3-D experts tensor)."""
     if gguf_name in _GGUF_NAMES:
         return _GGUF_NAMES[gguf_name]
     _, layer, part, kind = gguf_name.split(".")
+    if part in _GGUF_EXPERTS:
+        return f"model.layers.{layer}.mlp.experts.{expert}.{_GGUF_EXPERTS[part]}.{kind}"
     return f"model.layers.{layer}.{_GGUF_BLOCK_NAMES[part]}.{kind}"
 
 
@@ -61,11 +72,17 @@ def read_gguf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]
     sd = {}
     for t in tqdm(reader.tensors, desc=f"dequantizing {source.path.name}", unit="tensor"):
         w = dequantize(t.data, t.tensor_type).astype(np.float32)
+        if len(t.shape) == 3:  # experts: one tensor each
+            for e, rows in enumerate(w.reshape(tuple(int(d) for d in reversed(t.shape)))):
+                sd[hf_name(t.name, e)] = torch.from_numpy(np.ascontiguousarray(rows))
+            continue
         name = hf_name(t.name)
         if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_rope(w, cfg.num_heads)
         elif cfg.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute_rope(w, cfg.num_kv_heads)
+        if name.endswith("shared_expert_gate.weight"):  # a vector in the file, a one-row layer in the model
+            w = w.reshape(1, -1)
         sd[name] = torch.from_numpy(np.ascontiguousarray(w))
     return cfg, sd
 
@@ -113,16 +130,44 @@ def parameter_sources(cfg: ModelConfig, available: Collection[str]) -> dict[str,
             own[o + "attn.q_norm.weight"] = [a + "q_norm.weight"]
             own[o + "attn.k_norm.weight"] = [a + "k_norm.weight"]
         own[o + "attn.wo.weight"] = [a + "o_proj.weight"]
-        own[o + "mlp.w13.weight"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
-        own[o + "mlp.w2.weight"] = [p + "mlp.down_proj.weight"]
+        if cfg.is_sparse(i):
+            own.update(_moe_sources(cfg, p, o + "mlp.", available))
+        else:
+            own[o + "mlp.w13.weight"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+            own[o + "mlp.w2.weight"] = [p + "mlp.down_proj.weight"]
+    return own
+
+
+def _moe_sources(cfg: ModelConfig, p: str, o: str, available: Collection[str]) -> dict[str, list[str]]:
+    """A sparse layer's parameters (`MoE`'s) from Qwen-MoE's names, or Mixtral's where the
+    checkpoint has them."""
+    own = {}
+    if f"{p}block_sparse_moe.gate.weight" in available:  # Mixtral: w1 gate, w3 up, w2 down
+        own[o + "gate.weight"] = [f"{p}block_sparse_moe.gate.weight"]
+        for e in range(cfg.num_experts):
+            x = f"{p}block_sparse_moe.experts.{e}."
+            own[f"{o}experts.{e}.w13.weight"] = [x + "w1.weight", x + "w3.weight"]
+            own[f"{o}experts.{e}.w2.weight"] = [x + "w2.weight"]
+        return own
+    own[o + "gate.weight"] = [p + "mlp.gate.weight"]
+    experts = [(f"{o}experts.{e}.", f"{p}mlp.experts.{e}.") for e in range(cfg.num_experts)]
+    if cfg.shared_expert_intermediate_size:
+        experts.append((o + "shared.", p + "mlp.shared_expert."))
+        own[o + "shared_gate.weight"] = [p + "mlp.shared_expert_gate.weight"]
+    for mine, theirs in experts:
+        own[mine + "w13.weight"] = [theirs + "gate_proj.weight", theirs + "up_proj.weight"]
+        own[mine + "w2.weight"] = [theirs + "down_proj.weight"]
     return own
 
 
 def load_hf_state_dict(model: Transformer, sd: dict[str, torch.Tensor]) -> None:
     """Fills `model` from Hugging Face-named tensors (what safetensors checkpoints and our GGUF
     loader produce), fusing them as `parameter_sources` says."""
-    own = {}
-    for name, parts in parameter_sources(model.cfg, sd).items():
+    own, sources = {}, parameter_sources(model.cfg, sd)
+    missing = [t for parts in sources.values() for t in parts if t not in sd]
+    if missing:  # a config that does not describe its checkpoint: refused, not a crash to restart
+        raise Unservable(f"{model.cfg.name}: the checkpoint has no {', '.join(missing[:3])}, which its config names")
+    for name, parts in sources.items():
         # Own every tensor: weights read from an mmap'd checkpoint would otherwise keep the whole
         # file mapped, and the pages already copied into fused matrices resident twice.
         own[name] = torch.cat([sd[t] for t in parts]) if len(parts) > 1 else sd[parts[0]].clone()
@@ -145,4 +190,8 @@ def gguf_types(source: ModelSource) -> dict[str, str]:
     """Hugging Face tensor name -> GGUF type name (Q4_1, Q8_0, F32, ...), from the file's header."""
     from shardline.shard.footprint import read_model
 
-    return {hf_name(t.name): t.kind for t in read_model(source)[1]}
+    types = {}
+    for t in read_model(source)[1]:
+        for e in range(t.dims[2]) if len(t.dims) == 3 else [None]:
+            types[hf_name(t.name, e)] = t.kind
+    return types

@@ -1,0 +1,130 @@
+"""A Hugging Face checkpoint written as a GGUF the way llama.cpp's converter writes one (its
+tensor names, Q/K rows permuted for llama's RoPE, a mixture's experts stacked into one 3-D tensor
+per kind, a shared expert's gate as a vector), every tensor F32 so that it holds the checkpoint's
+weights exactly, with SmolLM2's tokenizer (the tiny models' own). What the tests serve to check
+that a GGUF and its checkpoint give the same tokens; `llama-quantize` makes quantized files of it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+# Hugging Face model_type -> GGUF general.architecture (Mixtral is llama with experts in GGUF)
+ARCHITECTURES = {
+    "llama": "llama",
+    "mixtral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+}
+_LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT_KINDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's Q/K row order (shard/weights.py's `unpermute_rope` undoes it)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(folder: Path) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors under GGUF's names, fp32, as llama.cpp lays them out."""
+    from safetensors.numpy import load_file
+
+    raw = json.loads((folder / "config.json").read_text())
+    llama = ARCHITECTURES[raw["model_type"]] == "llama"
+    heads, kv_heads = raw["num_attention_heads"], raw.get("num_key_value_heads", raw["num_attention_heads"])
+    sd = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        sd.update(load_file(f))
+    out, experts = {}, {}
+    for name, w in sd.items():
+        w = w.astype(np.float32)
+        if m := _EXPERT.fullmatch(name):
+            layer, expert, kind = int(m[1]), int(m[2]), _EXPERT_KINDS[m[3]]
+            experts.setdefault((layer, kind), {})[expert] = w
+            continue
+        if name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+            out[{"model.embed_tokens.weight": "token_embd", "lm_head.weight": "output"}.get(name, "output_norm")] = w
+            continue
+        layer, part, kind = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name).groups()
+        gguf = _LAYER[part]
+        if llama and gguf in ("attn_q", "attn_k"):
+            w = _permute(w, heads if gguf == "attn_q" else kv_heads)
+        if gguf == "ffn_gate_inp_shexp":
+            w = w.reshape(-1)  # llama.cpp's is a vector of n_embd
+        out[f"blk.{layer}.{gguf}.{kind}"] = w
+    for (layer, kind), by_expert in experts.items():
+        out[f"blk.{layer}.ffn_{kind}_exps.weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
+    return {(k if k.count(".") else k + ".weight"): v for k, v in out.items()}
+
+
+def write_gguf_of(folder: Path, path: Path) -> Path:
+    """`folder`'s checkpoint as an F32 GGUF at `path`."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    from shardline.common.model_source import resolve_model
+
+    raw = json.loads((folder / "config.json").read_text())
+    arch = ARCHITECTURES[raw["model_type"]]
+    heads = raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    rope = raw.get("rope_parameters") or {}
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name(folder.name)
+    writer.add_context_length(raw["max_position_embeddings"])
+    writer.add_embedding_length(raw["hidden_size"])
+    writer.add_feed_forward_length(raw["intermediate_size"])
+    writer.add_block_count(raw["num_hidden_layers"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(raw.get("num_key_value_heads", heads))
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(raw["rms_norm_eps"])
+    experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(raw["num_experts_per_tok"])
+        if "moe_intermediate_size" in raw:
+            writer.add_expert_feed_forward_length(raw["moe_intermediate_size"])
+        if raw.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(raw["shared_expert_intermediate_size"])
+    smollm2 = GGUFReader(str(resolve_model(None).path))
+    for key, field in smollm2.fields.items():
+        if key.startswith("tokenizer."):
+            kind = field.types[0]
+            if kind is GGUFValueType.ARRAY:
+                writer.add_array(key, field.contents())
+            else:
+                writer.add_key_value(key, field.contents(), kind)
+    for name, w in gguf_tensors(folder).items():
+        writer.add_tensor(name, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
