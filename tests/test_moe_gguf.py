@@ -1,0 +1,165 @@
+"""A mixture's quantized GGUF read straight into the serving layout (shard/gguf_loader.py): each
+expert's rows of the 3-D Q4_K and Q6_K tensors become a layer holding exactly their blocks' weights,
+a TP rank reads its units of every expert, the native model computes what the dequantized one
+does, what a start keeps serves the same, and the footprint counts the experts at their width."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from shardline.common.model_source import resolve_model
+from shardline.shard import served_cache
+from shardline.shard.footprint import read_model, shard_footprint
+from shardline.shard.gguf_loader import GgufLoader
+from shardline.shard.layout import Layout
+from shardline.shard.load import weight_bytes
+from shardline.shard.model import MLP, MoE
+from shardline.shard.weights import build_model
+from tests.test_gguf_loader import (  # noqa: F401
+    _WRITTEN,
+    _close,
+    _no_cache_left_behind,
+    _our_kernel_at_every_row_count,  # noqa: F401  (autouse here too)
+    _random_blocks,
+    _served,
+)
+
+HIDDEN, EXPERT_UNITS, DENSE_UNITS, EXPERTS, HEADS, KV_HEADS, VOCAB = 256, 512, 256, 4, 4, 2, 320
+DENSE_LAYER = 1  # no router in the file: a dense MLP
+
+
+def _quantized(writer, name: str, kind: str, shape: tuple[int, ...], rng) -> None:
+    """Random `kind` blocks of a tensor `shape` (numpy order: experts, rows, columns)."""
+    *outer, k = shape
+    blocks = _random_blocks(kind, int(np.prod(outer)), k, rng)
+    writer.add_tensor(name, blocks.reshape(*outer, -1), raw_dtype=GGMLQuantizationType[kind])
+
+
+def write_moe_gguf(path) -> tuple:
+    rng = np.random.default_rng(3)
+    hd = HIDDEN // HEADS
+    writer = GGUFWriter(str(path), "qwen3moe")
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(DENSE_UNITS)
+    writer.add_block_count(3)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_expert_count(EXPERTS)
+    writer.add_expert_used_count(2)
+    writer.add_expert_feed_forward_length(EXPERT_UNITS)
+    writer.add_token_list([f"t{i}" for i in range(VOCAB)])
+    writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
+    _quantized(writer, "token_embd.weight", "Q8_0", (VOCAB, HIDDEN), rng)
+    _quantized(writer, "output.weight", "Q6_K", (VOCAB, HIDDEN), rng)
+    for i in range(3):
+        p = f"blk.{i}."
+        for norm, size in (("attn_norm", HIDDEN), ("ffn_norm", HIDDEN), ("attn_q_norm", hd), ("attn_k_norm", hd)):
+            writer.add_tensor(p + norm + ".weight", rng.uniform(0.5, 1.5, size).astype(np.float32))
+        for part, n in (("attn_q", HEADS * hd), ("attn_k", KV_HEADS * hd), ("attn_v", KV_HEADS * hd)):
+            _quantized(writer, p + part + ".weight", "Q8_0", (n, HIDDEN), rng)
+        _quantized(writer, p + "attn_output.weight", "Q8_0", (HIDDEN, HEADS * hd), rng)
+        if i == DENSE_LAYER:
+            _quantized(writer, p + "ffn_gate.weight", "Q4_K", (DENSE_UNITS, HIDDEN), rng)
+            _quantized(writer, p + "ffn_up.weight", "Q4_K", (DENSE_UNITS, HIDDEN), rng)
+            _quantized(writer, p + "ffn_down.weight", "Q6_K", (HIDDEN, DENSE_UNITS), rng)
+            continue
+        writer.add_tensor(p + "ffn_gate_inp.weight", rng.standard_normal((EXPERTS, HIDDEN)).astype(np.float32))
+        _quantized(writer, p + "ffn_gate_exps.weight", "Q4_K", (EXPERTS, EXPERT_UNITS, HIDDEN), rng)
+        _quantized(writer, p + "ffn_up_exps.weight", "Q4_K", (EXPERTS, EXPERT_UNITS, HIDDEN), rng)
+        _quantized(writer, p + "ffn_down_exps.weight", "Q6_K", (EXPERTS, HIDDEN, EXPERT_UNITS), rng)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _WRITTEN.append(resolve_model(str(path)).cache_dir)
+    return path
+
+
+def _expert_reference(path, name: str, expert: int) -> torch.Tensor:
+    """An expert's weights [rows, columns] as the gguf package dequantizes the file's tensor."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    t = next(t for t in GGUFReader(str(path)).tensors if t.name == name)
+    w = dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
+    return torch.from_numpy(np.ascontiguousarray(w[expert]))
+
+
+@pytest.fixture(scope="module")
+def moe_gguf(tmp_path_factory):
+    return write_moe_gguf(tmp_path_factory.mktemp("moe_gguf") / "moe.gguf")
+
+
+def _load(path, layout=Layout(), dense_copy=False):
+    return GgufLoader(resolve_model(str(path)), layout, torch.float32, dense_copy=dense_copy).load()
+
+
+def test_each_expert_serves_the_weights_its_blocks_hold_and_a_tp_rank_its_units(moe_gguf):
+    model = _load(moe_gguf)
+    ranks = [_load(moe_gguf, Layout(tp=2, tp_rank=r)) for r in (0, 1)]
+    assert isinstance(model.layers[DENSE_LAYER].mlp, MLP) and model.cfg.dense_layers == [DENSE_LAYER]
+    for i in (0, 2):
+        moe = model.layers[i].mlp
+        assert isinstance(moe, MoE) and moe.top_k == 2 and len(moe.experts) == EXPERTS
+        for e, expert in enumerate(moe.experts):
+            gate_up = [_expert_reference(moe_gguf, f"blk.{i}.ffn_{k}_exps.weight", e) for k in ("gate", "up")]
+            assert _close(_served(expert.w13), torch.cat(gate_up)), (i, e)
+            assert _close(_served(expert.w2), _expert_reference(moe_gguf, f"blk.{i}.ffn_down_exps.weight", e))
+            halves = [r.layers[i].mlp.experts[e] for r in ranks]
+            gate, up = _served(expert.w13).split(EXPERT_UNITS)
+            by_rank = [_served(h.w13).split(EXPERT_UNITS // 2) for h in halves]
+            assert torch.equal(torch.cat([g for g, _ in by_rank]), gate) and torch.equal(
+                torch.cat([u for _, u in by_rank]), up
+            )
+            assert torch.equal(torch.cat([_served(h.w2) for h in halves], 1), _served(expert.w2))
+
+
+def test_the_native_mixture_computes_what_the_dequantized_one_does_and_keeps_it(moe_gguf, tmp_path):
+    from shardline.kernels.attention import AttentionBatch
+    from shardline.shard.kv_cache import KVPages
+
+    source = resolve_model(str(moe_gguf))
+    native = _load(moe_gguf, dense_copy=True)
+    served_cache.save(native, tmp_path / "kept.pt")
+    kept = served_cache.load(native.cfg, Layout(), torch.float32, tmp_path / "kept.pt")
+    dense = build_model(source, torch.float32, torch.device("cpu"))
+    tokens = torch.tensor([1, 5, 9, 40, 100, 7, 300, 2])
+    outs = []
+    for model in (native, kept, dense):
+        kv = KVPages(model.cfg, 4, 16, torch.float32, torch.device("cpu"))
+        batch = AttentionBatch(
+            slots=torch.arange(len(tokens)),
+            is_decode=False,
+            query_lens=[len(tokens)],
+            start_positions=[0],
+            block_tables_list=[torch.tensor([0])],
+        )
+        with torch.inference_mode():
+            outs.append(model.logits(model(tokens, torch.arange(len(tokens)), kv.layers, batch)))
+    assert torch.equal(outs[0], outs[1])  # what a later start maps serves the same, to the bit
+    cos = torch.nn.functional.cosine_similarity(outs[0].flatten(), outs[2].flatten(), dim=0)
+    assert cos > 0.999, cos
+
+
+def test_the_footprint_counts_experts_at_the_width_they_are_served(moe_gguf):
+    cfg, tensors = read_model(resolve_model(str(moe_gguf)))
+    footprint = shard_footprint(
+        cfg,
+        tensors,
+        tp=1,
+        pp=1,
+        tp_rank=0,
+        pp_stage=0,
+        dtype="float32",
+        weights="native",
+        quantize="",
+        dense_copy=False,
+        kv_memory_gb=0.0,
+        max_batch=1,
+        streamed=True,
+    )
+    held = weight_bytes(_load(moe_gguf))
+    assert 0.8 < footprint.weights / held < 1.25, (footprint.weights, held)
