@@ -6,6 +6,8 @@ package tensor by tensor, then quantized by llama.cpp's `llama-quantize` (Q4_K_M
     python -m bench.gguf_shapes --shape llama-3.2-1b --type Q4_K_M --out /tmp/models [--llama-quantize PATH]
 
 Speed and memory do not depend on the values; what a model says does, so these are for nothing else.
+(One exception: a mixture's random router spreads tokens over its experts more evenly than a
+trained one may, which matters to how many experts a batch of streams reads a step.)
 """
 
 from __future__ import annotations
@@ -14,40 +16,126 @@ import argparse
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-# hidden, intermediate, layers, heads, KV heads, tied embeddings (the published models' configs)
+
+@dataclass(frozen=True)
+class Shape:
+    """A published model's dimensions (its config). Dense shapes are `llama` GGUFs; a mixture of
+    experts is `qwen3moe` (q/k norms, every layer sparse: `experts` MLPs of `expert_intermediate`,
+    `experts_used` a token, weights renormalized over the picked ones, as qwen3moe always does)."""
+
+    hidden: int
+    intermediate: int  # the dense MLP's (written for a mixture too, where no layer uses it)
+    layers: int
+    heads: int
+    kv_heads: int
+    tied: bool  # embeddings shared with the LM head
+    arch: str = "llama"
+    rope_base: float = 500000.0
+    rms_eps: float = 1e-5
+    context: int = 32768
+    experts: int = 0
+    experts_used: int = 0
+    expert_intermediate: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
 SHAPES = {
-    "llama-3.2-1b": (2048, 8192, 16, 32, 8, True),
-    "llama-3.2-3b": (3072, 8192, 28, 24, 8, True),
-    "llama-3.1-8b": (4096, 14336, 32, 32, 8, False),
+    "llama-3.2-1b": Shape(2048, 8192, 16, 32, 8, tied=True),
+    "llama-3.2-3b": Shape(3072, 8192, 28, 24, 8, tied=True),
+    "llama-3.1-8b": Shape(4096, 14336, 32, 32, 8, tied=False),
+    # OLMoE-1B-7B's dimensions as a Qwen3-MoE GGUF: 6.9B parameters, 1.3B of them a token's
+    "olmoe-1b-7b": Shape(
+        2048,
+        1024,
+        16,
+        16,
+        16,
+        tied=False,
+        arch="qwen3moe",
+        rope_base=10000.0,
+        context=4096,
+        experts=64,
+        experts_used=8,
+        expert_intermediate=1024,
+    ),
 }
-CONTEXT = 32768
+
+# how each kind of tensor is written: norms and the router f32 (as llama.cpp's converter writes
+# them, and llama-quantize leaves the router so), the rest f16
+F32 = ("_norm.weight", "ffn_gate_inp.weight")
+
+
+def tensor_shapes(s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, numpy shape) of every tensor, in the order they are written: GGUF's dimensions are
+    these reversed (`ffn_gate_inp` is [n_embd, n_expert] in GGUF, (n_expert, n_embd) here)."""
+    hidden, hd = s.hidden, s.head_dim
+    tensors = [("token_embd.weight", (vocab, hidden)), ("output_norm.weight", (hidden,))]
+    if not s.tied:
+        tensors.append(("output.weight", (vocab, hidden)))
+    for i in range(s.layers):
+        p = f"blk.{i}."
+        tensors += [
+            (p + "attn_norm.weight", (hidden,)),
+            (p + "ffn_norm.weight", (hidden,)),
+            (p + "attn_q.weight", (s.heads * hd, hidden)),
+            (p + "attn_k.weight", (s.kv_heads * hd, hidden)),
+            (p + "attn_v.weight", (s.kv_heads * hd, hidden)),
+            (p + "attn_output.weight", (hidden, s.heads * hd)),
+        ]
+        if s.arch == "qwen3moe":
+            tensors += [(p + "attn_q_norm.weight", (hd,)), (p + "attn_k_norm.weight", (hd,))]
+        if s.experts:
+            n, ff = s.experts, s.expert_intermediate
+            tensors += [
+                (p + "ffn_gate_inp.weight", (n, hidden)),
+                (p + "ffn_gate_exps.weight", (n, ff, hidden)),
+                (p + "ffn_up_exps.weight", (n, ff, hidden)),
+                (p + "ffn_down_exps.weight", (n, hidden, ff)),
+            ]
+        else:
+            tensors += [
+                (p + "ffn_gate.weight", (s.intermediate, hidden)),
+                (p + "ffn_up.weight", (s.intermediate, hidden)),
+                (p + "ffn_down.weight", (hidden, s.intermediate)),
+            ]
+    return tensors
 
 
 def write_f16(shape: str, path: Path, seed: int = 0) -> Path:
-    """The shape's tensors, random (N(0, 0.02); norms 1), f16, with SmolLM2's tokenizer."""
+    """The shape's tensors, random (N(0, 0.02); norms 1), f16 (norms and routers f32), with
+    SmolLM2's tokenizer; each tensor is made, written and dropped in turn."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
     from shardline.common.model_source import resolve_model
 
-    hidden, inter, layers, heads, kv_heads, tied = SHAPES[shape]
-    head_dim = hidden // heads
+    s = SHAPES[shape]
     smollm2 = GGUFReader(str(resolve_model(None).path))
     vocab = len(smollm2.fields["tokenizer.ggml.tokens"].data)
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), s.arch)
     writer.add_name(f"random {shape}")
-    writer.add_context_length(CONTEXT)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(inter)
-    writer.add_block_count(layers)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(500000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_context_length(s.context)
+    writer.add_embedding_length(s.hidden)
+    writer.add_feed_forward_length(s.intermediate)
+    writer.add_block_count(s.layers)
+    writer.add_head_count(s.heads)
+    writer.add_head_count_kv(s.kv_heads)
+    writer.add_rope_freq_base(s.rope_base)
+    writer.add_layer_norm_rms_eps(s.rms_eps)
+    writer.add_rope_dimension_count(s.head_dim)
+    if s.experts:
+        writer.add_key_length(s.head_dim)
+        writer.add_value_length(s.head_dim)
+        writer.add_expert_count(s.experts)
+        writer.add_expert_used_count(s.experts_used)
+        writer.add_expert_feed_forward_length(s.expert_intermediate)
     writer.add_file_type(1)  # mostly f16
     for key, field in smollm2.fields.items():
         if key.startswith("tokenizer."):
@@ -56,41 +144,24 @@ def write_f16(shape: str, path: Path, seed: int = 0) -> Path:
                 writer.add_array(key, field.contents())
             else:
                 writer.add_key_value(key, field.contents(), kind)
-    tensors = [("token_embd.weight", (vocab, hidden)), ("output_norm.weight", (hidden,))]
-    if not tied:
-        tensors.append(("output.weight", (vocab, hidden)))
-    for i in range(layers):
-        p = f"blk.{i}."
-        tensors += [
-            (p + "attn_norm.weight", (hidden,)),
-            (p + "ffn_norm.weight", (hidden,)),
-            (p + "attn_q.weight", (heads * head_dim, hidden)),
-            (p + "attn_k.weight", (kv_heads * head_dim, hidden)),
-            (p + "attn_v.weight", (kv_heads * head_dim, hidden)),
-            (p + "attn_output.weight", (hidden, heads * head_dim)),
-            (p + "ffn_gate.weight", (inter, hidden)),
-            (p + "ffn_up.weight", (inter, hidden)),
-            (p + "ffn_down.weight", (hidden, inter)),
-        ]
-    for name, dims in tensors:  # norms stay f32, as llama.cpp's converter writes them
-        dtype = np.float32 if len(dims) == 1 else np.float16
-        n = int(np.prod(dims))
-        writer.add_tensor_info(
-            name,
-            dims,
-            np.dtype(dtype),
-            n * np.dtype(dtype).itemsize,
-            GGMLQuantizationType.F32 if len(dims) == 1 else GGMLQuantizationType.F16,
-        )
+    tensors = tensor_shapes(s, vocab)
+    for name, dims in tensors:
+        f32 = name.endswith(F32)
+        dtype = np.dtype(np.float32 if f32 else np.float16)
+        raw = GGMLQuantizationType.F32 if f32 else GGMLQuantizationType.F16
+        writer.add_tensor_info(name, dims, dtype, int(np.prod(dims)) * dtype.itemsize, raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    for _, dims in tensors:  # in the order their infos were written
+    for name, dims in tensors:  # in the order their infos were written, one at a time
         if len(dims) == 1:
             writer.write_tensor_data(np.ones(dims, dtype=np.float32))
-        else:
-            writer.write_tensor_data((rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float16))
+            continue
+        w = rng.standard_normal(dims, dtype=np.float32)
+        w *= 0.02
+        writer.write_tensor_data(w if name.endswith(F32) else w.astype(np.float16))
+        del w
     writer.close()
     return path
 

@@ -1,6 +1,7 @@
 """Real model sizes against llama.cpp: random-weight GGUFs of the Llama-3.2-1B, Llama-3.2-3B and
-Llama-3.1-8B shapes (bench/gguf_shapes.py), served by Shardline and by llama.cpp's `llama-server`,
-one after the other in one sitting, through the same OpenAI client (harness/client.py):
+Llama-3.1-8B shapes and of OLMoE-1B-7B's mixture of experts (bench/gguf_shapes.py), served by
+Shardline and by llama.cpp's `llama-server`, one after the other in one sitting, through the same
+OpenAI client (harness/client.py):
 
 - start to first answer, spawn to a one-token completion's end: first start (Shardline's cache of
   the file emptied first) and second start;
@@ -183,17 +184,26 @@ def llama_bench(gguf: Path, args) -> dict:
 
 def kv_bytes_per_token(gguf: Path) -> int:
     """fp16 K and V of every layer, as both servers keep them for quantized weights."""
-    hidden, _, layers, heads, kv_heads, _ = SHAPES[gguf.stem.rsplit("-", 1)[0]]
-    return 2 * layers * kv_heads * (hidden // heads) * 2
+    shape = SHAPES[gguf.stem.rsplit("-", 1)[0]]
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * 2
 
 
 def weight_bytes_read(gguf: Path) -> int:
-    """Bytes of weights a decode step reads: every tensor but an untied embedding (a row a token)."""
+    """Bytes of weights a one-stream decode step reads: every tensor but an untied embedding (a
+    row a token), and of a mixture's 3-D expert tensors only the share of the experts it picks."""
     from gguf import GGUFReader
 
     tensors = GGUFReader(str(gguf)).tensors
     tied = not any(t.name == "output.weight" for t in tensors)
-    return sum(int(t.n_bytes) for t in tensors if t.name != "token_embd.weight" or tied)
+    shape = SHAPES[gguf.stem.rsplit("-", 1)[0]]
+    share = shape.experts_used / shape.experts if shape.experts else 1.0
+    return int(
+        sum(
+            int(t.n_bytes) * (share if t.name.endswith("_exps.weight") else 1)
+            for t in tensors
+            if t.name != "token_embd.weight" or tied
+        )
+    )
 
 
 def ratios(ours: dict, theirs: dict) -> dict:
