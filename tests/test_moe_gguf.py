@@ -36,10 +36,12 @@ def _quantized(writer, name: str, kind: str, shape: tuple[int, ...], rng) -> Non
     writer.add_tensor(name, blocks.reshape(*outer, -1), raw_dtype=GGMLQuantizationType[kind])
 
 
-def write_moe_gguf(path) -> tuple:
+def write_moe_gguf(path, shared: bool = False):
+    """A Qwen3-MoE of random blocks, its middle layer dense; `shared`: a Qwen2-MoE's shared expert
+    in its sparse layers (and its unnormalized weights)."""
     rng = np.random.default_rng(3)
     hd = HIDDEN // HEADS
-    writer = GGUFWriter(str(path), "qwen3moe")
+    writer = GGUFWriter(str(path), "qwen2moe" if shared else "qwen3moe")
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(DENSE_UNITS)
@@ -50,6 +52,8 @@ def write_moe_gguf(path) -> tuple:
     writer.add_expert_count(EXPERTS)
     writer.add_expert_used_count(2)
     writer.add_expert_feed_forward_length(EXPERT_UNITS)
+    if shared:
+        writer.add_expert_shared_feed_forward_length(DENSE_UNITS)
     writer.add_token_list([f"t{i}" for i in range(VOCAB)])
     writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
     _quantized(writer, "token_embd.weight", "Q8_0", (VOCAB, HIDDEN), rng)
@@ -66,10 +70,16 @@ def write_moe_gguf(path) -> tuple:
             _quantized(writer, p + "ffn_up.weight", "Q4_K", (DENSE_UNITS, HIDDEN), rng)
             _quantized(writer, p + "ffn_down.weight", "Q6_K", (HIDDEN, DENSE_UNITS), rng)
             continue
-        writer.add_tensor(p + "ffn_gate_inp.weight", rng.standard_normal((EXPERTS, HIDDEN)).astype(np.float32))
+        # small scores: softmax weights far from one-hot, so their renormalization shows
+        writer.add_tensor(p + "ffn_gate_inp.weight", (rng.standard_normal((EXPERTS, HIDDEN)) * 0.01).astype(np.float32))
         _quantized(writer, p + "ffn_gate_exps.weight", "Q4_K", (EXPERTS, EXPERT_UNITS, HIDDEN), rng)
         _quantized(writer, p + "ffn_up_exps.weight", "Q4_K", (EXPERTS, EXPERT_UNITS, HIDDEN), rng)
         _quantized(writer, p + "ffn_down_exps.weight", "Q6_K", (EXPERTS, HIDDEN, EXPERT_UNITS), rng)
+        if shared:
+            _quantized(writer, p + "ffn_gate_shexp.weight", "Q4_K", (DENSE_UNITS, HIDDEN), rng)
+            _quantized(writer, p + "ffn_up_shexp.weight", "Q4_K", (DENSE_UNITS, HIDDEN), rng)
+            _quantized(writer, p + "ffn_down_shexp.weight", "Q6_K", (HIDDEN, DENSE_UNITS), rng)
+            writer.add_tensor(p + "ffn_gate_inp_shexp.weight", rng.standard_normal(HIDDEN).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -163,3 +173,32 @@ def test_the_footprint_counts_experts_at_the_width_they_are_served(moe_gguf):
     )
     held = weight_bytes(_load(moe_gguf))
     assert 0.8 < footprint.weights / held < 1.25, (footprint.weights, held)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_sparse_layer_decodes_as_one_operator_as_its_modules_do(tmp_path, shared):
+    """kernels/decode_layer.cpp's mixture (routing, each picked expert once on its rows, the shared
+    expert) against the layer's modules, on decode steps of 1 and 6 rows."""
+    from shardline.kernels import native
+    from shardline.kernels.attention import AttentionBatch
+    from shardline.shard.kv_cache import KVPages
+    from shardline.shard.transforms import FusedDecodeBlock, finish
+
+    assert native.available(), "Shardline's kernels did not build (the README's setup builds them)"
+    model = _load(write_moe_gguf(tmp_path / "moe.gguf", shared=shared))
+    finish(model, torch.device("cpu"), onednn=False)
+    layer = model.layers[0]
+    assert isinstance(layer, FusedDecodeBlock) and isinstance(layer.block.mlp, MoE)
+    assert (layer.block.mlp.shared is not None) == shared and layer.block.mlp.norm_topk_prob == (not shared)
+    kv = KVPages(model.cfg, 8, 16, torch.float32, torch.device("cpu"))
+    for rows in (1, 6):
+        positions = torch.zeros(rows, dtype=torch.long)  # each row its own page, its only token
+        batch = AttentionBatch.decode(torch.arange(rows)[:, None], positions, 16)
+        x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
+        with torch.inference_mode():
+            cos_sin = model.rotary.at(positions, torch.float32)
+            fused = layer(x, cos_sin, *kv.layers[0], batch)
+            modules = layer.block(x, cos_sin, *kv.layers[0], batch)
+        # the fused norms differ from torch's in the last fp32 bit, which moves some of the int4
+        # kernel's roundings of activations (tests/test_native_kernels.py): parts in 10^4
+        torch.testing.assert_close(fused, modules, rtol=1e-3, atol=1e-3 * modules.abs().max().item())

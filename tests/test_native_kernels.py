@@ -161,6 +161,14 @@ def test_silu_mul_is_silu_of_the_gate_times_up(rows):
     torch.testing.assert_close(native.ops().silu_mul(x), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
 
 
+def test_silu_mul_of_a_very_negative_gate_is_zero_not_nan():
+    """exp(-gate) overflows fp32 below -88; built with -ffast-math, gate / inf was NaN (a random
+    mixture's expert made it, weighted 1e-8 but NaN all the same)."""
+    gate = torch.tensor([[-100.0, -1e4, -88.0, 50.0, 1e4, -3.0]])
+    got = native.ops().silu_mul(torch.cat([gate, torch.full_like(gate, 2.0)], 1))
+    torch.testing.assert_close(got, F.silu(gate) * 2, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_the_kernels_reject_records_of_another_width_or_shape(bits):
     from shardline.kernels.operands import native_operands

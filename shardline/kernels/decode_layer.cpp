@@ -17,8 +17,20 @@
 
 #include "decode_layer.h"
 
+//
+// A mixture of experts' MLP routes each row to its top-k experts and runs each picked expert once
+// on all of its rows (a decode batch shares experts), summing in ascending order of expert as
+// shard/model.py's MoE does.
+
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/topk.h>
+#include <ATen/ops/zeros_like.h>
 
 namespace {
 
@@ -58,11 +70,18 @@ namespace shardline {
 DecodeLayer::DecodeLayer(at::Tensor attn_norm, at::Tensor mlp_norm, double eps, std::vector<at::Tensor> operands,
                          std::vector<int64_t> part_info, std::vector<int64_t> parts, bool bf16_gemm,
                          std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> q_norm,
-                         std::optional<at::Tensor> k_norm, double qk_eps, int64_t heads, double scale)
+                         std::optional<at::Tensor> k_norm, double qk_eps, int64_t heads, double scale,
+                         std::optional<at::Tensor> router, int64_t top_k, bool norm_topk,
+                         std::optional<at::Tensor> shared_gate)
     : attn_norm_(std::move(attn_norm)), mlp_norm_(std::move(mlp_norm)), eps_(eps), bf16_gemm_(bf16_gemm),
       qkv_bias_(std::move(qkv_bias)), q_norm_(std::move(q_norm)), k_norm_(std::move(k_norm)), qk_eps_(qk_eps),
-      heads_(heads), scale_(scale) {
-  TORCH_CHECK(parts.size() == 4, "parts per linear layer: qkv, wo, w13, w2");
+      heads_(heads), scale_(scale), router_(std::move(router)), shared_gate_(std::move(shared_gate)), top_k_(top_k),
+      norm_topk_(norm_topk) {
+  const size_t mlps = router_ ? router_->size(0) + (shared_gate_ ? 1 : 0) : 1;
+  TORCH_CHECK(parts.size() == 2 + 2 * mlps, "parts per linear layer: qkv, wo, then w13 and w2 per MLP");
+  TORCH_CHECK(!router_ || (router_->dim() == 2 && router_->scalar_type() == at::kFloat && top_k_ > 0 &&
+                           top_k_ <= router_->size(0)),
+              "a router is [experts, hidden] float32, with 0 < top_k <= experts");
   size_t info = 0, operand = 0;
   for (int64_t n : parts) {
     std::vector<Part> linear;
@@ -98,8 +117,43 @@ at::Tensor DecodeLayer::forward(const at::Tensor& x_in, const at::Tensor& cos, c
   const at::Tensor attended = paged_decode(qkv, cos, sin, q_norm_, k_norm_, qk_eps_, k_pages, v_pages, slots,
                                            block_tables, context_lens, heads_, scale_);
   at::Tensor h = linear(attended, 1).add_(x);
-  const at::Tensor gate_up = linear(normed(h, mlp_norm_, eps_), 2);
-  return linear(silu_mul(gate_up), 3).add_(h);
+  const at::Tensor n = normed(h, mlp_norm_, eps_);
+  return (router_ ? experts(n) : mlp(n, 2)).add_(h);
+}
+
+at::Tensor DecodeLayer::mlp(const at::Tensor& x, int64_t w13) const {
+  return linear(silu_mul(linear(x, w13)), w13 + 1);
+}
+
+at::Tensor DecodeLayer::experts(const at::Tensor& x) const {
+  const int64_t rows = x.size(0), count = router_->size(0);
+  auto [weights, picked] = at::topk(at::softmax(at::linear(x, *router_), -1), top_k_, -1);
+  if (norm_topk_) weights.div_(weights.sum(-1, true));
+  // each expert's rows and their weights, rows in ascending order (as a stable sort leaves them)
+  std::vector<std::vector<int64_t>> rows_of(count);
+  std::vector<std::vector<float>> weights_of(count);
+  const auto pick = picked.accessor<int64_t, 2>();
+  const auto weight = weights.accessor<float, 2>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < top_k_; ++k) {
+      rows_of[pick[r][k]].push_back(r);
+      weights_of[pick[r][k]].push_back(weight[r][k]);
+    }
+  at::Tensor out = at::zeros_like(x);
+  for (int64_t e = 0; e < count; ++e) {
+    const int64_t n = static_cast<int64_t>(rows_of[e].size());
+    if (n == 0) continue;
+    const at::Tensor index = at::from_blob(rows_of[e].data(), {n}, at::kLong);
+    const at::Tensor y = mlp(n == rows ? x : at::index_select(x, 0, index), 2 + 2 * e);
+    y.mul_(at::from_blob(weights_of[e].data(), {n, 1}, at::kFloat));
+    if (n == rows)  // every row, in order (a row takes an expert once): one stream's every expert
+      out.add_(y);
+    else
+      out.index_add_(0, index, y);
+  }
+  if (shared_gate_)
+    out.add_(mlp(x, 2 + 2 * count).mul_(at::sigmoid(at::linear(x, shared_gate_->view({1, -1})))));
+  return out;
 }
 
 }  // namespace shardline

@@ -14,13 +14,17 @@ namespace shardline {
 
 class DecodeLayer : public torch::CustomClassHolder {
  public:
-  // The four linear layers (qkv, wo, w13, w2) as parts, each a run of output rows on one kernel
-  // (a fused QKV of mixed GGUF types has two): `parts` per linear layer, and per part its kind,
-  // direct_rows, torch_rows and how many of `operands` are its own (decode_layer.cpp).
+  // The linear layers (qkv, wo, then the MLP's w13 and w2) as parts, each a run of output rows on
+  // one kernel (a fused QKV of mixed GGUF types has two): `parts` per linear layer, and per part
+  // its kind, direct_rows, torch_rows and how many of `operands` are its own (decode_layer.cpp).
+  // A mixture of experts (`router` [experts, hidden] fp32) has w13 and w2 per expert in place of
+  // the MLP's, then the shared expert's where `shared_gate` [hidden] is given; each row takes its
+  // `top_k` experts, their softmax weights renormalized where `norm_topk`.
   DecodeLayer(at::Tensor attn_norm, at::Tensor mlp_norm, double eps, std::vector<at::Tensor> operands,
               std::vector<int64_t> part_info, std::vector<int64_t> parts, bool bf16_gemm,
               std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
-              double qk_eps, int64_t heads, double scale);
+              double qk_eps, int64_t heads, double scale, std::optional<at::Tensor> router, int64_t top_k,
+              bool norm_topk, std::optional<at::Tensor> shared_gate);
   // x [rows, hidden] -> the layer's output [rows, hidden]; writes each row's K/V at its slot.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_pages,
                      at::Tensor v_pages, const at::Tensor& slots, const at::Tensor& block_tables,
@@ -32,6 +36,8 @@ class DecodeLayer : public torch::CustomClassHolder {
     std::vector<at::Tensor> operands;  // decode_layer.cpp says which, by kind
   };
   at::Tensor linear(const at::Tensor& x, int64_t which) const;
+  at::Tensor mlp(const at::Tensor& x, int64_t w13) const;  // the MLP whose w13 is linear `w13`, w2 the next
+  at::Tensor experts(const at::Tensor& x) const;
 
   at::Tensor attn_norm_, mlp_norm_;
   double eps_;
@@ -41,6 +47,9 @@ class DecodeLayer : public torch::CustomClassHolder {
   double qk_eps_;
   int64_t heads_;
   double scale_;
+  std::optional<at::Tensor> router_, shared_gate_;
+  int64_t top_k_;
+  bool norm_topk_;
 };
 
 }  // namespace shardline

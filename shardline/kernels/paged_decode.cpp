@@ -297,7 +297,8 @@ at::Tensor silu_mul(const at::Tensor& x_in) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t i = 0; i < I; ++i) {
         const float g = p[r * 2 * I + i];
-        out[r * I + i] = g / (1.f + std::exp(-g)) * p[r * 2 * I + I + i];
+        // exp capped below fp32's overflow: built with -ffast-math, g / inf is not the 0 it should be
+        out[r * I + i] = g / (1.f + std::exp(std::min(-g, 88.f))) * p[r * 2 * I + I + i];
       }
   });
   return y;

@@ -7,8 +7,8 @@ applies them (gpt-fast style: the model code knows nothing of ranks, quantizatio
 4. `quantize`: swap the tagged layers for `QuantizedLinear` (after slicing, which works on dense
    weights), carrying over their forward hooks (the all-reduces);
 5. `use_native_ops`: attention's decode step and the MLP's activation on Shardline's CPU kernels;
-6. `fuse_decode`: wrap each block whose four linear layers are quantized (and untouched by TP)
-   so that a decode step runs it as one C++ operator;
+6. `fuse_decode`: wrap each block whose linear layers (a mixture's: every expert's) are quantized
+   (and untouched by TP) so that a decode step runs it as one C++ operator;
 7. `use_onednn`: dense fp32 linear layers in oneDNN's blocked layout (without decode graphs).
 """
 
@@ -27,7 +27,7 @@ from shardline.kernels.operands import Kernel, record_format
 from shardline.kernels.quantized import QuantizedLinear, TiedEmbedding
 from shardline.kernels.stacked import parts_of
 from shardline.shard.layout import Layout
-from shardline.shard.model import MLP, Attention, Transformer
+from shardline.shard.model import MLP, Attention, MoE, Transformer
 from shardline.shard.parallel import keep_stage, shard_tensor_parallel
 from shardline.shard.weights import gguf_types, parameter_sources
 
@@ -196,7 +196,9 @@ def _operands(layer: QuantizedLinear) -> list[torch.Tensor]:
 
 
 def _linears(block: nn.Module) -> list[nn.Module]:
-    return [block.attn.wqkv, block.attn.wo, block.mlp.w13, block.mlp.w2]
+    """qkv, wo, then w13 and w2 of each MLP: the dense one, or every expert's and the shared one's."""
+    mlps = [block.mlp] if isinstance(block.mlp, MLP) else [*block.mlp.experts, block.mlp.shared]
+    return [block.attn.wqkv, block.attn.wo, *(w for mlp in mlps if mlp is not None for w in (mlp.w13, mlp.w2))]
 
 
 def _parts(linears: list[nn.Module]) -> tuple[list[torch.Tensor], list[int], list[int]]:
@@ -217,7 +219,8 @@ def _parts(linears: list[nn.Module]) -> tuple[list[torch.Tensor], list[int], lis
 class FusedDecodeBlock(nn.Module):
     """A `Block` whose decode steps run as one call of a `DecodeLayer` (kernels/decode_layer.cpp),
     which holds the layer's weights, norms and kernel choices: one Python dispatch per layer
-    instead of some twenty operators, which at one stream cost more than the layer's arithmetic.
+    instead of some twenty operators (some two hundred for a mixture of 8 experts a token), which
+    at one stream cost more than the layer's arithmetic.
     The block stays inside, holding the weights, and runs every other step itself (prefill,
     chunks, decode graphs, batches above a layer's dense-copy crossover)."""
 
@@ -227,6 +230,11 @@ class FusedDecodeBlock(nn.Module):
         attn, linears = block.attn, _linears(block)
         self.max_rows = min(layer.max_rows for layer in linears)
         qk_norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm else (None, None, 0.0)
+        moe = block.mlp if isinstance(block.mlp, MoE) else None
+        routing = (None, 0, False, None)
+        if moe is not None:
+            shared_gate = moe.shared_gate.weight.reshape(-1) if moe.shared is not None else None
+            routing = (moe.gate.weight, moe.top_k, moe.norm_topk_prob, shared_gate)
         self.decode = torch.classes.shardline_native.DecodeLayer(
             block.attn_norm.weight,
             block.mlp_norm.weight,
@@ -237,6 +245,7 @@ class FusedDecodeBlock(nn.Module):
             *qk_norms,
             attn.num_heads,
             attn.scale,
+            *routing,
         )
 
     def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):
@@ -248,10 +257,15 @@ class FusedDecodeBlock(nn.Module):
 
 
 def fusable(block: nn.Module) -> bool:
-    """Whether a block's decode step can be one `DecodeLayer`: a dense MLP (a mixture of experts
-    runs as modules: its attention on the native decode operator, each expert on its quantized
-    kernel), every part quantized and untouched by TP."""
-    if not isinstance(block.mlp, MLP):
+    """Whether a block's decode step can be one `DecodeLayer`: every linear part quantized (a
+    mixture's routers are dense fp32 layers beside them) and untouched by TP."""
+    moe = block.mlp if isinstance(block.mlp, MoE) else None
+    if moe is not None and (
+        type(moe.gate) is not nn.Linear
+        or moe.gate.weight.dtype != torch.float32
+        or moe._forward_hooks
+        or (moe.shared is not None and moe.shared_gate.weight.dtype != torch.float32)
+    ):
         return False
     linears = _linears(block)
     parts = [part for layer in linears for part in parts_of(layer)]
