@@ -24,13 +24,14 @@
 
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/cat.h>
-#include <ATen/ops/from_blob.h>
-#include <ATen/ops/index_select.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/sigmoid.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/topk.h>
 #include <ATen/ops/zeros_like.h>
+
+#include <cstring>
 
 namespace {
 
@@ -139,17 +140,31 @@ at::Tensor DecodeLayer::experts(const at::Tensor& x) const {
       rows_of[pick[r][k]].push_back(r);
       weights_of[pick[r][k]].push_back(weight[r][k]);
     }
+  // Rows are gathered and the weighted outputs added by plain loops: at 16 streams a layer runs
+  // some 55 experts of 2-3 rows, and index_select, mul_ and index_add_ per expert cost a tenth
+  // of the step.
+  const int64_t width = x.size(1);
+  const float* in = x.const_data_ptr<float>();
   at::Tensor out = at::zeros_like(x);
+  float* sum = out.data_ptr<float>();
   for (int64_t e = 0; e < count; ++e) {
-    const int64_t n = static_cast<int64_t>(rows_of[e].size());
+    const std::vector<int64_t>& mine = rows_of[e];
+    const int64_t n = static_cast<int64_t>(mine.size());
     if (n == 0) continue;
-    const at::Tensor index = at::from_blob(rows_of[e].data(), {n}, at::kLong);
-    const at::Tensor y = mlp(n == rows ? x : at::index_select(x, 0, index), 2 + 2 * e);
-    y.mul_(at::from_blob(weights_of[e].data(), {n, 1}, at::kFloat));
-    if (n == rows)  // every row, in order (a row takes an expert once): one stream's every expert
-      out.add_(y);
-    else
-      out.index_add_(0, index, y);
+    at::Tensor gathered = x;  // every row, in order (a row takes an expert once): one stream's every expert
+    if (n < rows) {
+      gathered = at::empty({n, width}, x.options());
+      for (int64_t i = 0; i < n; ++i)
+        std::memcpy(gathered.data_ptr<float>() + i * width, in + mine[i] * width, width * sizeof(float));
+    }
+    const at::Tensor y = mlp(gathered, 2 + 2 * e).contiguous();
+    const float* ys = y.const_data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) {
+      const float w = weights_of[e][i];
+      float* to = sum + mine[i] * width;
+      const float* from = ys + i * width;
+      for (int64_t j = 0; j < width; ++j) to[j] += w * from[j];
+    }
   }
   if (shared_gate_)
     out.add_(mlp(x, 2 + 2 * count).mul_(at::sigmoid(at::linear(x, shared_gate_->view({1, -1})))));
