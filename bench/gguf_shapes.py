@@ -112,13 +112,11 @@ def tensor_shapes(s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
 def write_f16(shape: str, path: Path, seed: int = 0) -> Path:
     """The shape's tensors, random (N(0, 0.02); norms 1), f16 (norms and routers f32), with
     SmolLM2's tokenizer; each tensor is made, written and dropped in turn."""
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter
 
-    from shardline.common.model_source import resolve_model
+    from harness.gguf_of import add_smollm2_tokenizer
 
     s = SHAPES[shape]
-    smollm2 = GGUFReader(str(resolve_model(None).path))
-    vocab = len(smollm2.fields["tokenizer.ggml.tokens"].data)
     writer = GGUFWriter(str(path), s.arch)
     writer.add_name(f"random {shape}")
     writer.add_context_length(s.context)
@@ -137,13 +135,7 @@ def write_f16(shape: str, path: Path, seed: int = 0) -> Path:
         writer.add_expert_used_count(s.experts_used)
         writer.add_expert_feed_forward_length(s.expert_intermediate)
     writer.add_file_type(1)  # mostly f16
-    for key, field in smollm2.fields.items():
-        if key.startswith("tokenizer."):
-            kind = field.types[0]
-            if kind is GGUFValueType.ARRAY:
-                writer.add_array(key, field.contents())
-            else:
-                writer.add_key_value(key, field.contents(), kind)
+    vocab = add_smollm2_tokenizer(writer)
     tensors = tensor_shapes(s, vocab)
     for name, dims in tensors:
         f32 = name.endswith(F32)

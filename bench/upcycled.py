@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from harness.gguf_of import write_gguf_of
+from harness.reference import write_hf_config
 from shardline.common.model_source import resolve_model
 from shardline.shard.weights import load_state_dict
 
@@ -51,25 +52,14 @@ def upcycled_checkpoint(folder: Path, seed: int = 0) -> Path:
             out[f"{moe}experts.{e}.w2.weight"] = down[:, order].contiguous()
     folder.mkdir(parents=True, exist_ok=True)
     save_file(out, folder / "model.safetensors")
-    config = {
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "rope_theta": cfg.rope_theta,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "max_position_embeddings": cfg.max_position,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "eos_token_id": cfg.eos_token_ids,
-        "num_local_experts": EXPERTS,
-        "num_experts_per_tok": PER_TOKEN,
-        "hidden_act": "silu",
-    }
+    write_hf_config(cfg, folder / "config.json")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=PER_TOKEN,
+    )
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 

@@ -82,11 +82,27 @@ def gguf_tensors(folder: Path) -> dict[str, np.ndarray]:
     return {(k if k.count(".") else k + ".weight"): v for k, v in out.items()}
 
 
-def write_gguf_of(folder: Path, path: Path) -> Path:
-    """`folder`'s checkpoint as an F32 GGUF at `path`."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+def add_smollm2_tokenizer(writer) -> int:
+    """Writes SmolLM2's tokenizer (the default model's GGUF fields) into `writer`; returns its
+    vocabulary's size."""
+    from gguf import GGUFReader, GGUFValueType
 
     from shardline.common.model_source import resolve_model
+
+    smollm2 = GGUFReader(str(resolve_model(None).path))
+    for key, field in smollm2.fields.items():
+        if key.startswith("tokenizer."):
+            kind = field.types[0]
+            if kind is GGUFValueType.ARRAY:
+                writer.add_array(key, field.contents())
+            else:
+                writer.add_key_value(key, field.contents(), kind)
+    return len(smollm2.fields["tokenizer.ggml.tokens"].data)
+
+
+def write_gguf_of(folder: Path, path: Path) -> Path:
+    """`folder`'s checkpoint as an F32 GGUF at `path`."""
+    from gguf import GGUFWriter
 
     raw = json.loads((folder / "config.json").read_text())
     arch = ARCHITECTURES[raw["model_type"]]
@@ -113,14 +129,7 @@ def write_gguf_of(folder: Path, path: Path) -> Path:
             writer.add_expert_feed_forward_length(raw["moe_intermediate_size"])
         if raw.get("shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(raw["shared_expert_intermediate_size"])
-    smollm2 = GGUFReader(str(resolve_model(None).path))
-    for key, field in smollm2.fields.items():
-        if key.startswith("tokenizer."):
-            kind = field.types[0]
-            if kind is GGUFValueType.ARRAY:
-                writer.add_array(key, field.contents())
-            else:
-                writer.add_key_value(key, field.contents(), kind)
+    add_smollm2_tokenizer(writer)
     for name, w in gguf_tensors(folder).items():
         writer.add_tensor(name, np.ascontiguousarray(w))
     writer.write_header_to_file()

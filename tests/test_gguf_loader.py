@@ -243,27 +243,30 @@ def test_a_tied_model_serves_its_lm_head_from_the_embeddings_blocks(tmp_path, em
     assert model.embed.table is model.lm_head  # the head's records serve the lookups too
 
 
+def prefill_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """The model's logits at every position of one sequence of up to 16 tokens, from fresh pages."""
+    from shardline.kernels.attention import AttentionBatch
+    from shardline.shard.kv_cache import KVPages
+
+    kv = KVPages(model.cfg, 4, 16, torch.float32, torch.device("cpu"))
+    batch = AttentionBatch(
+        slots=torch.arange(len(tokens)),
+        is_decode=False,
+        query_lens=[len(tokens)],
+        start_positions=[0],
+        block_tables_list=[torch.tensor([0])],
+    )
+    with torch.inference_mode():
+        return model.logits(model(tokens, torch.arange(len(tokens)), kv.layers, batch))
+
+
 def test_the_native_model_computes_what_the_dequantized_one_does(untied):
     """The same file through both loaders: wired alike (unpermuted Q/K, fused order, norms)."""
     source = resolve_model(str(untied))
     native = GgufLoader(source, Layout(), torch.float32, dense_copy=False).load()
     dense = build_model(source, torch.float32, torch.device("cpu"))
-    from shardline.kernels.attention import AttentionBatch
-    from shardline.shard.kv_cache import KVPages
-
-    outs = []
-    for model in (native, dense):
-        kv = KVPages(model.cfg, 4, 16, torch.float32, torch.device("cpu"))
-        tokens = torch.tensor([1, 5, 9, 40, 100])
-        batch = AttentionBatch(
-            slots=torch.arange(len(tokens)),
-            is_decode=False,
-            query_lens=[len(tokens)],
-            start_positions=[0],
-            block_tables_list=[torch.tensor([0])],
-        )
-        with torch.inference_mode():
-            outs.append(model.logits(model(tokens, torch.arange(len(tokens)), kv.layers, batch)))
+    tokens = torch.tensor([1, 5, 9, 40, 100])
+    outs = [prefill_logits(model, tokens) for model in (native, dense)]
     cos = torch.nn.functional.cosine_similarity(outs[0].flatten(), outs[1].flatten(), dim=0)
     assert cos > 0.999, cos
 

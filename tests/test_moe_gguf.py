@@ -23,6 +23,7 @@ from tests.test_gguf_loader import (  # noqa: F401
     _our_kernel_at_every_row_count,  # noqa: F401  (autouse here too)
     _random_blocks,
     _served,
+    prefill_logits,
 )
 
 HIDDEN, EXPERT_UNITS, DENSE_UNITS, EXPERTS, HEADS, KV_HEADS, VOCAB = 256, 512, 256, 4, 4, 2, 320
@@ -128,27 +129,13 @@ def test_each_expert_serves_the_weights_its_blocks_hold_and_a_tp_rank_its_units(
 
 
 def test_the_native_mixture_computes_what_the_dequantized_one_does_and_keeps_it(moe_gguf, tmp_path):
-    from shardline.kernels.attention import AttentionBatch
-    from shardline.shard.kv_cache import KVPages
-
     source = resolve_model(str(moe_gguf))
     native = _load(moe_gguf, dense_copy=True)
     served_cache.save(native, tmp_path / "kept.pt")
     kept = served_cache.load(native.cfg, Layout(), torch.float32, tmp_path / "kept.pt")
     dense = build_model(source, torch.float32, torch.device("cpu"))
     tokens = torch.tensor([1, 5, 9, 40, 100, 7, 300, 2])
-    outs = []
-    for model in (native, kept, dense):
-        kv = KVPages(model.cfg, 4, 16, torch.float32, torch.device("cpu"))
-        batch = AttentionBatch(
-            slots=torch.arange(len(tokens)),
-            is_decode=False,
-            query_lens=[len(tokens)],
-            start_positions=[0],
-            block_tables_list=[torch.tensor([0])],
-        )
-        with torch.inference_mode():
-            outs.append(model.logits(model(tokens, torch.arange(len(tokens)), kv.layers, batch)))
+    outs = [prefill_logits(model, tokens) for model in (native, kept, dense)]
     assert torch.equal(outs[0], outs[1])  # what a later start maps serves the same, to the bit
     cos = torch.nn.functional.cosine_similarity(outs[0].flatten(), outs[2].flatten(), dim=0)
     assert cos > 0.999, cos
