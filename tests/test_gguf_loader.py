@@ -126,6 +126,11 @@ def write_gguf(
             writer.add_tensor(f"blk.{i}.{norm}.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
         for part, (n, k) in shapes.items():
             _tensor(writer, f"blk.{i}.{part}.weight", types(i, part), n, k, rng)
+    return written(writer, path)
+
+
+def written(writer, path):
+    """Writes the file out; what the loaders keep of it goes after this module's tests."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

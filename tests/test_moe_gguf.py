@@ -17,13 +17,13 @@ from shardline.shard.load import weight_bytes
 from shardline.shard.model import MLP, MoE
 from shardline.shard.weights import build_model
 from tests.test_gguf_loader import (  # noqa: F401
-    _WRITTEN,
     _close,
     _no_cache_left_behind,
     _our_kernel_at_every_row_count,  # noqa: F401  (autouse here too)
     _random_blocks,
     _served,
     prefill_logits,
+    written,
 )
 
 HIDDEN, EXPERT_UNITS, DENSE_UNITS, EXPERTS, HEADS, KV_HEADS, VOCAB = 256, 512, 256, 4, 4, 2, 320
@@ -81,12 +81,7 @@ def write_moe_gguf(path, shared: bool = False):
             _quantized(writer, p + "ffn_up_shexp.weight", "Q4_K", (DENSE_UNITS, HIDDEN), rng)
             _quantized(writer, p + "ffn_down_shexp.weight", "Q6_K", (HIDDEN, DENSE_UNITS), rng)
             writer.add_tensor(p + "ffn_gate_inp_shexp.weight", rng.standard_normal(HIDDEN).astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    _WRITTEN.append(resolve_model(str(path)).cache_dir)
-    return path
+    return written(writer, path)
 
 
 def _expert_reference(path, name: str, expert: int) -> torch.Tensor:

@@ -290,7 +290,6 @@ class GgufLoader:
         q_heads, kv, units = tp_slice(cfg, layout)
         q_rows = np.arange(q_heads.start * hd, q_heads.stop * hd)
         kv_rows = np.arange(kv.start * hd, kv.stop * hd)
-        unit_rows = np.arange(units.start, units.stop)
         llama = cfg.architecture == "llama"
         q_order = _unpermuted(cfg.num_heads * hd, cfg.num_heads) if llama else np.arange(cfg.num_heads * hd)
         k_order = _unpermuted(cfg.num_kv_heads * hd, cfg.num_kv_heads) if llama else np.arange(cfg.num_kv_heads * hd)
@@ -322,7 +321,7 @@ class GgufLoader:
             if isinstance(block.mlp, MoE):
                 self._moe(p, block.mlp)
             else:
-                self._mlp(block.mlp, p + "ffn_{}.weight", unit_rows, units)
+                self._mlp(block.mlp, p + "ffn_{}.weight", units)
             self._release()
         tied = "output.weight" not in self.tensors
         if model.lm_head is not None:  # the sampling shard
@@ -341,13 +340,12 @@ class GgufLoader:
         log.info("read %s's weights into the serving layout in %.1f s", cfg.name, time.perf_counter() - t0)
         return model.eval().requires_grad_(False)
 
-    def _mlp(self, mlp: MLP, names: str, rows: np.ndarray, units: range, expert: int = 0) -> None:
-        """An MLP from the tensors `names`.format(gate|up|down): rows `rows` of gate's and up's,
-        columns `units` of down's; `expert`'s of 3-D ones."""
-        gate, up, down = (self._part(names.format(kind)) for kind in ("gate", "up", "down"))
-        at = expert * (gate.n // max(1, self.cfg.num_experts))
-        mlp.w13 = self._linear([self._part(names.format(kind), at + rows) for kind in ("gate", "up")])
-        out = expert * (down.n // max(1, self.cfg.num_experts))
+    def _mlp(self, mlp: MLP, names: str, units: range, expert: int = 0) -> None:
+        """An MLP from the tensors `names`.format(gate|up|down): this rank's `units` (gate's and up's
+        rows, down's columns); of 3-D tensors, `expert`'s (its rows follow the experts' before it)."""
+        rows = np.arange(units.start, units.stop) + expert * self.cfg.expert_intermediate_size
+        mlp.w13 = self._linear([self._part(names.format(kind), rows) for kind in ("gate", "up")])
+        out = expert * self.cfg.hidden_size
         mlp.w2 = self._linear([self._part(names.format("down"), np.arange(out, out + self.cfg.hidden_size), units)])
 
     def _moe(self, p: str, moe: MoE) -> None:
@@ -356,10 +354,10 @@ class GgufLoader:
         moe.gate = self._linear([self._part(p + "ffn_gate_inp.weight")])
         units = mlp_units(self.cfg.expert_intermediate_size, self.layout)
         for e, expert in enumerate(moe.experts):
-            self._mlp(expert, p + "ffn_{}_exps.weight", np.arange(units.start, units.stop), units, e)
+            self._mlp(expert, p + "ffn_{}_exps.weight", units, e)
         if moe.shared is not None:
             shared = mlp_units(self.cfg.shared_expert_intermediate_size, self.layout)
-            self._mlp(moe.shared, p + "ffn_{}_shexp.weight", np.arange(shared.start, shared.stop), shared)
+            self._mlp(moe.shared, p + "ffn_{}_shexp.weight", shared)
             # a vector in the file ({n_embd}), a one-row layer in the model
             moe.shared_gate = nn.Linear(self.cfg.hidden_size, 1, bias=False, device="cpu", dtype=self.dtype)
             moe.shared_gate.weight.data = self._dense(p + "ffn_gate_inp_shexp.weight").reshape(1, -1)
