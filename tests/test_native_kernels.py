@@ -183,6 +183,36 @@ def test_the_kernels_reject_records_of_another_width_or_shape(bits):
             linear(x, held)
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "int8"])
+def test_several_layers_at_once_compute_what_each_does_alone(kind, two_threads):
+    """record_linears (a mixture's experts, each on its own run of rows): five layers of five
+    blocks of 8 outputs with rows 2, 0, 5, 1, 3 and 2 (none; more than a pass of 4 rows), so that
+    the second thread's share begins inside a layer; each layer's rows as the layer alone makes
+    them, bit for bit."""
+    import numpy as np
+
+    from shardline.kernels.operands import native_operands
+    from tests.test_gguf_loader import _random_blocks
+
+    rng, n, k = np.random.default_rng(5), 40, 512
+    if kind == "int8":
+        codes = [torch.randint(0, 255, (n, k), dtype=torch.int32) for _ in range(6)]
+        layers = [native_operands(c, torch.rand(n, k // 32), torch.rand(n, k // 32), 8)[0] for c in codes]
+        alone = native.ops().int8_linear
+    else:
+        pack = native.ops().q4_k_pack if kind == "Q4_K" else native.ops().q6_k_pack
+        layers = [pack(torch.from_numpy(_random_blocks(kind, n, k, rng))) for _ in range(6)]
+        alone = native.ops().q4_k_linear if kind == "Q4_K" else native.ops().int6_linear
+    offsets = np.cumsum([0, 2, 0, 5, 1, 3, 2]).tolist()
+    x = torch.randn(offsets[-1], k)
+    together = native.ops().record_linears(x, layers, offsets)
+    for e, layer in enumerate(layers):
+        rows = slice(offsets[e], offsets[e + 1])
+        assert torch.equal(together[rows], alone(x[rows], layer, 1 << 30, False)), e
+    with pytest.raises(RuntimeError, match="must be x's rows"):
+        native.ops().record_linears(x, layers, offsets[:-1] + [offsets[-1] - 1])
+
+
 @pytest.mark.parametrize(
     "kernel,bits",
     [("torch", 4), ("torch", 8), ("native", 4), ("native+torch", 4), ("native", 8), ("native", 6), ("native", "4+6")],

@@ -122,6 +122,14 @@ at::Tensor DecodeLayer::forward(const at::Tensor& x_in, const at::Tensor& cos, c
   return (router_ ? experts(n) : mlp(n, 2)).add_(h);
 }
 
+const DecodeLayer::Part* DecodeLayer::direct(const std::vector<Part>& parts, int64_t rows) {
+  if (parts.size() != 1) return nullptr;
+  const Part& p = parts[0];
+  const bool ours = p.kind >= 2 && p.kind <= 5 && rows <= p.direct_rows;
+  const bool torch_above = (p.kind == 3 || p.kind == 5) && p.operands.size() == 3 && rows > p.torch_rows;
+  return ours && !torch_above ? &p : nullptr;
+}
+
 at::Tensor DecodeLayer::mlp(const at::Tensor& x, int64_t w13) const {
   return linear(silu_mul(linear(x, w13)), w13 + 1);
 }
@@ -145,20 +153,46 @@ at::Tensor DecodeLayer::experts(const at::Tensor& x) const {
   // of the step.
   const int64_t width = x.size(1);
   const float* in = x.const_data_ptr<float>();
+  const auto gather = [&](const std::vector<int64_t>& mine, float* to) {
+    for (const int64_t r : mine) std::memcpy(to, in + r * width, width * sizeof(float)), to += width;
+  };
+  // The experts whose two layers take their rows straight from the codes, on the kernels of the
+  // first such, run together: their rows gathered in order of expert, each layer one call
+  // (interleaved::multiply says why). Any other expert runs alone.
+  std::vector<at::Tensor> w13s, w2s;
+  std::vector<int64_t> offsets{0}, grouped_at(count, -1);  // an expert's first row in `grouped`
+  int64_t kinds[2] = {-1, -1};
+  for (int64_t e = 0; e < count; ++e) {
+    const int64_t n = static_cast<int64_t>(rows_of[e].size());
+    const Part *w13 = n ? direct(linears_[2 + 2 * e], n) : nullptr, *w2 = n ? direct(linears_[3 + 2 * e], n) : nullptr;
+    if (!w13 || !w2) continue;
+    if (kinds[0] < 0) kinds[0] = w13->kind, kinds[1] = w2->kind;
+    if (w13->kind != kinds[0] || w2->kind != kinds[1]) continue;
+    grouped_at[e] = offsets.back();
+    offsets.push_back(offsets.back() + n);
+    w13s.push_back(w13->operands[0]), w2s.push_back(w2->operands[0]);
+  }
+  at::Tensor grouped;
+  if (!w13s.empty()) {
+    at::Tensor gathered = at::empty({offsets.back(), width}, x.options());
+    for (int64_t e = 0; e < count; ++e)
+      if (grouped_at[e] >= 0) gather(rows_of[e], gathered.data_ptr<float>() + grouped_at[e] * width);
+    grouped = record_linears(silu_mul(record_linears(gathered, w13s, offsets)), w2s, offsets);
+  }
   at::Tensor out = at::zeros_like(x);
   float* sum = out.data_ptr<float>();
   for (int64_t e = 0; e < count; ++e) {
     const std::vector<int64_t>& mine = rows_of[e];
     const int64_t n = static_cast<int64_t>(mine.size());
     if (n == 0) continue;
-    at::Tensor gathered = x;  // every row, in order (a row takes an expert once): one stream's every expert
-    if (n < rows) {
-      gathered = at::empty({n, width}, x.options());
-      for (int64_t i = 0; i < n; ++i)
-        std::memcpy(gathered.data_ptr<float>() + i * width, in + mine[i] * width, width * sizeof(float));
+    at::Tensor alone;
+    if (grouped_at[e] < 0) {
+      at::Tensor gathered = x;  // every row, in order (a row takes an expert once): one stream's every expert
+      if (n < rows) gathered = at::empty({n, width}, x.options()), gather(mine, gathered.data_ptr<float>());
+      alone = mlp(gathered, 2 + 2 * e).contiguous();
     }
-    const at::Tensor y = mlp(gathered, 2 + 2 * e).contiguous();
-    const float* ys = y.const_data_ptr<float>();
+    const float* ys = grouped_at[e] >= 0 ? grouped.const_data_ptr<float>() + grouped_at[e] * width
+                                         : alone.const_data_ptr<float>();
     for (int64_t i = 0; i < n; ++i) {
       const float w = weights_of[e][i];
       float* to = sum + mine[i] * width;

@@ -35,6 +35,9 @@ class DecodeLayer : public torch::CustomClassHolder {
     int64_t kind, direct_rows, torch_rows;
     std::vector<at::Tensor> operands;  // decode_layer.cpp says which, by kind
   };
+  // The part of a linear layer that multiplies `rows` rows straight from its records (its only
+  // part, on one of Shardline's kernels, at most its direct_rows and torch_rows), or nullptr.
+  static const Part* direct(const std::vector<Part>& parts, int64_t rows);
   at::Tensor linear(const at::Tensor& x, int64_t which) const;
   at::Tensor mlp(const at::Tensor& x, int64_t w13) const;  // the MLP whose w13 is linear `w13`, w2 the next
   at::Tensor experts(const at::Tensor& x) const;

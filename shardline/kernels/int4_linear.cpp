@@ -238,6 +238,14 @@ at::Tensor q4_k_linear(const at::Tensor& x, const at::Tensor& records, int64_t m
   return interleaved::linear<Q4KCodes>(x, records, max_direct_rows, bf16_gemm);
 }
 
+at::Tensor int4_linears(const at::Tensor& x, at::TensorList records, at::IntArrayRef offsets) {
+  return interleaved::multiply<Int4Codes>(records, x, offsets);
+}
+
+at::Tensor q4_k_linears(const at::Tensor& x, at::TensorList records, at::IntArrayRef offsets) {
+  return interleaved::multiply<Q4KCodes>(records, x, offsets);
+}
+
 at::Tensor int4_rows(const at::Tensor& records, const at::Tensor& tokens) {
   if (records.dim() == 3 && records.size(2) == interleaved::STRIDE<Q4KCodes>)
     return interleaved::weight_rows<Q4KCodes>(records, tokens);

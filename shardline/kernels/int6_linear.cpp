@@ -172,6 +172,10 @@ at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& records, int64_t m
   return interleaved::linear<Int6Codes>(x, records, max_direct_rows, bf16_gemm);
 }
 
+at::Tensor int6_linears(const at::Tensor& x, at::TensorList records, at::IntArrayRef offsets) {
+  return interleaved::multiply<Int6Codes>(records, x, offsets);
+}
+
 at::Tensor int6_rows(const at::Tensor& records, const at::Tensor& tokens) {
   return interleaved::weight_rows<Int6Codes>(records, tokens);
 }

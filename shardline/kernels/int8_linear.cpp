@@ -67,6 +67,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& records, int64_t m
   return interleaved::linear<Int8Codes>(x, records, max_direct_rows, bf16_gemm);
 }
 
+at::Tensor int8_linears(const at::Tensor& x, at::TensorList records, at::IntArrayRef offsets) {
+  return interleaved::multiply<Int8Codes>(records, x, offsets);
+}
+
 at::Tensor int8_rows(const at::Tensor& records, const at::Tensor& tokens) {
   return interleaved::weight_rows<Int8Codes>(records, tokens);
 }

@@ -140,12 +140,28 @@ at::Tensor pack(const at::Tensor& scale, const at::Tensor& lo, int64_t N, int64_
   });
 }
 
+// The blocks of 8 outputs that a thread multiplies, in order, as units (unit u: block u % blocks
+// of layer u / blocks), so that its prefetches run on from one layer's blocks into the next's.
+struct Units {
+  const std::vector<const char*>& layers;  // each layer's records
+  int64_t blocks, groups, end;             // end: past the thread's last unit
+  // the first record of unit u's block (the thread's last block, past its end)
+  template <typename Codes>
+  const char* at(int64_t u) const {
+    u = std::min(u, end - 1);
+    return record<Codes>(layers[u / blocks], groups, u % blocks, 0);
+  }
+};
+
 // y[m, 8b + i] for the R activation rows from m0 and the NB blocks of 8 outputs from b0
-// (constants, so that the sums stay in registers).
+// (constants, so that the sums stay in registers), block b0 being the thread's unit u0.
 template <typename Codes, int NB, int R>
-void dot_block(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0, int64_t K, float* y, int64_t N) {
+void dot_block(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0, int64_t K, float* y, int64_t N,
+               const Units& units, int64_t u0) {
   const int64_t groups = K / G;
 #if defined(__AVX2__)
+  const char* ahead[NB];  // the thread's blocks two runs on
+  for (int b = 0; b < NB; ++b) ahead[b] = units.at<Codes>(u0 + 2 * NB + b);
   __m256 total[NB][R];
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) total[b][r] = _mm256_setzero_ps();
@@ -153,13 +169,13 @@ void dot_block(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0,
     const char* rec[NB];
     for (int b = 0; b < NB; ++b) rec[b] = record<Codes>(records, groups, b0 + b, g);
     // the records two runs of blocks ahead: decode's weights stream from memory, once per step
-    // (past the layer's last record this touches nothing: prefetches do not fault). Into L2 only
+    // (the next layer's, at a layer's end). Into L2 only
     // (T2): two runs ahead is about 24 KB a thread at one row of SmolLM2's layers, most of a 32 KB
     // L1, and prefetched into L1 they were evicted before their use (forced AVX2, in-process A/B,
     // the 30 layers' 120 multiplies at one row: 4.55 -> 3.52 ms; the 8-bit LM head 1.50 -> 1.00).
     for (int b = 0; b < NB; ++b)
       for (int64_t line = 0; line < RECORD<Codes> + Codes::TAIL_BYTES; line += 64)
-        _mm_prefetch(record<Codes>(records, groups, b0 + 2 * NB + b, g) + line, _MM_HINT_T2);
+        _mm_prefetch(record<Codes>(ahead[b], groups, 0, g) + line, _MM_HINT_T2);
     constexpr int LOADS = G / 2 / Codes::PAIRS;
     for (int h = 0; h < Codes::HALVES; ++h) {
       __m256i acc[NB][R];
@@ -226,8 +242,10 @@ void dot_block(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0,
 // batch rows is bound by them (one row streams the weights from memory either way).
 template <typename Codes, int NP, int R>  // NP pairs of blocks
 void dot_block_pairs(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0, int64_t K, float* y,
-                     int64_t N) {
+                     int64_t N, const Units& units, int64_t u0) {
   const int64_t groups = K / G;
+  const char* ahead[2 * NP];
+  for (int b = 0; b < 2 * NP; ++b) ahead[b] = units.at<Codes>(u0 + 4 * NP + b);
   __m512 total[NP][R];
   for (int p = 0; p < NP; ++p)
     for (int r = 0; r < R; ++r) total[p][r] = _mm512_setzero_ps();
@@ -236,7 +254,7 @@ void dot_block_pairs(const char* records, const Int16Rows& xs, int64_t m0, int64
     for (int b = 0; b < 2 * NP; ++b) rec[b] = record<Codes>(records, groups, b0 + b, g);
     for (int b = 0; b < 2 * NP; ++b)  // two runs ahead, into L2, as dot_block says why
       for (int64_t line = 0; line < RECORD<Codes> + Codes::TAIL_BYTES; line += 64)
-        _mm_prefetch(record<Codes>(records, groups, b0 + 4 * NP + b, g) + line, _MM_HINT_T2);
+        _mm_prefetch(record<Codes>(ahead[b], groups, 0, g) + line, _MM_HINT_T2);
     constexpr int LOADS = G / 2 / Codes::PAIRS;
     for (int h = 0; h < Codes::HALVES; ++h) {
       __m512i acc[NP][R];
@@ -280,14 +298,14 @@ void dot_block_pairs(const char* records, const Int16Rows& xs, int64_t m0, int64
 // Blocks [b0, b1) in runs of NB (in pairs where the CPU has AVX-512), the last ones one at a time.
 template <typename Codes, int NB, int R>
 void dot_rows(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0, int64_t b1, int64_t K, float* y,
-              int64_t N) {
+              int64_t N, const Units& units, int64_t u0) {
   int64_t b = b0;
 #if defined(SHARDLINE_WIDE)
-  for (; b + NB <= b1; b += NB) dot_block_pairs<Codes, NB / 2, R>(records, xs, m0, b, K, y, N);
+  for (; b + NB <= b1; b += NB) dot_block_pairs<Codes, NB / 2, R>(records, xs, m0, b, K, y, N, units, u0 + b - b0);
 #else
-  for (; b + NB <= b1; b += NB) dot_block<Codes, NB, R>(records, xs, m0, b, K, y, N);
+  for (; b + NB <= b1; b += NB) dot_block<Codes, NB, R>(records, xs, m0, b, K, y, N, units, u0 + b - b0);
 #endif
-  for (; b < b1; ++b) dot_block<Codes, 1, R>(records, xs, m0, b, K, y, N);
+  for (; b < b1; ++b) dot_block<Codes, 1, R>(records, xs, m0, b, K, y, N, units, u0 + b - b0);
 }
 
 // The records of a layer [N/8, K/32, RECORD] as a kernel takes them.
@@ -298,12 +316,18 @@ void check_records(const at::Tensor& records, int64_t K) {
               "the weights must be packed records [N/8, K/", G * Codes::PER, ", ", STRIDE<Codes>, "] uint8 for K = ", K);
 }
 
-// x [M, K] fp32 times the weights that `records` hold -> [M, N]. A block shape per activation
-// rows left (1 to ROW_BLOCK), measured (AVX2, SmolLM2's layers): four blocks at one row, two at
-// more; with AVX-512's 32 registers, four (two pairs) at every row count.
+// x [M, K] fp32 times the weights of several layers of one shape [N, K] (a mixture's experts),
+// layer e on x's rows [offsets[e], offsets[e + 1]) into the same rows of y [M, N]; one layer is
+// `offsets` {0, M}. One parallel region over all the layers' blocks, so that each thread streams
+// weights from one layer into the next without a barrier between them (a decode step's experts,
+// some 56 a layer of 2 rows each, read their weights a sixth slower one call each: AVX-512, 2
+// threads). A block shape per activation rows left (1 to ROW_BLOCK), measured (AVX2, SmolLM2's
+// layers): four blocks at one row, two at more; with AVX-512's 32 registers, four (two pairs) at
+// every row count.
 template <typename Codes>
-at::Tensor multiply(const at::Tensor& records, const at::Tensor& x) {
-  using DotRows = void (*)(const char*, const Int16Rows&, int64_t, int64_t, int64_t, int64_t, float*, int64_t);
+at::Tensor multiply(at::TensorList records, const at::Tensor& x, at::IntArrayRef offsets) {
+  using DotRows = void (*)(const char*, const Int16Rows&, int64_t, int64_t, int64_t, int64_t, float*, int64_t,
+                           const Units&, int64_t);
 #if defined(SHARDLINE_WIDE)
   constexpr int NB = 4;
 #else
@@ -312,17 +336,32 @@ at::Tensor multiply(const at::Tensor& records, const at::Tensor& x) {
   constexpr DotRows DOT_ROWS[ROW_BLOCK + 1] = {nullptr, dot_rows<Codes, 4, 1>, dot_rows<Codes, NB, 2>,
                                                dot_rows<Codes, NB, 3>, dot_rows<Codes, NB, 4>};
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, K] float32");
+  TORCH_CHECK(!records.empty() && offsets.size() == records.size() + 1, "one run of rows per layer");
   const at::Tensor xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = records.size(0) * B;
-  check_records<Codes>(records, K);
+  const int64_t M = xc.size(0), K = xc.size(1), N = records[0].size(0) * B;
+  TORCH_CHECK(offsets.front() == 0 && offsets.back() == M, "the layers' rows must be x's rows");
+  std::vector<const char*> bases;  // the layers with rows, and their rows
+  std::vector<int64_t> first, end;
+  for (size_t e = 0; e < records.size(); ++e) {
+    check_records<Codes>(records[e], K);
+    TORCH_CHECK(records[e].size(0) * B == N && offsets[e] <= offsets[e + 1], "layers of one shape, rows in order");
+    if (offsets[e] == offsets[e + 1]) continue;
+    bases.push_back(reinterpret_cast<const char*>(records[e].const_data_ptr<uint8_t>()));
+    first.push_back(offsets[e]), end.push_back(offsets[e + 1]);
+  }
   if (M == 0) return at::empty({0, N}, x.options());
   const Int16Rows rows = int16_rows(xc.const_data_ptr<float>(), M, K);
   at::Tensor y = at::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
-  const char* base = reinterpret_cast<const char*>(records.const_data_ptr<uint8_t>());
-  at::parallel_for(0, N / B, 2, [&](int64_t b0, int64_t b1) {
-    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK)
-      DOT_ROWS[std::min(ROW_BLOCK, M - m0)](base, rows, m0, b0, b1, K, out, N);
+  const int64_t blocks = N / B;
+  at::parallel_for(0, static_cast<int64_t>(bases.size()) * blocks, 2, [&](int64_t u0, int64_t u1) {
+    const Units units{bases, blocks, K / G, u1};
+    for (int64_t u = u0; u < u1;) {
+      const int64_t e = u / blocks, b0 = u % blocks, b1 = std::min(blocks, b0 + (u1 - u));
+      for (int64_t m0 = first[e]; m0 < end[e]; m0 += ROW_BLOCK)
+        DOT_ROWS[std::min(ROW_BLOCK, end[e] - m0)](bases[e], rows, m0, b0, b1, K, out, N, units, u);
+      u += b1 - b0;
+    }
   });
   return y;
 }
@@ -405,7 +444,7 @@ at::Tensor through_gemm(const at::Tensor& x, const at::Tensor& records, bool bf1
 template <typename Codes>
 at::Tensor linear(const at::Tensor& x, const at::Tensor& records, int64_t max_direct_rows, bool bf16_gemm) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, K] float32");
-  if (x.size(0) <= max_direct_rows) return multiply<Codes>(records, x);
+  if (x.size(0) <= max_direct_rows) return multiply<Codes>(records, x, {0, x.size(0)});
   check_records<Codes>(records, x.size(1));
   return through_gemm<Codes>(x.contiguous(), records, bf16_gemm);
 }

@@ -22,6 +22,21 @@ at::Tensor record_rows(const at::Tensor& records, const at::Tensor& tokens) {
 
 }  // namespace
 
+namespace shardline {
+
+at::Tensor record_linears(const at::Tensor& x, at::TensorList records, at::IntArrayRef offsets) {
+  TORCH_CHECK(!records.empty() && records[0].dim() == 3, "records must be [N/8, K/32, record bytes]");
+  switch (records[0].size(2)) {
+    case 160: return int4_linears(x, records, offsets);
+    case 1184: return q4_k_linears(x, records, offsets);
+    case 224: return int6_linears(x, records, offsets);
+    case 288: return int8_linears(x, records, offsets);
+  }
+  TORCH_CHECK(false, "no kernel's records are ", records[0].size(2), " bytes");
+}
+
+}  // namespace shardline
+
 TORCH_LIBRARY(shardline_native, m) {
   m.def("int8_pack(Tensor codes, Tensor scale, Tensor lo) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor records, int max_direct_rows, bool bf16_gemm) -> Tensor");
@@ -30,6 +45,7 @@ TORCH_LIBRARY(shardline_native, m) {
   m.def("int6_pack(Tensor codes, Tensor sc, Tensor d) -> Tensor");
   m.def("int6_linear(Tensor x, Tensor records, int max_direct_rows, bool bf16_gemm) -> Tensor");
   m.def("record_rows(Tensor records, Tensor tokens) -> Tensor");
+  m.def("record_linears(Tensor x, Tensor[] records, int[] offsets) -> Tensor");
   m.def("q4_k_pack(Tensor blocks) -> Tensor");
   m.def("q4_k_linear(Tensor x, Tensor records, int max_direct_rows, bool bf16_gemm) -> Tensor");
   m.def("q6_k_pack(Tensor blocks) -> Tensor");
@@ -55,6 +71,7 @@ TORCH_LIBRARY_IMPL(shardline_native, CPU, m) {
   m.impl("int6_pack", shardline::int6_pack);
   m.impl("int6_linear", shardline::int6_linear);
   m.impl("record_rows", record_rows);
+  m.impl("record_linears", shardline::record_linears);
   m.impl("q4_k_pack", shardline::q4_k_pack);
   m.impl("q4_k_linear", shardline::q4_k_linear);
   m.impl("q6_k_pack", shardline::q6_k_pack);

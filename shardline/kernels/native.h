@@ -42,6 +42,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_groups(const at::Tensor& rec
 // The same for int6_pack's records, w = d * sc * (code - 32).
 at::Tensor int6_linear(const at::Tensor& x, const at::Tensor& records, int64_t max_direct_rows, bool bf16_gemm);
 
+// Several layers of one shape in the records of one kernel at once, straight from their codes:
+// layer e (records[e]) times x's rows [offsets[e], offsets[e + 1]) into the same rows of the
+// [M, N] result (a mixture's experts on their rows, sorted by expert; interleaved::multiply).
+at::Tensor int8_linears(const at::Tensor& x, at::TensorList records, at::IntArrayRef offsets);
+at::Tensor int6_linears(const at::Tensor& x, at::TensorList records, at::IntArrayRef offsets);
+at::Tensor int4_linears(const at::Tensor& x, at::TensorList records, at::IntArrayRef offsets);
+at::Tensor q4_k_linears(const at::Tensor& x, at::TensorList records, at::IntArrayRef offsets);
+// The same for records of any of the kernels, told apart by their size (native.cpp).
+at::Tensor record_linears(const at::Tensor& x, at::TensorList records, at::IntArrayRef offsets);
+
 // The weight rows `tokens` of a layer held in records of any of the kernels, fp32 [T, K]
 // (a tied embedding's lookups).
 at::Tensor int4_rows(const at::Tensor& records, const at::Tensor& tokens);
