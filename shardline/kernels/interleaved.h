@@ -47,7 +47,16 @@ namespace shardline::interleaved {
 
 constexpr int64_t G = 32;         // weights per group (one scale, one lo)
 constexpr int64_t B = 8;          // outputs per block, across the lanes
-constexpr int64_t ROW_BLOCK = 4;  // activation rows multiplied against one block's codes
+// Activation rows multiplied against one block's codes at most (`multiply`): AVX-512's 32
+// registers hold the sums of 8.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+constexpr int64_t ROW_BLOCK = 8;
+#else
+constexpr int64_t ROW_BLOCK = 4;
+#endif
+// Of more rows, each run of ROW_BLOCK reads the weights again: a chunk of blocks about this size
+// at a time, which stays in a core's L2 from the first run's read to the last's.
+constexpr int64_t CHUNK_BYTES = 256 << 10;
 
 template <typename Codes>
 constexpr int64_t RECORD = Codes::CODE_BYTES + Codes::SCALE_BYTES;  // a group's
@@ -322,19 +331,23 @@ void check_records(const at::Tensor& records, int64_t K) {
 // weights from one layer into the next without a barrier between them (a decode step's experts,
 // some 56 a layer of 2 rows each, read their weights a sixth slower one call each: AVX-512, 2
 // threads). A block shape per activation rows left (1 to ROW_BLOCK), measured (AVX2, SmolLM2's
-// layers): four blocks at one row, two at more; with AVX-512's 32 registers, four (two pairs) at
-// every row count.
+// layers): four blocks at one row, two at more; with AVX-512, four (two pairs) at every row count
+// (a run of 5 to 8 rows costs less than a second run over the weights).
 template <typename Codes>
 at::Tensor multiply(at::TensorList records, const at::Tensor& x, at::IntArrayRef offsets) {
   using DotRows = void (*)(const char*, const Int16Rows&, int64_t, int64_t, int64_t, int64_t, float*, int64_t,
                            const Units&, int64_t);
 #if defined(SHARDLINE_WIDE)
   constexpr int NB = 4;
+  constexpr DotRows DOT_ROWS[ROW_BLOCK + 1] = {nullptr,
+                                               dot_rows<Codes, 4, 1>, dot_rows<Codes, 4, 2>, dot_rows<Codes, 4, 3>,
+                                               dot_rows<Codes, 4, 4>, dot_rows<Codes, 4, 5>, dot_rows<Codes, 4, 6>,
+                                               dot_rows<Codes, 4, 7>, dot_rows<Codes, 4, 8>};
 #else
   constexpr int NB = 2;
-#endif
   constexpr DotRows DOT_ROWS[ROW_BLOCK + 1] = {nullptr, dot_rows<Codes, 4, 1>, dot_rows<Codes, NB, 2>,
                                                dot_rows<Codes, NB, 3>, dot_rows<Codes, NB, 4>};
+#endif
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [rows, K] float32");
   TORCH_CHECK(!records.empty() && offsets.size() == records.size() + 1, "one run of rows per layer");
   const at::Tensor xc = x.contiguous();
@@ -353,13 +366,16 @@ at::Tensor multiply(at::TensorList records, const at::Tensor& x, at::IntArrayRef
   const Int16Rows rows = int16_rows(xc.const_data_ptr<float>(), M, K);
   at::Tensor y = at::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
-  const int64_t blocks = N / B;
+  const int64_t blocks = N / B, block_bytes = K / G / Codes::PER * STRIDE<Codes>;
+  const int64_t chunk = std::max<int64_t>(1, CHUNK_BYTES / (block_bytes * NB)) * NB;  // blocks, whole runs
   at::parallel_for(0, static_cast<int64_t>(bases.size()) * blocks, 2, [&](int64_t u0, int64_t u1) {
     const Units units{bases, blocks, K / G, u1};
     for (int64_t u = u0; u < u1;) {
       const int64_t e = u / blocks, b0 = u % blocks, b1 = std::min(blocks, b0 + (u1 - u));
-      for (int64_t m0 = first[e]; m0 < end[e]; m0 += ROW_BLOCK)
-        DOT_ROWS[std::min(ROW_BLOCK, end[e] - m0)](bases[e], rows, m0, b0, b1, K, out, N, units, u);
+      for (int64_t c = b0; c < b1; c += chunk)
+        for (int64_t m0 = first[e]; m0 < end[e]; m0 += ROW_BLOCK)
+          DOT_ROWS[std::min(ROW_BLOCK, end[e] - m0)](bases[e], rows, m0, c, std::min(b1, c + chunk), K, out, N,
+                                                     units, u + c - b0);
       u += b1 - b0;
     }
   });
