@@ -1,17 +1,27 @@
 """Mixtures of experts (Qwen3-MoE, Mixtral, Qwen2-MoE): tiny random ones made with `transformers`,
 served from their Hugging Face folders and from GGUFs written as llama.cpp's converter writes them
 (F32: the exact weights), give `transformers`' greedy tokens under tensor parallelism, chunked
-prefill and prefix-cache hits."""
+prefill and prefix-cache hits; and its constrained tokens, and its log-probabilities through the
+OpenAI API."""
 
 import random
 
+import openai
 import pytest
 import torch
 
 from harness.gguf_of import write_gguf_of
 from shardline.protos import generation_pb2 as pb
 from shardline.shard.model import MoE
-from tests.support import Server, assert_serves_like_reference, hf_greedy, hf_model, make_tiny_model
+from tests.support import (
+    Server,
+    assert_constrained_match,
+    assert_serves_like_reference,
+    hf_constrained_greedy,
+    hf_greedy,
+    hf_model,
+    make_tiny_model,
+)
 
 PAGE = 16
 
@@ -54,8 +64,30 @@ def test_tiny_mixtures_match_transformers(moe_models, arch, source, tp, chunk):
         info = server.stub.Info(pb.InfoRequest())
         assert info.tensor_parallel == tp and info.kv_dtype == "float32"  # F32 weights served dense: exact
         assert_serves_like_reference(server, prompts, wants, "on")
+        if source == "gguf" and tp == 2:  # above the model, once: a constraint's mask, the HTTP API's logprobs
+            req = pb.GenerateRequest(
+                prompt_token_ids=pb.PromptTokens(ids=prompts[1]), max_new_tokens=12, regex="[a-z]{3}-[0-9]{2,9}"
+            )
+            got = server.generate(**{f.name: v for f, v in req.ListFields()})[0]
+            assert_constrained_match(got, hf_constrained_greedy(ref, prompts[1], req, 12))
+            _logprobs_match_transformers(server, ref, prompts[0], wants[0][0][:6])
     finally:
         assert server.stop() == 0
+
+
+def _logprobs_match_transformers(server, ref, prompt: list[int], want: list[int]):
+    """A greedy completion's log-probabilities through the OpenAI API against transformers' of
+    the same tokens."""
+    client = openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    answer = client.completions.create(
+        model=model, prompt=prompt, max_tokens=len(want), temperature=0, logprobs=2, extra_body={"ignore_eos": True}
+    )
+    with torch.inference_mode():
+        logits = ref(torch.tensor([prompt + want])).logits[0, len(prompt) - 1 : -1]
+    theirs = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(want)[:, None])[:, 0]
+    ours = torch.tensor(answer.choices[0].logprobs.token_logprobs, dtype=torch.float64)
+    torch.testing.assert_close(ours, theirs, atol=1e-3, rtol=0)
 
 
 def test_experts_group_their_rows_and_weigh_them_as_the_reference(moe_models):
