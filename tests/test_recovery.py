@@ -263,6 +263,27 @@ if sys.argv[1] == "wedge":  # then a thread that takes the GIL while the loop wa
 """
 
 
+STOPPED_BY_A_SLOW_HANDLER = r"""
+import signal, time
+import shardline.shard.server as server
+stopped = []
+signal.signal(signal.SIGALRM, lambda *_: (time.sleep(0.2), stopped.append(True)))  # longer than a wait
+signal.setitimer(signal.ITIMER_REAL, 0.01)
+server.MainThreadWork().serve_until(lambda: bool(stopped))
+print("stopped", flush=True)
+"""
+
+
+def test_a_signal_handler_that_outlasts_the_loops_wait_does_not_stop_it_turning():
+    """A dead launcher's SIGTERM runs the shard's handler inside the main loop's wait; one that
+    ran past the wait's 50 ms left a SimpleQueue waiting for good (CPython 3.11), and the shard
+    never saw its stop (test_launcher's killed launcher, once in a while)."""
+    done = subprocess.run(
+        [sys.executable, "-c", STOPPED_BY_A_SLOW_HANDLER], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and "stopped" in done.stdout, done.stdout + done.stderr
+
+
 @pytest.mark.parametrize("case", ["wedge", "calm"])
 def test_a_shard_whose_main_loop_stops_turning_exits_with_every_threads_stack(case):
     """A wedged main thread (here: another thread holds the GIL) cannot run Python, not even its

@@ -21,9 +21,9 @@ _FIRST_PARENT = os.getppid()  # at import, which a service does before it serves
 
 def parent_gone() -> bool:
     """Whether the process that started this one has died (this one was reparented). A service's
-    serving loop checks it as well as relying on the parent-death SIGTERM: CI twice saw a shard
-    still in that loop 30 s after its launcher was SIGKILLed, its SIGTERM handler never run. A
-    service started by init or a container runtime keeps its parent and is unaffected."""
+    serving loop checks it as well as relying on the parent-death SIGTERM, which a process may
+    block or miss. A service started by init or a container runtime keeps its parent and is
+    unaffected."""
     return os.getppid() != _FIRST_PARENT
 
 

@@ -47,7 +47,11 @@ class MainThreadWork:
     took 51 ms on the main thread and 70-95 ms on any other, also on a single dedicated one."""
 
     def __init__(self):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # Not a SimpleQueue: CPython 3.11's SimpleQueue.get(timeout) waits forever once a signal
+        # handler has run past the timeout (it then waits with a negative one, which means none).
+        # The SIGTERM handler that a dead launcher's parent-death signal runs here took the 50 ms
+        # once in a while, and its shard then stayed, its loop never turning again.
+        self._queue: queue.Queue = queue.Queue()
 
     def call(self, fn, *args):
         future = futures.Future()
@@ -59,9 +63,7 @@ class MainThreadWork:
 
         While it waits, the loop turns every 50 ms. If it stops turning for WEDGED_S seconds
         outside a call, the process is wedged: faulthandler's own thread, which needs no GIL,
-        writes every thread's stack to stderr and exits (code 1). CI saw a shard stuck in this
-        wait, its SIGTERM handler and parent check never run, 30 s after its launcher was
-        killed: its main thread never got the GIL back (cause not found).
+        writes every thread's stack to stderr and exits (code 1).
 
         The timer is armed by a turn that found nothing to run, re-armed a tenth of WEDGED_S
         apart, and disarmed when a call comes: arming starts a thread (arming and disarming
