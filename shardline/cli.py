@@ -121,11 +121,6 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.tp * args.pp > 1 and not args.dist_init:
             parser.error("shard: --dist-init tcp://HOST:PORT is required with --tp or --pp above 1")
-        # Torch's allocations of 2 MB and more on huge pages (read at its first allocation, so
-        # before torch is imported): a decode step streams its weights, which the CPU's
-        # prefetchers follow across a 2 MB page and not across a 4 KB one (kernels/quantized.py,
-        # one_allocation).
-        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
         from shardline.shard.server import serve_shard
 
         _exit_now(serve_shard(args))

@@ -132,10 +132,6 @@ def test_the_native_mixture_computes_what_the_dequantized_one_does_and_keeps_it(
     tokens = torch.tensor([1, 5, 9, 40, 100, 7, 300, 2])
     outs = [prefill_logits(model, tokens) for model in (native, kept, dense)]
     assert torch.equal(outs[0], outs[1])  # what a later start maps serves the same, to the bit
-    for model in (native, kept):  # a layer's experts' records one allocation (kernels/quantized.py)
-        for name in ("w13", "w2"):
-            held = [getattr(expert, name).operands[0] for expert in model.layers[0].mlp.experts]
-            assert len({t.untyped_storage().data_ptr() for t in held}) == 1, name
     cos = torch.nn.functional.cosine_similarity(outs[0].flatten(), outs[2].flatten(), dim=0)
     assert cos > 0.999, cos
 

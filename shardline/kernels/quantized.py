@@ -332,26 +332,6 @@ class QuantizedLinear(nn.Module):
         return grid_weights(codes.float(), scale.float(), lo.float())
 
 
-def one_allocation(layers: list[nn.Module]) -> None:
-    """Layers of one shape held as records (a mixture's experts' w13, or their w2) moved into one
-    tensor, each layer's records a view of it; any other layers are left as they are. A decode
-    step streams a sparse layer's picked experts one after the other (kernels/interleaved.h,
-    `multiply`): in one allocation their records lie on huge pages (the shard asks torch for them:
-    cli.py), where an expert's own 1-2 MB allocation lies on 4 KB pages, which the CPU's
-    prefetchers do not cross."""
-    native = [layer for layer in layers if isinstance(layer, QuantizedLinear) and layer.kernel is Kernel.NATIVE]
-    records = [layer.operands for layer in native]
-    if len(native) != len(layers) or len({(r[0].shape, len(r)) for r in records}) != 1 or len(records[0]) != 1:
-        return
-    whole = torch.cat([r[0] for r in records])
-    for layer, view in zip(layers, whole.split(records[0][0].shape[0])):
-        same = getattr(layer, "rows_from", None) is layer.operands
-        layer.operands = (view,)
-        if same:
-            layer.rows_from = layer.operands
-        layer._hold()
-
-
 class TiedEmbedding(nn.Module):
     """An embedding that reads its rows from a `QuantizedLinear` kept with `keep_rows` (a tied LM
     head's codes: 8 bits, or Q6_K's 6 on Shardline's kernel)."""

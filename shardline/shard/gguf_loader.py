@@ -31,7 +31,7 @@ from shardline.kernels import native
 from shardline.kernels.gguf_groups import BITS, BLOCK_WEIGHTS, dequantized, groups_of
 from shardline.kernels.grid import GROUP, grid_groups, rows_at_once
 from shardline.kernels.operands import FORMATS, Q4_K_RECORD, RECORD_BYTES
-from shardline.kernels.quantized import QuantizedEmbedding, QuantizedLinear, TiedEmbedding, one_allocation
+from shardline.kernels.quantized import QuantizedEmbedding, QuantizedLinear, TiedEmbedding
 from shardline.kernels.stacked import StackedLinear
 from shardline.shard.footprint import Tensor, Unservable, read_model
 from shardline.shard.layout import Layout, layer_range
@@ -355,8 +355,6 @@ class GgufLoader:
         units = mlp_units(self.cfg.expert_intermediate_size, self.layout)
         for e, expert in enumerate(moe.experts):
             self._mlp(expert, p + "ffn_{}_exps.weight", units, e)
-        for name in ("w13", "w2"):
-            one_allocation([getattr(expert, name) for expert in moe.experts])
         if moe.shared is not None:
             shared = mlp_units(self.cfg.shared_expert_intermediate_size, self.layout)
             self._mlp(moe.shared, p + "ffn_{}_shexp.weight", shared)

@@ -24,7 +24,7 @@ from shardline.kernels import native
 from shardline.kernels.attention import AttentionBatch
 from shardline.kernels.linear import OneDnnLinear
 from shardline.kernels.operands import Kernel, record_format
-from shardline.kernels.quantized import QuantizedLinear, TiedEmbedding, one_allocation
+from shardline.kernels.quantized import QuantizedLinear, TiedEmbedding
 from shardline.kernels.stacked import parts_of
 from shardline.shard.layout import Layout
 from shardline.shard.model import MLP, Attention, MoE, Transformer
@@ -123,9 +123,6 @@ def quantize(model: nn.Module, dense_copy: bool = False) -> None:
         parent_name, _, attr = name.rpartition(".")
         new = QuantizedLinear(linear, bits, dense_copy=dense_copy, keep_rows=tied and linear is head and bits == 8)
         setattr(model.get_submodule(parent_name), attr, new)
-    for moe in [m for m in model.modules() if isinstance(m, MoE)]:
-        for name in ("w13", "w2"):
-            one_allocation([getattr(expert, name) for expert in moe.experts])
     if tied and isinstance(model.lm_head, QuantizedLinear) and model.lm_head.bits == 8:
         model.embed = TiedEmbedding(model.lm_head, embed.weight.dtype)
 
