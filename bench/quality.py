@@ -6,12 +6,16 @@ The text is English prose that every CPython ships: the reference documentation 
 `pydoc_data.topics` (sorted by topic, joined), cut to `--tokens` tokens. harness/quality.py says how
 the KL divergence is taken.
 
-    python -m bench.quality [--tokens 4096]
+    python -m bench.quality [--tokens 4096] [--model smollm2] [--chunk-size 16]
+
+The native server scores the text in chunks of `--chunk-size` tokens, so that its rows take the
+path decode's take (straight from the codes, activations rounded to int8 per group of 32) rather
+than prefill's GEMM on dequantized slices (0: whole prompts, prefill's path).
 
 llama.cpp (`llama-cpp-python`, the optional `peers` extra) scores the same tokens of the same GGUF
 in the same run, so its own agreement with the dequantized weights is measured beside ours.
-Targets: perplexity within +1% of dequantized, and same top-1 at least 97% or llama.cpp's own
-agreement on this text, whichever is lower.
+Targets: perplexity within +0.5% of dequantized, and same top-1 at least llama.cpp's own agreement
+on this text (97% where llama.cpp is not installed).
 """
 
 from __future__ import annotations
@@ -74,10 +78,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--chunk-size", type=int, default=16)
     args = parser.parse_args()
-    scores, result = {}, {"benchmark": "quality", **machine(), "model": args.model}
+    scores, result = {}, {"benchmark": "quality", **machine(), "model": args.model, "chunk_size": args.chunk_size}
     for weights in ("dequantized", "native"):
-        server = Server("--model", args.model, "--weights", weights)
+        chunks = ("--chunk-size", str(args.chunk_size)) if weights == "native" else ()
+        server = Server("--model", args.model, "--weights", weights, *chunks)
         try:
             if "ids" not in result:
                 from shardline.common.model_source import resolve_model
@@ -94,11 +100,11 @@ def main() -> None:
     theirs = llama_cpp_scores(args.model, result["ids"])
     if theirs is not None:
         result["llama_cpp"] = compare(scores["dequantized"], theirs)
-    gate = min(0.97, result.get("llama_cpp", {}).get("same_top1", 1.0))
+    gate = result.get("llama_cpp", {}).get("same_top1", 0.97)
     result["gate"] = {
         "same_top1_at_least": gate,
-        "perplexity_ratio_at_most": 1.01,
-        "passed": result["same_top1"] >= gate and result["perplexity_ratio"] <= 1.01,
+        "perplexity_ratio_at_most": 1.005,
+        "passed": result["same_top1"] >= gate and result["perplexity_ratio"] <= 1.005,
     }
     result["tokens"] = len(result.pop("ids"))
     print({k: v for k, v in result.items() if not k.startswith("weight_formats")})

@@ -258,7 +258,8 @@ def test_random_http_bodies_get_200_or_a_client_error_in_openais_shape(server, d
         assert error["message"] and error["type"], error
     elif body.get("stream") is True:
         events = [line for line in response.text.splitlines() if line.startswith("data: ")]
-        assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events), events[-3:]
+        errors = [e for e in events if '"error"' in e]
+        assert events[-1] == "data: [DONE]" and not errors, (errors or events[-3:], body)
     else:
         assert response.json()["choices"], response.text
 

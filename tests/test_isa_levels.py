@@ -31,8 +31,8 @@ def check(name, held, weights):
     for rows in (1, 2, 3, 5, 17):
         x = torch.randn(rows, k)
         want = x.double() @ weights.double().t()
-        # the activations' rounding to int16 per group of 32 (straight from the codes)
-        half_step = (x.abs().reshape(rows, -1, 32).amax(-1) / 32767 / 2).repeat_interleave(32, 1)
+        # the activations' rounding to int8 per group of 32 (straight from the codes)
+        half_step = (x.abs().reshape(rows, -1, 32).amax(-1) / 127 / 2).repeat_interleave(32, 1)
         rounding = half_step.double() @ weights.abs().double().t() + 1e-5 * want.abs().max()
         # through a bf16 GEMM: activations, weights and outputs rounded to 8 bits of mantissa
         bf16 = 2**-8 * (x.abs().double() @ weights.abs().double().t()) + 2**-8 * want.abs()

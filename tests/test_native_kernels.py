@@ -233,7 +233,7 @@ def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_
     if kernel.startswith("native"):  # not whatever this machine's timing says: torch's int4 kernel measured
         from shardline.kernels import quantized  # faster from 2 rows on (the batch's 3 take it), or never, and our
 
-        measured = quantized.crossover  # direct kernel (int16 activations) for every batch of the test
+        measured = quantized.crossover  # direct kernel (int8 activations) for every batch of the test
         pinned = {
             "int4-torch": 1 if kernel == "native+torch" else 1 << 30,
             "int4-direct": 1 << 30,
@@ -304,7 +304,7 @@ def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_
             for p, b in zip(pages, before):
                 p.copy_(b)
             got = fused(x, cos_sin, *pages, batch)
-            # Shardline's int4 kernel rounds the activations to int16 (parts in 10^5 of a group's
+            # Shardline's int4 kernel rounds the activations to int8 (parts in 10^2 of a group's
             # largest); the fused and the block's norms differ in the last fp32 bit, which moves
             # some roundings: parts in 10^4 of the layer's output after four layers of it, and of
             # the K/V it writes after one.

@@ -113,9 +113,8 @@ def dense_kind() -> DenseKind:
 @functools.cache
 def kernel_for(bits: int) -> Kernel:
     """The kernel of `bits`-bit layers: Shardline's unless torch's multiplies one row (decode's
-    usual case) at least 10% faster on this machine. Ours is preferred at a tie: its 4-bit kernel
-    rounds the activations to int16 (torch's to bf16, 128 times coarser), and its 8-bit one serves a tied
-    embedding from the same codes (torch's needs a second copy: 28 MB for SmolLM2). Measured on a
+    usual case) at least 10% faster on this machine. Ours is preferred at a tie: its 8-bit kernel
+    serves a tied embedding from the same codes (torch's needs a second copy: 28 MB for SmolLM2). Measured on a
     layer of SmolLM2's LM-head shape, larger than a 2-core EPYC's L3 as decode's weights are."""
     if not native.available():
         return Kernel.TORCH

@@ -5,20 +5,20 @@
 // eight output rows interleaved across the vector lanes, in records (interleaved.h): for each
 // block of 8 outputs and each group, 4 loads of 8 int32 words, the word of lane i in load l
 // holding in its bits 4q..4q+3 the code of output 8b + i for weight 2p and in bits 16+4q.. that
-// for weight 2p + 1 (p = 4l + q, the weights counted within the group). So (word >> 4q) &
-// 0x000F000F is, per lane, the int16 pair of codes of one output that multiplies the activations
-// 2p and 2p + 1, which one broadcast serves for all 8 outputs; and a group's scales and los are
-// one load per 8 outputs. (Laid out per output
-// instead, each output's lanes held partial sums, and every group cost per output and row a
-// conversion, an FMA and a broadcast of its scale: 1.6-1.7x slower at 1 to 32 rows, AVX2.)
+// for weight 2p + 1 (p = 4l + q, the weights counted within the group). So word & 0x0F0F0F0F is,
+// per lane, the byte codes of one output for weights 0, 4, 1 and 5 of the load's 8, and
+// (word >> 4) & 0x0F0F0F0F those for 2, 6, 3 and 7: the activations' lane order, which one
+// broadcast of 4 activations serves for all 8 outputs; and a group's scales and los are one load
+// per 8 outputs. (Laid out per output instead, each output's lanes held partial sums, and every
+// group cost per output and row a conversion, an FMA and a broadcast of its scale: 1.6-1.7x
+// slower at 1 to 32 rows, AVX2.)
 //
 // Decode's rows (`rows <= max_direct_rows`) are multiplied straight from the codes, with the
-// activations quantized to int16 per group of 32 (x ~= dx * xq, |xq| <= 32767; a relative error
-// of 2^-16 of the group's largest value, far below bf16's 2^-9, and llama.cpp's int8 activations
-// cost SmolLM2 its quality gate here): each pair of codes times a pair of activations is one
-// integer multiply-add (vpmaddwd, or VNNI's vpdpwssd with the add fused), exact, and a group's sums
-// for 8 outputs are converted and scaled once, the group's lo term (lo times the group's fp32 sum
-// of x) one more FMA.
+// activations quantized to int8 per group of 32 (`int8_activations`: x ~= dx * xq, |xq| <= 127):
+// each lane's 4 codes times 4 activations is one integer multiply-add (VNNI's vpdpbusd; AVX2's
+// vpmaddubsw and vpmaddwd), exact, and a group's sums for 8 outputs are converted and scaled
+// once, the group's lo term (lo times dx times the sum of the group's xq, so that the term is of
+// the same rounded activations) one more FMA.
 //
 // More rows (prefill, long chunks) go through a GEMM on slices dequantized on the fly
 // (interleaved.h, `through_gemm`): the unpacking is paid once per slice for all rows, and no dense
@@ -46,17 +46,19 @@ constexpr int64_t WORDS = 4 * B;          // int32 words of a record's codes: 4 
 struct Int4Codes : shardline::interleaved::GroupScales<WORDS * 4> {
   static const uint32_t* words(const char* rec) { return reinterpret_cast<const uint32_t*>(rec); }
 
+  static constexpr int OFFSET = 0;
+  static constexpr bool SIGNED = false;
 #if defined(__AVX2__)
-  static constexpr int PAIRS = 4;  // a load is 8 words of 4 pairs each
+  static constexpr int QUADS = 2;  // a load is 8 words of 8 codes: the low nibbles of its bytes, then the high
   static __m256i load(const char* rec, int l) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words(rec) + l * B));
   }
-  static __m256i pairs(__m256i w, int q) {
-    return _mm256_and_si256(q == 0 ? w : _mm256_srli_epi32(w, 4 * q), _mm256_set1_epi32(0x000F000F));
+  static __m256i quads(__m256i w, int, int s) {
+    return _mm256_and_si256(s == 0 ? w : _mm256_srli_epi32(w, 4), _mm256_set1_epi8(0x0F));
   }
 #if defined(SHARDLINE_WIDE)
-  static __m512i pairs(__m512i w, int q) {
-    return _mm512_and_si512(q == 0 ? w : _mm512_srli_epi32(w, 4 * q), _mm512_set1_epi32(0x000F000F));
+  static __m512i quads(__m512i w, int, int s) {
+    return _mm512_and_si512(s == 0 ? w : _mm512_srli_epi32(w, 4), _mm512_set1_epi8(0x0F));
   }
 #endif
 #endif
@@ -106,37 +108,47 @@ struct Q4KCodes : Int4Codes {
 
 namespace shardline {
 
-Int16Rows int16_rows(const float* x, int64_t M, int64_t K) {
+Int8Rows int8_activations(const float* x, int64_t M, int64_t K) {
   const int64_t groups = K / G;
-  Int16Rows rows{std::vector<int16_t>(M * K), std::vector<float>(M * groups), std::vector<float>(M * groups)};
+  Int8Rows rows{std::vector<int8_t>(M * K), std::vector<float>(M * groups), std::vector<float>(M * groups),
+                std::vector<int32_t>(M * groups * 2)};
   at::parallel_for(0, M * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {  // group i of the rows, as x is laid out
       const float* xg = x + i * G;
-      int16_t* q = rows.q.data() + i * G;
+      int8_t* q = rows.q.data() + i * G;
+      int32_t* halves = rows.sum16.data() + 2 * i;
 #if defined(__AVX2__)
       const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-      __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+      __m256 v[4], amax = _mm256_setzero_ps();
       for (int j = 0; j < 4; ++j) {
         v[j] = _mm256_loadu_ps(xg + 8 * j);
         amax = _mm256_max_ps(amax, _mm256_and_ps(v[j], magnitude));
-        sum = _mm256_add_ps(sum, v[j]);
       }
       const float top = shardline::hmax(amax);
-      const __m256 inv = _mm256_set1_ps(top > 0.f ? 32767.f / top : 0.f);
-      for (int j = 0; j < 4; j += 2) {  // rounded to nearest; packs interleave the 128-bit halves, the permute undoes it
-        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)), b = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], inv));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * j), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
-      }
-      rows.d[i] = top / 32767.f;
-      rows.sum[i] = shardline::hsum(sum);
+      const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+      __m256i c[4];  // rounded to nearest
+      for (int j = 0; j < 4; ++j) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+      for (int h = 0; h < 2; ++h)
+        halves[h] = static_cast<int32_t>(shardline::hsum(_mm256_cvtepi32_ps(_mm256_add_epi32(c[2 * h], c[2 * h + 1]))));
+      // packs interleave the 128-bit halves (the permute undoes it), then each 8 into lane order
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+      const __m256i natural = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
+                                             0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_shuffle_epi8(natural, order));
 #else
-      float top = 0.f, sum = 0.f;
-      for (int j = 0; j < G; ++j) top = std::max(top, std::fabs(xg[j])), sum += xg[j];
-      const float inv = top > 0.f ? 32767.f / top : 0.f;
-      for (int j = 0; j < G; ++j) q[j] = static_cast<int16_t>(std::nearbyint(xg[j] * inv));
-      rows.d[i] = top / 32767.f;
-      rows.sum[i] = sum;
+      float top = 0.f;
+      for (int j = 0; j < G; ++j) top = std::max(top, std::fabs(xg[j]));
+      const float inv = top > 0.f ? 127.f / top : 0.f;
+      halves[0] = halves[1] = 0;
+      for (int j = 0; j < G; ++j) {
+        const int8_t c = static_cast<int8_t>(std::nearbyint(xg[j] * inv));
+        q[interleaved::lane_position(j)] = c;
+        halves[j / 16] += c;
+      }
 #endif
+      rows.d[i] = top / 127.f;
+      rows.lo_sum[i] = rows.d[i] * static_cast<float>(halves[0] + halves[1]);
     }
   });
   return rows;

@@ -6,16 +6,17 @@
 // of 32 weights, read by the direct path and the GEMM that the 4- and 8-bit kernels share
 // (interleaved.h), laid out as:
 //   128 bytes  the codes' low 4 bits, as int4_linear.cpp holds its codes (4 loads of 8 words);
-//    64 bytes  their high 2 bits, 16 bytes per load l: byte 2i holds output i's for weights 2p
-//              (p = 4l + q, q = 0..3) at bits 2q, byte 2i + 1 those for weights 2p + 1;
+//    64 bytes  their high 2 bits, 32 bytes per half group h, 4 for each output i: the high bits of
+//              its quads (interleaved.h) 4h .. 4h + 3, quad 4h + j at bits 4 + 2j of each byte (j
+//              < 2) or 2j - 4, so that a shift and an AND put them beside the low bits' quad;
 //    16 bytes  the int8 scales: the 8 outputs' of weights 0-15, then of weights 16-31;
 //    16 bytes  the 8 outputs' fp16 d (their super-block's).
 // 224 bytes for 256 weights, 7 bits a weight (Q6_K's own: 6.56; as int8 groups: 9, and rounded,
 // since a group's two scales put its weights on no grid of 255 levels).
 //
-// A load unpacks to a pair of signed codes per lane in six instructions; each half of a group is
-// summed apart and scaled by d * sc, which fp32 holds exactly (11 bits times 8): the weights are
-// the file's. No lo: the codes are signed.
+// A quad unpacks in four instructions to unsigned codes q; each half of a group is summed apart,
+// from minus 32 times its activations' sum (OFFSET), and scaled by d * sc, which fp32 holds
+// exactly (11 bits times 8): the weights are the file's. No lo.
 
 #include "interleaved.h"
 
@@ -31,7 +32,8 @@ struct Int6Codes {
   static constexpr int64_t CODE_BYTES = 6 * G * B / 8;
   static constexpr int64_t SCALE_BYTES = 2 * B + B * sizeof(c10::Half);
   static constexpr int HALVES = 2;
-  static constexpr bool LO = false;
+  static constexpr bool LO = false, SIGNED = false;
+  static constexpr int OFFSET = 32;
   static constexpr int64_t PER = 1, TAIL_BYTES = 0;
 
   static const uint32_t* low(const char* rec) { return reinterpret_cast<const uint32_t*>(rec); }
@@ -40,15 +42,22 @@ struct Int6Codes {
   static const c10::Half* d(const char* rec) { return reinterpret_cast<const c10::Half*>(rec + CODE_BYTES + 2 * B); }
 
   // where output i's code for weight k of the group lies: its low bits (the word, and the bit in
-  // it) as int4's, its high bits (the byte, and the bit in it)
+  // it) as int4's, its high bits (the byte, and the bit in it) by the weight's lane position p:
+  // quad p / 4 of the group, byte p % 4 of the output's word
   static int64_t word(int64_t i, int64_t k) { return k / 8 * B + i; }
   static int shift(int64_t k) { return 4 * (k / 2 % 4) + 16 * (k % 2); }
-  static int64_t high_byte(int64_t i, int64_t k) { return k / 8 * 2 * B + 2 * i + k % 2; }
-  static int high_shift(int64_t k) { return 2 * (k / 2 % 4); }
+  static int64_t high_byte(int64_t i, int64_t k) {
+    const int64_t p = shardline::interleaved::lane_position(k);
+    return p / 16 * 4 * B + 4 * i + p % 4;
+  }
+  static int high_shift(int64_t k) {
+    const int64_t j = shardline::interleaved::lane_position(k) % 16 / 4;
+    return j < 2 ? 4 + 2 * j : 2 * j - 4;
+  }
   static int32_t at(const char* rec, int64_t i, int64_t k) {
     const uint32_t low_bits = (low(rec)[word(i, k)] >> shift(k)) & 0xF;
     const uint32_t high_bits = (high(rec)[high_byte(i, k)] >> high_shift(k)) & 0x3;
-    return static_cast<int32_t>(low_bits | high_bits << 4) - 32;
+    return static_cast<int32_t>(low_bits | high_bits << 4) - OFFSET;
   }
   static float scale_at(const char* rec, int64_t, int64_t i, int h) {
     return static_cast<float>(d(rec)[i]) * static_cast<float>(sc(rec)[h * B + i]);
@@ -56,21 +65,21 @@ struct Int6Codes {
   static float lo_at(const char*, int64_t, int64_t) { return 0.f; }
 
 #if defined(__AVX2__)
-  static constexpr int PAIRS = 4;  // as int4's: a load is 8 words of 4 pairs each, and 8 pairs of high bytes
+  static constexpr int QUADS = 2;  // as int4's: a load is 8 words of 8 low nibbles, and their half's high bits
   struct Word {
     __m256i low, high;
   };
   static Word load(const char* rec, int l) {
     return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low(rec) + l * B)),
-            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high(rec) + l * 2 * B)))};
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high(rec) + l / 2 * 4 * B))};
   }
-  // Per lane, each int16 half's low bits (>> 4q) and high bits (at 2q, moved to 4: the bytes
-  // hold 8 bits, so a left shift stays in its half, and what the right one moves across is masked).
-  static __m256i pairs(const Word& w, int q) {
-    const __m256i low_bits = _mm256_and_si256(_mm256_srli_epi32(w.low, 4 * q), _mm256_set1_epi32(0x000F000F));
-    const __m256i moved = q < 2 ? _mm256_slli_epi32(w.high, 4 - 2 * q) : q == 2 ? w.high : _mm256_srli_epi32(w.high, 2);
-    const __m256i high_bits = _mm256_and_si256(moved, _mm256_set1_epi32(0x00300030));
-    return _mm256_sub_epi16(_mm256_or_si256(low_bits, high_bits), _mm256_set1_epi16(32));
+  // Quad 2l + s: the low nibbles' quad, and its high bits moved from 4 + 2j or 2j - 4 to 4 (j = 2
+  // (l % 2) + s; what a shift moves across bytes is masked).
+  static __m256i quads(const Word& w, int l, int s) {
+    const __m256i low_bits = _mm256_and_si256(s == 0 ? w.low : _mm256_srli_epi32(w.low, 4), _mm256_set1_epi8(0x0F));
+    const int j = 2 * (l % 2) + s;
+    const __m256i moved = j == 0 ? w.high : j == 1 ? _mm256_srli_epi32(w.high, 2) : _mm256_slli_epi32(w.high, 8 - 2 * j);
+    return _mm256_or_si256(low_bits, _mm256_and_si256(moved, _mm256_set1_epi8(0x30)));
   }
   static __m256 scale8(const char* rec, int64_t, int h) {
     const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc(rec) + h * B));
@@ -84,11 +93,11 @@ struct Int6Codes {
   static Wide join(const Word& a, const Word& b) {
     return {shardline::interleaved::join(a.low, b.low), shardline::interleaved::join(a.high, b.high)};
   }
-  static __m512i pairs(const Wide& w, int q) {
-    const __m512i low_bits = _mm512_and_si512(_mm512_srli_epi32(w.low, 4 * q), _mm512_set1_epi32(0x000F000F));
-    const __m512i moved = q < 2 ? _mm512_slli_epi32(w.high, 4 - 2 * q) : q == 2 ? w.high : _mm512_srli_epi32(w.high, 2);
-    const __m512i high_bits = _mm512_and_si512(moved, _mm512_set1_epi32(0x00300030));
-    return _mm512_sub_epi16(_mm512_or_si512(low_bits, high_bits), _mm512_set1_epi16(32));
+  static __m512i quads(const Wide& w, int l, int s) {
+    const __m512i low_bits = _mm512_and_si512(s == 0 ? w.low : _mm512_srli_epi32(w.low, 4), _mm512_set1_epi8(0x0F));
+    const int j = 2 * (l % 2) + s;
+    const __m512i moved = j == 0 ? w.high : j == 1 ? _mm512_srli_epi32(w.high, 2) : _mm512_slli_epi32(w.high, 8 - 2 * j);
+    return _mm512_or_si512(low_bits, _mm512_and_si512(moved, _mm512_set1_epi8(0x30)));
   }
 #endif
 #endif

@@ -3,19 +3,19 @@
 //
 // Weights are groups of 32 along the input dimension, w = lo + scale * code, with codes as int8
 // (the 0..254 grid shifted per group, the shift folded into lo: kernels/operands.py) and scale and
-// lo in fp16. As in
-// int4_linear.cpp, eight output rows are interleaved across the vector lanes: for each block of 8
-// outputs and each pair of weights (2p, 2p + 1), 16 bytes, output 8b + i's two codes at 2i and
-// 2i + 1, in records of a block's group (`int8_pack`, interleaved.h). So one load sign-extended to
-// int16 is, per lane, the pair of codes of one output that multiplies activations 2p and 2p + 1,
-// which one broadcast serves for all 8 outputs, and a group's scales and los are one load per 8
-// outputs.
+// lo in fp16. As in int4_linear.cpp, eight output rows are interleaved across the vector lanes:
+// for each block of 8 outputs and each quad of the group (4 weights in the activations' lane
+// order, interleaved.h), 32 bytes, output 8b + i's four codes at 4i .. 4i + 3, in records of a
+// block's group (`int8_pack`). So one load is, per lane, the quad of codes of one output that
+// multiplies 4 activations, which one broadcast serves for all 8 outputs, and a group's scales
+// and los are one load per 8 outputs.
 //
-// The activations are quantized to int16 per group of 32 as for the 4-bit kernel
-// (shardline::int16_rows; a pair of |code| <= 128 times |xq| <= 32767 is one exact vpmaddwd, and a
-// group's 16 pairs sum below 2^28). (It multiplied int8 activations as llama.cpp's Q8_0 does, one
-// output per vector: per group and row the scale work of a conversion, an FMA and a broadcast cost
-// as much as the integer products; interleaved, a 16-row step of SmolLM2's LM head is 2-3x faster.)
+// The activations are int8 per group of 32 as for the 4-bit kernel (shardline::int8_activations).
+// The codes are signed: VNNI multiplies them as unsigned bytes 128 higher (less 128 times the
+// activations' sum), AVX2 as their magnitudes times the activations of their signs. (It
+// multiplied int8 activations as llama.cpp's Q8_0 does, one output per vector: per group and row
+// the scale work of a conversion, an FMA and a broadcast cost as much as the integer products;
+// interleaved, a 16-row step of SmolLM2's LM head is 2-3x faster.)
 
 #include "interleaved.h"
 
@@ -26,23 +26,28 @@ namespace {
 using shardline::interleaved::B;
 using shardline::interleaved::G;
 
-// A record's codes, as the shared direct path reads them (interleaved.h): per pair of weights,
-// 16 bytes, output i's two codes at 2i and 2i + 1.
+// A record's codes, as the shared direct path reads them (interleaved.h): per quad, 32 bytes,
+// output i's four codes at 4i .. 4i + 3.
 struct Int8Codes : shardline::interleaved::GroupScales<G * B> {
+  static constexpr int OFFSET = 0;
+  static constexpr bool SIGNED = true;
   static const int8_t* codes(const char* rec) { return reinterpret_cast<const int8_t*>(rec); }
 
 #if defined(__AVX2__)
-  static constexpr int PAIRS = 1;  // a load is 16 bytes, sign-extended: one pair per lane
+  static constexpr int QUADS = 1;  // a load is 32 bytes: one quad per lane
   static __m256i load(const char* rec, int l) {
-    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes(rec) + 2 * l * B)));
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes(rec) + 4 * l * B));
   }
-  static __m256i pairs(__m256i w, int) { return w; }
+  static __m256i quads(__m256i w, int, int) { return w; }
 #if defined(SHARDLINE_WIDE)
-  static __m512i pairs(__m512i w, int) { return w; }
+  static __m512i quads(__m512i w, int, int) { return w; }
 #endif
 #endif
   // where output i's code for weight k of the group lies among the record's codes
-  static int64_t position(int64_t i, int64_t k) { return (k - k % 2) * B + 2 * i + k % 2; }
+  static int64_t position(int64_t i, int64_t k) {
+    const int64_t p = shardline::interleaved::lane_position(k);
+    return p / 4 * 4 * B + 4 * i + p % 4;
+  }
   static int32_t at(const char* rec, int64_t i, int64_t k) { return codes(rec)[position(i, k)]; }
 };
 

@@ -1,14 +1,24 @@
-// The direct path that the 4- and 8-bit kernels share (int4_linear.cpp, int8_linear.cpp): 8
-// outputs across the vector lanes, activations as int16 per group of 32 (shardline::int16_rows).
+// The direct path that the 4-, 6- and 8-bit kernels share (int4_linear.cpp, int6_linear.cpp,
+// int8_linear.cpp): 8 outputs across the vector lanes, activations as int8 per group of 32
+// (shardline::int8_activations, int4_linear.cpp), each lane's 4 codes times 4 activations one integer multiply-add (VNNI's
+// vpdpbusd: unsigned codes, signed activations).
 //
 // A layer is held as records, one per block of 8 outputs and group of 32 weights, in the order
-// the kernel reads them: the group's codes for the block's 8 outputs (CODE_BYTES), then their 8
-// fp16 scales and 8 fp16 los. One record after the other is one stream per thread: with codes,
+// the kernel reads them: the group's codes for the block's 8 outputs (CODE_BYTES), then their
+// scales (and los). One record after the other is one stream per thread: with codes,
 // scales and los in three arrays, decode's weights (read from memory once a step) streamed at 9
 // GB/s a core, as records at 13 (AVX2, SmolLM2's w13, one row). fp16 is how GGUF's blocks hold
 // their scales (Q4_0, Q4_1 and Q8_0's exactly; Q4_K's products of two scales round to 2^-11),
 // and a decode step at one row streams its weights at the machine's read bandwidth: a 4-bit
 // record of 160 bytes rather than 192 with fp32 scales is a sixth less to read.
+//
+// The activations of a group are held in LANE_ORDER, the order in which a 4-bit record's nibbles
+// come out of a 32-bit word (int4_linear.cpp): per 8 weights, the low nibbles of its 4 bytes are
+// weights 0, 4, 1 and 5, the high nibbles 2, 6, 3 and 7. So one AND (and one shift) turn a load of
+// 8 words into 8 lanes of 4 unsigned byte codes each, a "quad", whose 4 activations one 32-bit
+// broadcast serves for all 8 outputs; the 6- and 8-bit records lay their codes out in the same
+// order. Per row, group and 8 outputs: 8 multiply-adds of 4 products (int16 activations took 16 of
+// 2, and Zen 4 issues a 512-bit one as two 256-bit halves: the instructions bound decode).
 //
 // Many rows (prefill, long chunks) go through a GEMM instead (`linear`, above `max_direct_rows`):
 // slices of output rows dequantized on the fly, in fp32 or, where the machine measured it faster
@@ -16,13 +26,14 @@
 // CPUs that compute bf16 natively (AMX, AVX-512-bf16) multiply it several times faster than fp32.
 //
 // Only how a record's codes and scales are held differs, and a `Codes` type says it (AVX2 first):
-//   PAIRS:          pairs of weights per load (a group's 16 pairs take 16 / PAIRS loads);
+//   QUADS:          quads per load (a group's 8 quads take 8 / QUADS loads);
 //   CODE_BYTES, SCALE_BYTES: bytes of a record's codes, and of the scales after them;
 //   Word, load(r, l): load l of record r's codes; join(a, b): two records' loads side by side
 //                   in a 512-bit Wide (AVX-512: block b's outputs low, b + 1's high);
-//   pairs(w, q):    from a load, per lane i, the int16 pair of codes of the block's output i for
-//                   the group's weights 2p and 2p + 1, p = l * PAIRS + q;
-//   at(r, i, k):    output i's code for weight k of the group (the scalar paths);
+//   quads(w, l, s): from load l, per lane i, the 4 byte codes of the block's output i for the
+//                   group's activations 4q .. 4q + 3 in lane order, q = l * QUADS + s;
+//   OFFSET, SIGNED: codes are unsigned and stand for code - OFFSET, or are signed bytes (SIGNED);
+//   at(r, i, k):    output i's code for weight k of the group (the scalar paths), less OFFSET;
 //   HALVES:         scales per group and output: 1, or 2 (one per 16 weights: Q6_K's);
 //   scale8(r, g, h), scale_at(r, g, i, h): the 8 outputs' scales of half h, or output i's, in
 //                   record r of group g;
@@ -41,7 +52,9 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstring>
 
 namespace shardline::interleaved {
 
@@ -149,26 +162,112 @@ at::Tensor pack(const at::Tensor& scale, const at::Tensor& lo, int64_t N, int64_
   });
 }
 
-// The blocks of 8 outputs that a thread multiplies, in order, as units (unit u: block u % blocks
-// of layer u / blocks), so that its prefetches run on from one layer's blocks into the next's.
+// The blocks of 8 outputs that a thread multiplies, as units (unit u: block u % blocks of layer
+// u / blocks): the chunk of them it works on, [begin, end), and the one it has claimed next, so
+// that its prefetches run on from one chunk's blocks into the next's (another layer's, maybe).
 struct Units {
   const std::vector<const char*>& layers;  // each layer's records
-  int64_t blocks, groups, end;             // end: past the thread's last unit
-  // the first record of unit u's block (the thread's last block, past its end)
+  int64_t blocks, groups;
+  int64_t end, next, next_end;  // past the chunk's last unit; the next chunk's (empty: none)
+  // the first record of unit u's block, u counted on from the chunk into the next (the last
+  // block, past both)
   template <typename Codes>
   const char* at(int64_t u) const {
-    u = std::min(u, end - 1);
+    if (u >= end) u = next < next_end ? std::min(next + (u - end), next_end - 1) : end - 1;
     return record<Codes>(layers[u / blocks], groups, u % blocks, 0);
   }
 };
 
+// Where the activations of a group are held (the header says why): position j of each 8 holds
+// weight LANE_ORDER[j] of them, and weight k is held at LANE_OF[k].
+constexpr int LANE_ORDER[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+constexpr int LANE_OF[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+inline int64_t lane_position(int64_t k) { return k / 8 * 8 + LANE_OF[k % 8]; }
+inline int64_t weight_at(int64_t position) { return position / 8 * 8 + LANE_ORDER[position % 8]; }
+
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define SHARDLINE_VNNI 1
+constexpr bool VNNI = true;
+#else
+constexpr bool VNNI = false;
+#endif
+
+// What a record's codes stand for beyond their bytes: unsigned codes less OFFSET; signed ones
+// multiply as unsigned (VNNI multiplies unsigned bytes by signed ones) 128 higher.
+template <typename Codes>
+constexpr int offset() { return Codes::OFFSET + (Codes::SIGNED && VNNI ? 128 : 0); }
+
+// Row m's sum of its activations' codes over half h of group g (all of it where HALVES is 1).
+inline int32_t code_sum(const Int8Rows& xs, int64_t m, int64_t groups, int64_t g, int h, int halves) {
+  const int32_t* s = xs.sum16.data() + m * 2 * groups + 2 * g;
+  return halves == 2 ? s[h] : s[0] + s[1];
+}
+
+inline int32_t quad_at(const int8_t* q) {  // 4 activations as one word, to broadcast
+  int32_t v;
+  std::memcpy(&v, q, sizeof(v));
+  return v;
+}
+
+#if defined(__AVX2__)
+// acc + per 32-bit lane the 4 products of the lane's code bytes and x's signed bytes: codes
+// unsigned, or signed where SIGNED (without VNNI; with it signed codes come 128 higher, as
+// unsigned: `prepared`). Without VNNI, pairs of products summed to int16 then to int32
+// (vpmaddubsw, vpmaddwd): no pair of a 4- or 6-bit code's or a signed code's reaches 2^15.
+template <bool SIGNED>
+inline __m256i dot_quads(__m256i acc, __m256i codes, __m256i x) {
+#if defined(SHARDLINE_VNNI) && defined(__AVX512VNNI__)
+  return _mm256_dpbusd_epi32(acc, codes, x);
+#elif defined(SHARDLINE_VNNI)
+  return _mm256_dpbusd_avx_epi32(acc, codes, x);
+#else
+  const __m256i pairs = SIGNED ? _mm256_maddubs_epi16(_mm256_abs_epi8(codes), _mm256_sign_epi8(x, codes))
+                               : _mm256_maddubs_epi16(codes, x);
+  // The empty asm keeps each sum in its register, in order: integer adds being associative, GCC
+  // otherwise regroups a group's products into a tree whose partial sums spill to the stack
+  // (AVX2 has 16 vector registers): the 4-bit kernel ran 1.7x slower at 16 rows.
+  __m256i sum = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  asm("" : "+x"(sum));
+  return sum;
+#endif
+}
+
+template <typename Codes>
+inline __m256i prepared(__m256i codes) {
+  return Codes::SIGNED && VNNI ? _mm256_xor_si256(codes, _mm256_set1_epi8(static_cast<char>(0x80))) : codes;
+}
+
+#if defined(SHARDLINE_WIDE)
+template <bool SIGNED>
+inline __m512i dot_quads(__m512i acc, __m512i codes, __m512i x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, codes, x);
+#else
+  const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(codes), _mm512_setzero_si512(), x);
+  const __m512i pairs = SIGNED ? _mm512_maddubs_epi16(_mm512_abs_epi8(codes), signed_x) : _mm512_maddubs_epi16(codes, x);
+  __m512i sum = _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+  asm("" : "+v"(sum));
+  return sum;
+#endif
+}
+
+template <typename Codes>
+inline __m512i prepared(__m512i codes) {
+  return Codes::SIGNED && VNNI ? _mm512_xor_si512(codes, _mm512_set1_epi8(static_cast<char>(0x80))) : codes;
+}
+#endif
+#endif
+
 // y[m, 8b + i] for the R activation rows from m0 and the NB blocks of 8 outputs from b0
 // (constants, so that the sums stay in registers), block b0 being the thread's unit u0.
 template <typename Codes, int NB, int R>
-void dot_block(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0, int64_t K, float* y, int64_t N,
+void dot_block(const char* records, const Int8Rows& xs, int64_t m0, int64_t b0, int64_t K, float* y, int64_t N,
                const Units& units, int64_t u0) {
   const int64_t groups = K / G;
+  constexpr int OFFSET = offset<Codes>();
 #if defined(__AVX2__)
+  constexpr int LOADS = G / 4 / Codes::QUADS;
+  constexpr bool SIGNED = Codes::SIGNED && !VNNI;
   const char* ahead[NB];  // the thread's blocks two runs on
   for (int b = 0; b < NB; ++b) ahead[b] = units.at<Codes>(u0 + 2 * NB + b);
   __m256 total[NB][R];
@@ -185,23 +284,25 @@ void dot_block(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0,
     for (int b = 0; b < NB; ++b)
       for (int64_t line = 0; line < RECORD<Codes> + Codes::TAIL_BYTES; line += 64)
         _mm_prefetch(record<Codes>(ahead[b], groups, 0, g) + line, _MM_HINT_T2);
-    constexpr int LOADS = G / 2 / Codes::PAIRS;
+    const int8_t* xg = xs.q.data() + m0 * K + g * G;  // row m0 + r's group at xg + r K
     for (int h = 0; h < Codes::HALVES; ++h) {
       __m256i acc[NB][R];
-      for (int b = 0; b < NB; ++b)
-        for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_si256();
-#pragma GCC unroll 4  // 4-bit: the whole group; 8-bit: 4 of its 16 loads (unrolled whole it ran 1.4x slower on AVX2)
+      for (int r = 0; r < R; ++r) {
+        const __m256i start =
+            OFFSET ? _mm256_set1_epi32(-OFFSET * code_sum(xs, m0 + r, groups, g, h, Codes::HALVES)) : _mm256_setzero_si256();
+        for (int b = 0; b < NB; ++b) acc[b][r] = start;
+      }
+#pragma GCC unroll 4  // 4- and 6-bit: the whole group; 8-bit: 4 of its 8 loads
       for (int l = h * LOADS / Codes::HALVES; l < (h + 1) * LOADS / Codes::HALVES; ++l) {
         typename Codes::Word w[NB];
         for (int b = 0; b < NB; ++b) w[b] = Codes::load(rec[b], l);
-#pragma GCC unroll 4
-        for (int q = 0; q < Codes::PAIRS; ++q) {
+#pragma GCC unroll 2
+        for (int s = 0; s < Codes::QUADS; ++s) {
           __m256i c[NB];
-          for (int b = 0; b < NB; ++b) c[b] = Codes::pairs(w[b], q);
+          for (int b = 0; b < NB; ++b) c[b] = prepared<Codes>(Codes::quads(w[b], l, s));
           for (int r = 0; r < R; ++r) {
-            const int32_t* pairs = reinterpret_cast<const int32_t*>(xs.q.data() + (m0 + r) * K + g * G);
-            const __m256i x = _mm256_set1_epi32(pairs[l * Codes::PAIRS + q]);
-            for (int b = 0; b < NB; ++b) acc[b][r] = dot_pairs(acc[b][r], c[b], x);
+            const __m256i x = _mm256_set1_epi32(quad_at(xg + r * K + 4 * (l * Codes::QUADS + s)));
+            for (int b = 0; b < NB; ++b) acc[b][r] = dot_quads<SIGNED>(acc[b][r], c[b], x);
           }
         }
       }
@@ -217,7 +318,7 @@ void dot_block(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0,
       for (int b = 0; b < NB; ++b) {  // the group's lo term
         const __m256 z = Codes::lo8(rec[b], g);
         for (int r = 0; r < R; ++r)
-          total[b][r] = _mm256_fmadd_ps(z, _mm256_set1_ps(xs.sum[(m0 + r) * groups + g]), total[b][r]);
+          total[b][r] = _mm256_fmadd_ps(z, _mm256_set1_ps(xs.lo_sum[(m0 + r) * groups + g]), total[b][r]);
       }
   }
   for (int b = 0; b < NB; ++b)
@@ -226,7 +327,7 @@ void dot_block(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0,
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r)
       for (int64_t i = 0; i < B; ++i) {
-        const int16_t* xq = xs.q.data() + (m0 + r) * K;
+        const int8_t* xq = xs.q.data() + (m0 + r) * K;
         float acc = 0.f;
         for (int64_t g = 0; g < groups; ++g) {
           const char* rec = record<Codes>(records, groups, b0 + b, g);
@@ -234,13 +335,14 @@ void dot_block(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0,
           for (int h = 0; h < Codes::HALVES; ++h) {
             int32_t dot = 0;
             for (int64_t k = h * G / Codes::HALVES; k < (h + 1) * G / Codes::HALVES; ++k)
-              dot += Codes::at(rec, i, k) * xq[g * G + k];
+              dot += Codes::at(rec, i, k) * xq[g * G + lane_position(k)];
             acc += static_cast<float>(dot) * Codes::scale_at(rec, g, i, h) * xs.d[row];
           }
-          if constexpr (Codes::LO) acc += Codes::lo_at(rec, g, i) * xs.sum[row];
+          if constexpr (Codes::LO) acc += Codes::lo_at(rec, g, i) * xs.lo_sum[row];
         }
         y[(m0 + r) * N + (b0 + b) * B + i] = acc;
       }
+  (void)OFFSET;
 #endif
 }
 
@@ -250,9 +352,11 @@ void dot_block(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0,
 // outputs are adjacent in y. Half the instructions per product of the 256-bit path, which at
 // batch rows is bound by them (one row streams the weights from memory either way).
 template <typename Codes, int NP, int R>  // NP pairs of blocks
-void dot_block_pairs(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0, int64_t K, float* y,
+void dot_block_pairs(const char* records, const Int8Rows& xs, int64_t m0, int64_t b0, int64_t K, float* y,
                      int64_t N, const Units& units, int64_t u0) {
   const int64_t groups = K / G;
+  constexpr int LOADS = G / 4 / Codes::QUADS, OFFSET = offset<Codes>();
+  constexpr bool SIGNED = Codes::SIGNED && !VNNI;
   const char* ahead[2 * NP];
   for (int b = 0; b < 2 * NP; ++b) ahead[b] = units.at<Codes>(u0 + 4 * NP + b);
   __m512 total[NP][R];
@@ -264,23 +368,25 @@ void dot_block_pairs(const char* records, const Int16Rows& xs, int64_t m0, int64
     for (int b = 0; b < 2 * NP; ++b)  // two runs ahead, into L2, as dot_block says why
       for (int64_t line = 0; line < RECORD<Codes> + Codes::TAIL_BYTES; line += 64)
         _mm_prefetch(record<Codes>(ahead[b], groups, 0, g) + line, _MM_HINT_T2);
-    constexpr int LOADS = G / 2 / Codes::PAIRS;
+    const int8_t* xg = xs.q.data() + m0 * K + g * G;
     for (int h = 0; h < Codes::HALVES; ++h) {
       __m512i acc[NP][R];
-      for (int p = 0; p < NP; ++p)
-        for (int r = 0; r < R; ++r) acc[p][r] = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r) {
+        const __m512i start =
+            OFFSET ? _mm512_set1_epi32(-OFFSET * code_sum(xs, m0 + r, groups, g, h, Codes::HALVES)) : _mm512_setzero_si512();
+        for (int p = 0; p < NP; ++p) acc[p][r] = start;
+      }
 #pragma GCC unroll 4
       for (int l = h * LOADS / Codes::HALVES; l < (h + 1) * LOADS / Codes::HALVES; ++l) {
         typename Codes::Wide w[NP];
         for (int p = 0; p < NP; ++p) w[p] = Codes::join(Codes::load(rec[2 * p], l), Codes::load(rec[2 * p + 1], l));
-#pragma GCC unroll 4
-        for (int q = 0; q < Codes::PAIRS; ++q) {
+#pragma GCC unroll 2
+        for (int s = 0; s < Codes::QUADS; ++s) {
           __m512i c[NP];
-          for (int p = 0; p < NP; ++p) c[p] = Codes::pairs(w[p], q);
+          for (int p = 0; p < NP; ++p) c[p] = prepared<Codes>(Codes::quads(w[p], l, s));
           for (int r = 0; r < R; ++r) {
-            const int32_t* pairs = reinterpret_cast<const int32_t*>(xs.q.data() + (m0 + r) * K + g * G);
-            const __m512i x = _mm512_set1_epi32(pairs[l * Codes::PAIRS + q]);
-            for (int p = 0; p < NP; ++p) acc[p][r] = dot_pairs(acc[p][r], c[p], x);
+            const __m512i x = _mm512_set1_epi32(quad_at(xg + r * K + 4 * (l * Codes::QUADS + s)));
+            for (int p = 0; p < NP; ++p) acc[p][r] = dot_quads<SIGNED>(acc[p][r], c[p], x);
           }
         }
       }
@@ -296,7 +402,7 @@ void dot_block_pairs(const char* records, const Int16Rows& xs, int64_t m0, int64
       for (int p = 0; p < NP; ++p) {
         const __m512 z = join(Codes::lo8(rec[2 * p], g), Codes::lo8(rec[2 * p + 1], g));
         for (int r = 0; r < R; ++r)
-          total[p][r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs.sum[(m0 + r) * groups + g]), total[p][r]);
+          total[p][r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs.lo_sum[(m0 + r) * groups + g]), total[p][r]);
       }
   }
   for (int p = 0; p < NP; ++p)
@@ -306,7 +412,7 @@ void dot_block_pairs(const char* records, const Int16Rows& xs, int64_t m0, int64
 
 // Blocks [b0, b1) in runs of NB (in pairs where the CPU has AVX-512), the last ones one at a time.
 template <typename Codes, int NB, int R>
-void dot_rows(const char* records, const Int16Rows& xs, int64_t m0, int64_t b0, int64_t b1, int64_t K, float* y,
+void dot_rows(const char* records, const Int8Rows& xs, int64_t m0, int64_t b0, int64_t b1, int64_t K, float* y,
               int64_t N, const Units& units, int64_t u0) {
   int64_t b = b0;
 #if defined(SHARDLINE_WIDE)
@@ -335,7 +441,7 @@ void check_records(const at::Tensor& records, int64_t K) {
 // (a run of 5 to 8 rows costs less than a second run over the weights).
 template <typename Codes>
 at::Tensor multiply(at::TensorList records, const at::Tensor& x, at::IntArrayRef offsets) {
-  using DotRows = void (*)(const char*, const Int16Rows&, int64_t, int64_t, int64_t, int64_t, float*, int64_t,
+  using DotRows = void (*)(const char*, const Int8Rows&, int64_t, int64_t, int64_t, int64_t, float*, int64_t,
                            const Units&, int64_t);
 #if defined(SHARDLINE_WIDE)
   constexpr int NB = 4;
@@ -363,20 +469,27 @@ at::Tensor multiply(at::TensorList records, const at::Tensor& x, at::IntArrayRef
     first.push_back(offsets[e]), end.push_back(offsets[e + 1]);
   }
   if (M == 0) return at::empty({0, N}, x.options());
-  const Int16Rows rows = int16_rows(xc.const_data_ptr<float>(), M, K);
+  const Int8Rows rows = int8_activations(xc.const_data_ptr<float>(), M, K);
   at::Tensor y = at::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
   const int64_t blocks = N / B, block_bytes = K / G / Codes::PER * STRIDE<Codes>;
   const int64_t chunk = std::max<int64_t>(1, CHUNK_BYTES / (block_bytes * NB)) * NB;  // blocks, whole runs
-  at::parallel_for(0, static_cast<int64_t>(bases.size()) * blocks, 2, [&](int64_t u0, int64_t u1) {
-    const Units units{bases, blocks, K / G, u1};
-    for (int64_t u = u0; u < u1;) {
-      const int64_t e = u / blocks, b0 = u % blocks, b1 = std::min(blocks, b0 + (u1 - u));
-      for (int64_t c = b0; c < b1; c += chunk)
-        for (int64_t m0 = first[e]; m0 < end[e]; m0 += ROW_BLOCK)
-          DOT_ROWS[std::min(ROW_BLOCK, end[e] - m0)](bases[e], rows, m0, c, std::min(b1, c + chunk), K, out, N,
-                                                     units, u + c - b0);
-      u += b1 - b0;
+  // The work is handed out a chunk at a time to whichever thread asks next, each chunk with all
+  // of its layer's rows (whose runs read its weights from L2): split in equal parts, a thread
+  // that another process preempts (on 2 cores, the router's own, or a neighbour's) holds up the
+  // whole step with its part, while the other waits.
+  std::vector<int64_t> starts;  // each chunk's first unit; a chunk ends at the next's or its layer's end
+  for (size_t e = 0; e < bases.size(); ++e)
+    for (int64_t b = 0; b < blocks; b += chunk) starts.push_back(static_cast<int64_t>(e) * blocks + b);
+  const int64_t chunks = static_cast<int64_t>(starts.size());
+  const auto chunk_end = [&](int64_t c) { return std::min(starts[c] / blocks * blocks + blocks, starts[c] + chunk); };
+  std::atomic<int64_t> claimed{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), chunks), 1, [&](int64_t, int64_t) {
+    for (int64_t c = claimed.fetch_add(1), next = claimed.fetch_add(1); c < chunks; c = next, next = claimed.fetch_add(1)) {
+      const int64_t u = starts[c], e = u / blocks, b0 = u % blocks, b1 = chunk_end(c) - e * blocks;
+      const Units units{bases, blocks, K / G, chunk_end(c), next < chunks ? starts[next] : 0, next < chunks ? chunk_end(next) : 0};
+      for (int64_t m0 = first[e]; m0 < end[e]; m0 += ROW_BLOCK)
+        DOT_ROWS[std::min(ROW_BLOCK, end[e] - m0)](bases[e], rows, m0, b0, b1, K, out, N, units, u);
     }
   });
   return y;
@@ -399,7 +512,7 @@ inline void store8(c10::BFloat16* p, __m256 v) {
 #endif
 
 // Output rows [8 b0, 8 b1) of the weights, transposed, into wt [K, ld] (fp32 or bf16): a block's 8
-// outputs are 8 adjacent columns, so each pair of codes unpacks to two rows of 8 values.
+// outputs are 8 adjacent columns, so each quad of codes unpacks to four rows of 8 values.
 template <typename Codes, typename T>
 void dequantize(const char* records, int64_t K, int64_t b0, int64_t b1, T* wt, int64_t ld) {
   const int64_t groups = K / G;
@@ -409,18 +522,22 @@ void dequantize(const char* records, int64_t K, int64_t b0, int64_t b1, T* wt, i
         const char* rec = record<Codes>(records, groups, b, g);
         T* out = wt + g * G * ld + (b - b0) * B;
 #if defined(__AVX2__)
-        constexpr int LOADS = G / 2 / Codes::PAIRS;
+        constexpr int LOADS = G / 4 / Codes::QUADS;
         const __m256 z = Codes::LO ? Codes::lo8(rec, g) : _mm256_setzero_ps();
         for (int l = 0; l < LOADS; ++l) {
           const typename Codes::Word w = Codes::load(rec, l);
           const __m256 s = Codes::scale8(rec, g, l * Codes::HALVES / LOADS);
+          const __m256 origin = _mm256_fnmadd_ps(_mm256_set1_ps(static_cast<float>(Codes::OFFSET)), s, z);
+#pragma GCC unroll 2
+          for (int q = 0; q < Codes::QUADS; ++q) {  // per lane, the byte codes of 4 weights in lane order
+            const __m256i c = Codes::quads(w, l, q);
+            const int64_t first = 4 * (l * Codes::QUADS + q);
 #pragma GCC unroll 4
-          for (int q = 0; q < Codes::PAIRS; ++q) {  // per lane, the int16 codes of weights 2p and 2p + 1
-            const __m256i c = Codes::pairs(w, q);
-            const int64_t p = l * Codes::PAIRS + q;
-            const __m256i even = _mm256_srai_epi32(_mm256_slli_epi32(c, 16), 16), odd = _mm256_srai_epi32(c, 16);
-            store8(out + 2 * p * ld, _mm256_fmadd_ps(_mm256_cvtepi32_ps(even), s, z));
-            store8(out + (2 * p + 1) * ld, _mm256_fmadd_ps(_mm256_cvtepi32_ps(odd), s, z));
+            for (int j = 0; j < 4; ++j) {
+              const __m256i code = Codes::SIGNED ? _mm256_srai_epi32(_mm256_slli_epi32(c, 24 - 8 * j), 24)
+                                                 : _mm256_and_si256(_mm256_srli_epi32(c, 8 * j), _mm256_set1_epi32(0xFF));
+              store8(out + weight_at(first + j) * ld, _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), s, origin));
+            }
           }
         }
 #else

@@ -58,13 +58,15 @@ at::Tensor int4_rows(const at::Tensor& records, const at::Tensor& tokens);
 at::Tensor int6_rows(const at::Tensor& records, const at::Tensor& tokens);
 at::Tensor int8_rows(const at::Tensor& records, const at::Tensor& tokens);
 
-// Rows of activations quantized to int16 per group of 32, for the 4- and 8-bit kernels.
-struct Int16Rows {
-  std::vector<int16_t> q;  // [M, K]
-  std::vector<float> d;    // [M, K/32] each group's scale: x ~= d * q
-  std::vector<float> sum;  // [M, K/32] each group's fp32 sum of x (for the lo terms)
+// Rows of activations quantized to int8 per group of 32 (x ~= d * q, |q| <= 127, rounded to
+// nearest), each group's values in the direct path's lane order (interleaved.h, LANE_ORDER).
+struct Int8Rows {
+  std::vector<int8_t> q;        // [M, K]
+  std::vector<float> d;         // [M, K/32] each group's scale
+  std::vector<float> lo_sum;    // [M, K/32] d times the sum of the group's q (for the lo terms)
+  std::vector<int32_t> sum16;   // [M, K/16] the sum of q over each half group (for codes' offsets)
 };
-Int16Rows int16_rows(const float* x, int64_t M, int64_t K);
+Int8Rows int8_activations(const float* x, int64_t M, int64_t K);
 
 // codes [N, K] 0..15 (N a multiple of 8, K of 32), scale and lo [N, K/32] -> int4_linear's records
 // [N/8, K/32, 160] uint8, 8 outputs interleaved (int4_linear.cpp, interleaved.h).
@@ -88,32 +90,7 @@ at::Tensor mask_logits(const at::Tensor& logits, const at::Tensor& packed);
 void rms_norm_rows(float* x, int64_t rows, int64_t n, const float* w, double eps);
 
 #if defined(__AVX2__)
-// acc + the lane-wise products of int16 pairs, summed per pair (VNNI fuses the add).
-inline __m256i dot_pairs(__m256i acc, __m256i codes, __m256i x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(acc, codes, x);
-#else
-  // The empty asm keeps each sum in its register, in order: integer adds being associative, GCC
-  // otherwise regroups a group's 16 products into a tree whose partial sums spill to the stack
-  // (AVX2 has 16 vector registers): the 4-bit kernel ran 1.7x slower at 16 rows.
-  __m256i sum = _mm256_add_epi32(acc, _mm256_madd_epi16(codes, x));
-  asm("" : "+x"(sum));
-  return sum;
-#endif
-}
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-// The same for 16 lanes (AVX512BW's vpmaddwd; VNNI's vpdpwssd).
-inline __m512i dot_pairs(__m512i acc, __m512i codes, __m512i x) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpwssd_epi32(acc, codes, x);
-#else
-  __m512i sum = _mm512_add_epi32(acc, _mm512_madd_epi16(codes, x));
-  asm("" : "+v"(sum));
-  return sum;
-#endif
-}
-
 // 8 fp16 values at a and 8 at b as 16 fp32.
 inline __m512 load_half16(const c10::Half* a, const c10::Half* b) {
   const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));

@@ -4,7 +4,7 @@ takes:
 - `Kernel.TORCH`: torch's int4 CPU kernel (`_weight_int4pack_mm_for_cpu`, bf16 activations and
   scales); an 8-bit layer multiplies as two int4 halves of its codes.
 - `Kernel.NATIVE`: Shardline's own, fp16 scales beside the codes, 8 outputs across the vector
-  lanes, activations rounded to int16 per group of 32 and integer dot products:
+  lanes, activations rounded to int8 per group of 32 and integer dot products:
   kernels/int8_linear.cpp for 8 bits, kernels/int4_linear.cpp for 4 (codes unpacked in
   registers; many rows through a GEMM on slices dequantized on the fly), and
   kernels/int6_linear.cpp for GGUF's Q6_K blocks (6 bits, no torch kernel to compare).

@@ -218,7 +218,7 @@ class QuantizedLinear(nn.Module):
                 lambda rows: multiply(Kernel.TORCH, next(theirs), rows),
                 self.in_features,
                 margin=1.1,
-            )  # ours rounds activations to int16, torch's to bf16
+            )  # ours rounds activations to int8 per group of 32, torch's to bf16
             if self.torch_rows == 0 and not keep_rows:  # torch's faster at every row count: ours go
                 self.kernel, self.operands = Kernel.TORCH, held()
                 self.direct_rows = self.torch_rows = ALWAYS
