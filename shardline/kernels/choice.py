@@ -37,6 +37,10 @@ from shardline.kernels.operands import Kernel, multiply, native_operands, torch_
 
 MAX_PROBE_ROWS = 64  # `crossover` measures up to this many rows; quantized still faster there: always
 PREFILL_PROBE_ROWS = 512  # as far as a kernel's GEMM path is probed: a prefill chunk's rows
+# A layer's paths are timed on its leading outputs, at most this many: their costs are per weight,
+# so the layers of one format and input width (an 8B's QKV, MLP and LM head) share one
+# measurement, and a first start times no LM head of 128K rows at 512 rows a probe.
+PROBE_OUTPUTS = 2048
 ALWAYS = 1 << 30  # a crossover that is never reached
 MEASURED_BY = 2  # how the choices are measured: a change here starts new files of them
 

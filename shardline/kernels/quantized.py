@@ -25,6 +25,7 @@ from shardline.kernels import native
 from shardline.kernels.choice import (
     ALWAYS,
     PREFILL_PROBE_ROWS,
+    PROBE_OUTPUTS,
     DenseKind,
     crossover,
     dense_kind,
@@ -64,6 +65,12 @@ def _cold(make):
     first = make()
     copies = max(1, min(64, COLD_BYTES // sum(t.numel() * t.element_size() for t in _flat(first))))
     yield from itertools.cycle([first, *(_clone(first) for _ in range(copies - 1))])
+
+
+def _leading(operands, n: int):
+    """Native operands of a layer's first `n` outputs (whole blocks of 8): its records' first blocks."""
+    (records,) = operands
+    return operands if n >= records.shape[0] * 8 else (records[: -(-n // 8)],)
 
 
 def _shape_of(nested) -> list | None:
@@ -195,15 +202,19 @@ class QuantizedLinear(nn.Module):
             self.bias = None
         else:  # a buffer, so that the shard's weight bytes count it
             self.register_buffer("bias", bias.detach(), persistent=False)
-        shape = f"{self.out_features}x{self.in_features}-{torch.get_num_threads()}threads"
+        threads = f"{torch.get_num_threads()}threads"
+        # The paths' crossovers are measured on the layer's leading PROBE_OUTPUTS outputs, so that
+        # the layers of one format and input width share one measurement.
+        probe = min(self.out_features, PROBE_OUTPUTS)
+        shape = f"{probe}x{self.in_features}-{threads}"
         self.direct_rows, self.torch_rows, self.bf16_gemm = ALWAYS, ALWAYS, gemm_in_bf16()
         held_as = record_format(self.operands[0]) if self.kernel is Kernel.NATIVE else f"int{bits}"
         if self.kernel is Kernel.NATIVE:
-            gemm = "bf16" if self.bf16_gemm else "fp32"
+            gemm, probed = "bf16" if self.bf16_gemm else "fp32", _leading(self.operands, probe)
             self.direct_rows = crossover(
                 f"{held_as}-direct-{gemm}-{shape}",
-                self._quantized,
-                lambda rows: multiply(self.kernel, self.operands, rows, direct_rows=0, bf16_gemm=self.bf16_gemm),
+                lambda rows: multiply(self.kernel, probed, rows, bf16_gemm=self.bf16_gemm),
+                lambda rows: multiply(self.kernel, probed, rows, direct_rows=0, bf16_gemm=self.bf16_gemm),
                 self.in_features,
                 max_rows=PREFILL_PROBE_ROWS,  # the direct path's time grows with the rows, the GEMM's unpacking not
             )
@@ -211,7 +222,8 @@ class QuantizedLinear(nn.Module):
             # Where the CPU computes bf16 natively, torch's int4 kernel may beat ours at batch rows:
             # kept for those only where it measured faster (measured cold, never with the AVX2 build).
             held = functools.cache(lambda: torch_operands(*groups(), bits))  # built only if needed
-            ours, theirs = _cold(lambda: self.operands), _cold(held)
+            ours = _cold(lambda: _leading(self.operands, probe))
+            theirs = _cold(lambda: torch_operands(*(t[:probe] for t in groups()), bits))
             self.torch_rows = crossover(
                 f"{held_as}-torch-{shape}",
                 lambda rows: multiply(self.kernel, next(ours), rows, self.direct_rows, self.bf16_gemm),
@@ -230,7 +242,7 @@ class QuantizedLinear(nn.Module):
             ALWAYS
             if self.dense is None
             else crossover(
-                f"{held_as}-{self.kernel.value}-{self.dense.kind.value}-{shape}",
+                f"{held_as}-{self.kernel.value}-{self.dense.kind.value}-{self.out_features}x{self.in_features}-{threads}",
                 self._quantized,
                 self.dense,
                 self.in_features,
