@@ -353,3 +353,26 @@ def test_a_first_start_keeps_what_it_serves_for_the_next(tmp_path):
             assert server.stop() == 0
         assert len(list(folder.glob("served-*.pt"))) == 1 and not list(folder.glob(".served-*")), start
     assert answers[0] == answers[1] and len(answers[0]) == 8
+
+
+def test_the_header_reader_reads_what_the_gguf_package_does(untied):
+    """shardline's header reader (common/gguf_header.py) against `gguf`'s GGUFReader: every
+    metadata value (a string array as its length), and each tensor's shape, type and offset."""
+    from gguf import GGUFReader
+
+    from shardline.common.gguf_header import Strings, read_header
+
+    header, reader = read_header(untied), GGUFReader(str(untied))
+    fields = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert set(header.metadata) == set(fields)
+    for key, field in fields.items():
+        ours = header.metadata[key]
+        if isinstance(ours, Strings):
+            assert len(ours) == len(field.data) > 0, key
+        elif isinstance(ours, str):
+            assert ours == field.contents(), key
+        else:  # numbers and arrays of them (floats as float32 holds them: the same either way)
+            assert ours == pytest.approx(field.contents(), rel=1e-7), key
+    assert [(t.name, list(t.shape), t.ggml_type, t.offset) for t in header.tensors] == [
+        (t.name, [int(d) for d in t.shape], int(t.tensor_type), int(t.data_offset)) for t in reader.tensors
+    ]

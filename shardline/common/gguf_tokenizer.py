@@ -13,9 +13,13 @@ from shardline.common.files import publish
 
 
 def convert(gguf: Path, folder: Path) -> None:
-    from transformers import AutoTokenizer
+    """The fast tokenizer that transformers' GGUF converter builds from the file's metadata, with
+    its special tokens and chat template. Built directly, not through `AutoTokenizer`: that reads
+    the model's config from the GGUF first, with `gguf`'s reader (seconds on a first start's
+    path), to pick a class whose files come out the same."""
+    from transformers import PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok = PreTrainedTokenizerFast(gguf_file=gguf.name, name_or_path=str(gguf.parent))
     publish(folder, lambda tmp: tok.save_pretrained(tmp), folder=True)
 
 

@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from shardline.common.gguf_header import GgufHeader
+
 
 @dataclass
 class ModelConfig:
@@ -96,15 +98,12 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf(cls, reader, name: str) -> ModelConfig:
-        def field_value(key, default=None):
-            f = reader.fields.get(key)
-            return f.contents() if f is not None else default
-
+    def from_gguf(cls, header: GgufHeader, name: str) -> ModelConfig:
+        field_value = header.get
         arch = field_value("general.architecture")
         if arch not in ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe"):
             raise ValueError(f"GGUF architecture {arch!r} is not supported")
-        tensors = {t.name for t in reader.tensors}
+        tensors = {t.name for t in header.tensors}
         hidden = field_value(f"{arch}.embedding_length")
         heads = field_value(f"{arch}.attention.head_count")
         eos = field_value("tokenizer.ggml.eos_token_id")
@@ -112,7 +111,7 @@ class ModelConfig:
         experts = field_value(f"{arch}.expert_count", 0)
         return cls(
             architecture=arch,
-            vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+            vocab_size=len(header.metadata["tokenizer.ggml.tokens"]),
             hidden_size=hidden,
             intermediate_size=field_value(f"{arch}.feed_forward_length"),
             num_layers=layers,

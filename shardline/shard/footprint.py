@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from shardline.common.files import publish
+from shardline.common.gguf_header import read_header
 from shardline.common.model_source import ModelSource
 from shardline.shard.config import ModelConfig
 from shardline.shard.layout import layer_range
@@ -117,15 +118,14 @@ HEADER_VERSION = 3  # what a kept header holds: a new version is read from the f
 
 
 def _read_gguf_header(source: ModelSource) -> tuple[ModelConfig, list[tuple]]:
-    from gguf import GGUFReader
+    from gguf import GGMLQuantizationType
 
-    reader = GGUFReader(str(source.path))
-    arch = reader.fields["general.architecture"].contents()
+    header = read_header(source.path)
+    arch = header.get("general.architecture")
     if arch not in SERVED_GGUF:
         raise Unservable(f"{source.path.name}: the architecture {arch!r} is not served ({', '.join(SERVED_GGUF)} are)")
-    return ModelConfig.from_gguf(reader, source.name), [
-        (t.name, int(t.n_elements), t.tensor_type.name, [int(d) for d in t.shape], int(t.data_offset))
-        for t in reader.tensors
+    return ModelConfig.from_gguf(header, source.name), [
+        (t.name, t.n_elements, GGMLQuantizationType(t.ggml_type).name, list(t.shape), t.offset) for t in header.tensors
     ]
 
 

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from shardline.common.files import publish
+from shardline.common.gguf_header import read_header
 from shardline.common.model_source import ModelSource
 from shardline.shard.config import ModelConfig
 from shardline.shard.footprint import Unservable
@@ -68,7 +69,7 @@ def read_gguf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]
     from gguf.quants import dequantize
 
     reader = GGUFReader(str(source.path))
-    cfg = ModelConfig.from_gguf(reader, source.name)
+    cfg = ModelConfig.from_gguf(read_header(source.path), source.name)
     sd = {}
     for t in tqdm(reader.tensors, desc=f"dequantizing {source.path.name}", unit="tensor"):
         w = dequantize(t.data, t.tensor_type).astype(np.float32)

@@ -1,0 +1,117 @@
+"""A GGUF file's header: its metadata and where each tensor lies, read in milliseconds.
+
+The `gguf` package's `GGUFReader` builds an array view for every element of every metadata array
+(a vocabulary of 128K tokens and as many merges: 2-3 s a read, on each of a first start's
+readers); this reads the header once with `struct`, and keeps a string array (the vocabulary,
+the merges) only as its length, which is all that the config asks of it.
+
+The layout (ggml's docs/gguf.md): magic `GGUF`, version, tensor count, metadata count; each
+metadata entry a string key, a value type and the value; each tensor's name, dimensions (fastest
+first), ggml type and offset from the data section, which starts at the next multiple of
+`general.alignment` (32) after the table.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+# value type -> struct format of one scalar; 8 is a string, 9 an array
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class Strings:
+    """A string array left unread: how many strings it holds."""
+
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    shape: tuple[int, ...]  # as ggml writes it, fastest-moving dimension first
+    ggml_type: int
+    offset: int  # from the file's start
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class GgufHeader:
+    metadata: dict[str, object]
+    tensors: list[TensorEntry]
+
+    def get(self, key: str, default=None):
+        return self.metadata.get(key, default)
+
+
+def read_header(path: Path) -> GgufHeader:
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
+        return _Cursor(blob, path).header()
+
+
+class _Cursor:
+    def __init__(self, blob, path: Path):
+        self.blob, self.path, self.pos = blob, path, 0
+
+    def take(self, fmt: str) -> tuple:
+        values = struct.unpack_from("<" + fmt, self.blob, self.pos)
+        self.pos += struct.calcsize("<" + fmt)
+        return values
+
+    def one(self, fmt: str):
+        return self.take(fmt)[0]
+
+    def string(self) -> str:
+        n = self.one("Q")
+        self.pos += n
+        return bytes(self.blob[self.pos - n : self.pos]).decode("utf-8", errors="replace")
+
+    def value(self, kind: int):
+        if kind in _SCALARS:
+            return self.one(_SCALARS[kind])
+        if kind == _STRING:
+            return self.string()
+        if kind != _ARRAY:
+            raise ValueError(f"{self.path.name}: unknown GGUF value type {kind}")
+        item, count = self.take("IQ")
+        if item == _STRING:  # skipped, as its length: only the vocabulary and merges are this long
+            for _ in range(count):
+                length = self.one("Q")  # (not `pos += one()`: that adds to the position before the read)
+                self.pos += length
+            return Strings(count)
+        if item in _SCALARS:
+            return list(self.take(f"{count}{_SCALARS[item]}"))
+        return [self.value(item) for _ in range(count)]  # arrays of arrays
+
+    def header(self) -> GgufHeader:
+        if bytes(self.blob[:4]) != b"GGUF":
+            raise ValueError(f"{self.path.name} is not a GGUF file (no GGUF magic)")
+        self.pos = 4
+        version, n_tensors, n_metadata = self.take("IQQ")
+        if version < 2:
+            raise ValueError(f"{self.path.name}: GGUF version {version} is not read (2 and later are)")
+        metadata = {}
+        for _ in range(n_metadata):
+            key = self.string()
+            metadata[key] = self.value(self.one("I"))
+        table = []
+        for _ in range(n_tensors):
+            name = self.string()
+            shape = self.take(f"{self.one('I')}Q")
+            table.append((name, shape, *self.take("IQ")))
+        alignment = int(metadata.get("general.alignment", 32))
+        data = -(-self.pos // alignment) * alignment
+        return GgufHeader(metadata, [TensorEntry(n, s, t, data + o) for n, s, t, o in table])
