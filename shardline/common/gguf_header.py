@@ -13,6 +13,7 @@ first), ggml type and offset from the data section, which starts at the next mul
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -42,10 +43,7 @@ class TensorEntry:
 
     @property
     def n_elements(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)

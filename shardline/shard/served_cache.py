@@ -110,8 +110,8 @@ def _logged(write):
 
 def _yield_to_decode() -> None:
     """Lowest CPU and disk priority for the calling thread (Linux: a thread's own nice value and
-    I/O class): the first start's decode ran at two thirds of the second's while this thread
-    serialized the weights beside it; it now writes when the cores are idle, or at the shard's stop."""
+    I/O class): serializing the weights beside a first start's decode slowed that decode, so the
+    thread writes when the cores are idle, or at the shard's stop."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         psutil.Process(threading.get_native_id()).ionice(psutil.IOPRIO_CLASS_IDLE)
