@@ -70,6 +70,9 @@ constexpr int64_t ROW_BLOCK = 4;
 // Of more rows, each run of ROW_BLOCK reads the weights again: a chunk of blocks about this size
 // at a time, which stays in a core's L2 from the first run's read to the last's.
 constexpr int64_t CHUNK_BYTES = 256 << 10;
+// Chunks a thread claims at least, where a layer is small: a thread holds its next chunk while it
+// works on one, so of two chunks a thread, one thread may take three while the other waits.
+constexpr int64_t CHUNKS_PER_THREAD = 4;
 
 template <typename Codes>
 constexpr int64_t RECORD = Codes::CODE_BYTES + Codes::SCALE_BYTES;  // a group's
@@ -473,7 +476,11 @@ at::Tensor multiply(at::TensorList records, const at::Tensor& x, at::IntArrayRef
   at::Tensor y = at::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
   const int64_t blocks = N / B, block_bytes = K / G / Codes::PER * STRIDE<Codes>;
-  const int64_t chunk = std::max<int64_t>(1, CHUNK_BYTES / (block_bytes * NB)) * NB;  // blocks, whole runs
+  // Blocks a chunk, whole runs: at most CHUNK_BYTES, and few enough that every thread gets several
+  // (a small model's 576x576 layer is one chunk of CHUNK_BYTES; one thread would do all of it).
+  const int64_t runs = static_cast<int64_t>(bases.size()) * blocks / NB;
+  const int64_t chunk = std::max<int64_t>(1, std::min(CHUNK_BYTES / (block_bytes * NB),
+                                                      runs / (CHUNKS_PER_THREAD * at::get_num_threads()))) * NB;
   // The work is handed out a chunk at a time to whichever thread asks next, each chunk with all
   // of its layer's rows (whose runs read its weights from L2): split in equal parts, a thread
   // that another process preempts (on 2 cores, the router's own, or a neighbour's) holds up the
