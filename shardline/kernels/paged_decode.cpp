@@ -126,15 +126,18 @@ void weigh_values(const float* p, const T* const* v, int64_t off, int64_t cnt, i
 // Attention of each sequence's q heads over its cached context, read token by token: a cached
 // token's K (or V) for all KV heads is one contiguous row, and a page is a contiguous run of
 // them, which the hardware prefetcher streams (reading one KV head's slice per pass did not).
-// A batch smaller than the thread count splits each context into that many runs of pages, whose
-// partial results merge by their softmax maxima and sums (as flash-decoding does).
+// Each context splits into as many runs of pages as there are threads, whose partial results
+// merge by their softmax maxima and sums (as flash-decoding does), so that one sequence keeps
+// every thread busy. The split depends on nothing but the context's length: a row's attention
+// is the same number whatever else its step computes (a greedy token at a near-tie must not
+// change where a step verifies proposals, or decodes beside other sequences).
 template <typename T>
 void attend(const float* q, int64_t width, int64_t B, int64_t heads, int64_t kv_heads, int64_t d, const T* kc,
             const T* vc, int64_t page_size, const int64_t* tb, int64_t pages_per_row, const int64_t* ln,
             float softmax_scale, float* o) {
   const int64_t group = heads / kv_heads, row_len = kv_heads * d;
   const int64_t threads = at::get_num_threads();
-  const int64_t splits = B >= threads ? 1 : (threads + B - 1) / B;
+  const int64_t splits = threads;
   std::vector<float> part_max(B * splits * heads), part_sum(B * splits * heads, 0.f),
       part_acc(B * splits * heads * d, 0.f);
   at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {

@@ -10,7 +10,9 @@ A long prefill step runs in pieces, one after the other (a long prompt is cut as
 cuts it), so that its activations stay within PREFILL_PIECE_BYTES whatever the prompt's length.
 The router still sees one step.
 
-A small prefill step runs as decode rows, a row per token (ROWS_ATTENTION_PAIRS).
+A small prefill step runs as decode rows, a row per token (ROWS_ATTENTION_PAIRS); so does a step
+that verifies proposals, at any context: each of its rows then computes what a decode step at
+that position would, to the bit, and greedy output is the same with speculation on and off.
 
 A layer group (StepPlan.layer_start, layer_end) runs a part of the layers on its chunks; the
 shard keeps each chunk's hidden states in its SequenceState until the group that runs the last
@@ -260,14 +262,14 @@ class ModelRunner:
         tables = self.table.tables[self._tensor([st.row for st in states]), :width]
         return self._tensor(tokens), positions, AttentionBatch.decode(tables, positions, self.page_size)
 
-    def _prefill_batch(self, spans: list[Span]):
+    def _prefill_batch(self, spans: list[Span], as_rows: bool = False):
         ps = self.page_size
         tokens = self._tensor([t for s in spans for t in s.token_ids])
         positions = torch.cat(
             [torch.arange(s.start_pos, s.start_pos + len(s.token_ids), device=self.device) for s in spans]
         )
         pairs = sum(len(s.token_ids) * (s.start_pos + len(s.token_ids)) for s in spans)
-        if self.device.type == "cpu" and pairs <= ROWS_ATTENTION_PAIRS:  # as decode rows
+        if self.device.type == "cpu" and (as_rows or pairs <= ROWS_ATTENTION_PAIRS):  # as decode rows
             width = max(len(s.block_table) for s in spans)
             tables = torch.cat(
                 [
@@ -347,8 +349,9 @@ class ModelRunner:
                 last = self._forward(*self._decode_batch(tokens, states))
                 out.eager_decode_steps = 1
             every = {i: last[i : i + 1] for i in scored} if last is not None else {}
-        else:
-            last, every = self._prefill(entries, states, scored | verifying)
+        else:  # a step of verifications and decode rows computes each row as a decode step would
+            as_rows = all(s.proposals or len(s.token_ids) == 1 for s in entries)
+            last, every = self._prefill(entries, states, scored | verifying, as_rows=as_rows)
         for i, (s, st) in enumerate(zip(entries, states)):
             st.sampled = None  # until this step samples it a token
             if finishing:
@@ -364,11 +367,11 @@ class ModelRunner:
             self._sample(entries, states, last, every, out)
         return out
 
-    def _prefill(self, entries, states, kept_for: set[int], layers: slice = slice(None)):
+    def _prefill(self, entries, states, kept_for: set[int], layers: slice = slice(None), as_rows: bool = False):
         """Runs a prefill step (or the layer group `layers` of one) in pieces. Returns the hidden
         state of each sequence's last token [n, H], and all hidden states of the sequences in
         `kept_for` (for prompt log-probabilities, or a layer group's partial chunks); (None, {})
-        off the last stage."""
+        off the last stage. `as_rows`: every token as a decode row, however long its context."""
         spans = [
             Span(list(s.token_ids), s.start_pos, self.table.tables[st.row, : len(st.pages)])
             for s, st in zip(entries, states)
@@ -384,7 +387,7 @@ class ModelRunner:
                         for i, span in piece
                     ]
                 )
-            hidden = self._forward(*self._prefill_batch([span for _, span in piece]), hidden_in, layers)
+            hidden = self._forward(*self._prefill_batch([span for _, span in piece], as_rows), hidden_in, layers)
             if hidden is None:
                 continue
             end = 0
