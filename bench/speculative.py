@@ -1,19 +1,22 @@
-"""Speculative decoding: Shardline with n-gram speculation against itself without it, and
-against llama.cpp's `llama-server` with each of its n-gram speculation kinds, on the same GGUF
-(SmolLM2's default) and the same chat prompts, one server at a time, through the same OpenAI
-client (bench/http.py).
+"""Speculative decoding: Shardline with prompt lookup (`ngram`) and with suffix decoding beside it
+(`suffix`) against itself without speculation, and against llama.cpp's `llama-server` with each
+of its n-gram speculation kinds, on the same GGUF (SmolLM2's default) and the same chat prompts,
+through the same OpenAI client (bench/http.py).
 
     python -m bench.speculative [--llama-server PATH] [--streams 1,8] [--repeats 3] [--max-new-tokens 160]
+        [--modes off,ngram,suffix]
 
 Workloads, each a few chat prompts that cycle over the streams: the copy-heavy ones, `quote`
 (repeat a paragraph), `rename` (rewrite code with one name changed) and `json` (extract fields
-from a text), whose answers copy from their prompts (reported each and together), and `free`
-(nothing to copy). Greedy, each answer ends at EOS or `--max-new-tokens`. Per run: tok/s
-(completion tokens over the wall time from the first request to the last token, prefill
-included) and decode tok/s (bench/http.py); medians over repeats. The host's read bandwidth is
-measured first (bench/kernels.py); Shardline's acceptance per workload comes from its Stats
-(proposed and accepted tokens). llama-server runs with `--spec-type none` and each n-gram kind
-at its defaults; its best kind per workload and concurrency is the peer. Writes
+from a text), whose answers copy from their prompts (reported each and together); `edit`, one
+file renamed twice in two requests (an agent's loop: the second answer rewrites the first's);
+and `free` (nothing to copy). Every run starts its server afresh (`shardline`: why). Greedy,
+each answer ends at EOS or `--max-new-tokens`. Per run: tok/s (completion tokens over the wall
+time from the first request to the last token, prefill included) and decode tok/s
+(bench/http.py); medians over repeats. The host's read bandwidth is measured first
+(bench/kernels.py); Shardline's acceptance per workload comes from its Stats (proposed and
+accepted tokens). llama-server runs with `--spec-type none` and each n-gram kind at its
+defaults; its best kind per workload and concurrency is the peer. Writes
 bench/out/speculative-<time>.json and .png.
 """
 
@@ -47,6 +50,18 @@ CODE = [
     "        word = word.strip('.,!?')\n        counts[word] = counts.get(word, 0) + 1\n    return counts\n",
 ]
 RENAMES = [("subtotal", "net_amount"), ("counts", "frequencies")]
+# An agent's edit loop: one file, renamed twice, each a new request (run() at one stream asks them
+# in turn), so that the second answer rewrites most of what the first wrote.
+FILE = (
+    "import json\n\n\nclass Inventory:\n    def __init__(self, path):\n        self.path = path\n"
+    "        self.items = {}\n\n    def load(self):\n        with open(self.path) as f:\n"
+    "            self.items = json.load(f)\n\n    def add(self, name, count):\n"
+    "        self.items[name] = self.items.get(name, 0) + count\n\n    def remove(self, name, count):\n"
+    "        if self.items.get(name, 0) < count:\n            raise ValueError(name)\n"
+    "        self.items[name] -= count\n\n    def save(self):\n        with open(self.path, 'w') as f:\n"
+    "            json.dump(self.items, f)\n"
+)
+EDITS = [("items", "stock"), ("count", "amount")]
 RECORDS = [
     "Order 4471 was placed by Maria Gonzalez of 12 Harbour Road, Lisbon, on 3 March 2025 for two "
     "ceramic vases and one linen tablecloth, paid by credit card, to be delivered by express courier.",
@@ -78,8 +93,17 @@ def copy_workloads() -> dict[str, list[str]]:
     }
 
 
+def edit_workload() -> list[str]:
+    return [
+        f"Here is a Python file:\n\n```python\n{FILE}```\n\nRewrite the whole file with `{old}` renamed to "
+        f"`{new}`. Keep everything else the same."
+        for old, new in EDITS
+    ]
+
+
 COPY = ("quote", "rename", "json")  # together: the copy-heavy workload
-WORKLOADS = {**copy_workloads(), "free": FREE}
+WORKLOADS = {**copy_workloads(), "edit": edit_workload(), "free": FREE}
+MODES = ("off", "ngram", "suffix")
 
 
 def body(model: str, prompt: str, max_new: int) -> dict:
@@ -120,19 +144,6 @@ def run(base_url: str, model: str, prompts: list[str], n: int, max_new: int) -> 
     }
 
 
-def _spec_counts(before, after) -> dict:
-    proposed = after.spec_proposed_tokens - before.spec_proposed_tokens
-    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
-    generated = after.tokens_generated - before.tokens_generated
-    return {
-        "proposed": proposed,
-        "accepted": accepted,
-        "verifications": after.spec_verifications - before.spec_verifications,
-        "acceptance": accepted / proposed if proposed else None,
-        "accepted_share_of_output": accepted / generated if generated else None,
-    }
-
-
 def _report(who: str, key: str, entry: dict) -> None:
     spec = entry.get("spec") or {}
     print(
@@ -143,31 +154,56 @@ def _report(who: str, key: str, entry: dict) -> None:
     )
 
 
-def shardline(streams: list[int], max_new: int, repeats: int) -> dict:
-    """Speculation off and on, two servers up at once and driven in turns (the first of the two
-    alternating), so that a ratio compares runs seconds apart on a machine whose speed drifts."""
-    servers = {mode: Server("--speculative", mode, "--max-batch", str(max(streams))) for mode in ("off", "ngram")}
-    try:
-        model = servers["off"].stub.Info(pb.InfoRequest(), timeout=30).model
-        out = {mode: {} for mode in servers}
-        for name, prompts in WORKLOADS.items():
-            for n in streams:
-                key, runs = f"{name}/{n}", {mode: [] for mode in servers}
-                for server in servers.values():  # untimed: warms this shape
-                    run(server.http_url, model, prompts[:1], n, 16)
-                before = servers["ngram"].stats()
-                for rep in range(repeats):
-                    for mode in ("off", "ngram") if rep % 2 == 0 else ("ngram", "off"):
-                        runs[mode].append(run(servers[mode].http_url, model, prompts, n, max_new))
-                for mode in servers:
-                    out[mode][key] = summary(runs[mode])
-                out["ngram"][key]["spec"] = _spec_counts(before, servers["ngram"].stats())
-                for mode in servers:
-                    _report(f"shardline {mode}", key, out[mode][key])
-        return out
-    finally:
-        for server in servers.values():
-            server.stop()
+def _spec_counts(runs: list[tuple]) -> dict:
+    """Proposed and accepted tokens over runs, each as (stats before, stats after)."""
+    proposed = sum(b.spec_proposed_tokens - a.spec_proposed_tokens for a, b in runs)
+    accepted = sum(b.spec_accepted_tokens - a.spec_accepted_tokens for a, b in runs)
+    generated = sum(b.tokens_generated - a.tokens_generated for a, b in runs)
+    return {
+        "proposed": proposed,
+        "accepted": accepted,
+        "verifications": sum(b.spec_verifications - a.spec_verifications for a, b in runs),
+        "acceptance": accepted / proposed if proposed else None,
+        "accepted_share_of_output": accepted / generated if generated else None,
+    }
+
+
+def _start(mode: str, streams: list[int]) -> Server:
+    return Server("--speculative", mode, "--max-batch", str(max(streams)))
+
+
+def shardline(streams: list[int], max_new: int, repeats: int, modes: list[str]) -> dict:
+    """Each mode's server driven in turns (the order alternating), so that ratios compare runs
+    seconds apart on a machine whose speed drifts. Every run starts each server afresh and caches
+    its prompts' pages first (answers of two tokens, too short for a suffix cache to keep): the
+    suffix cache then holds only what that run writes (the earlier turn of `edit`), never the same
+    prompt's answer from a repeat before; and every mode computes the same prompt KV, so that
+    greedy answers agree (a prompt computed whole takes the prefill path's attention, the rest of
+    a cached one decode rows', and on int8 activations that moves near-ties)."""
+    out = {mode: {} for mode in modes}
+    for name, prompts in WORKLOADS.items():
+        for n in streams:
+            key, runs, counts = f"{name}/{n}", {m: [] for m in modes}, {m: [] for m in modes}
+            for rep in range(repeats):
+                for mode in modes if rep % 2 == 0 else modes[::-1]:
+                    server = _start(mode, streams)
+                    try:
+                        model = server.stub.Info(pb.InfoRequest(), timeout=30).model
+                        run(server.http_url, model, prompts, n, 2)  # untimed: warms this shape
+                        before = server.stats()
+                        runs[mode].append(run(server.http_url, model, prompts, n, max_new))
+                        counts[mode].append((before, server.stats()))
+                    finally:
+                        server.stop()
+            for mode in modes:
+                out[mode][key] = summary(runs[mode])
+                if mode != "off":
+                    out[mode][key]["spec"] = _spec_counts(counts[mode])
+                _report(f"shardline {mode}", key, out[mode][key])
+            answers = {mode: [r["completion_tokens"] for r in runs[mode]] for mode in modes}
+            if len({tuple(a) for a in answers.values()}) > 1:
+                print(f"  {key}: the modes' answers differ in length: {answers}", flush=True)
+    return out
 
 
 SPEC_TYPES = ["none", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache"]
@@ -196,22 +232,28 @@ def copy_heavy(runs: dict, n: int) -> float:
 
 
 def ratios(result: dict, streams: list[int]) -> dict:
-    on, off = result["shardline"]["ngram"], result["shardline"]["off"]
-    peers = result.get("llama_server", {})
-    rate = {"shardline ngram": on, "shardline off": off, **{f"llama-server {s}": r for s, r in peers.items()}}
+    ours = result["shardline"]
+    off, peers = ours["off"], result.get("llama_server", {})
+    rate = {**{f"shardline {m}": r for m, r in ours.items()}, **{f"llama-server {s}": r for s, r in peers.items()}}
     out = {}
     for n in streams:
         copy = {who: copy_heavy(runs, n) for who, runs in rate.items()}
         out[f"copy-heavy/{n}: tok/s"] = copy
-        out[f"copy-heavy/{n}: ngram/off"] = copy["shardline ngram"] / copy["shardline off"]
-        if peers:
-            best = max((w for w in copy if w.startswith("llama-server") and w != "llama-server none"), key=copy.get)
-            out[f"copy-heavy/{n}: ngram/{best}"] = copy["shardline ngram"] / copy[best]
-    for key in on:
-        out[f"{key}: ngram/off"] = on[key]["tok_s"] / off[key]["tok_s"]
-        if peers:
-            best = max((s for s in peers if s != "none"), key=lambda s: peers[s][key]["tok_s"])
-            out[f"{key}: ngram/llama-server {best}"] = on[key]["tok_s"] / peers[best][key]["tok_s"]
+        peer_kinds = [w for w in copy if w.startswith("llama-server") and w != "llama-server none"]
+        best = max(peer_kinds, key=copy.get, default=None)
+        for mode in ours:
+            if mode != "off":
+                out[f"copy-heavy/{n}: {mode}/off"] = copy[f"shardline {mode}"] / copy["shardline off"]
+                if best:
+                    out[f"copy-heavy/{n}: {mode}/{best}"] = copy[f"shardline {mode}"] / copy[best]
+    for mode, runs in ours.items():
+        if mode == "off":
+            continue
+        for key in runs:
+            out[f"{key}: {mode}/off"] = runs[key]["tok_s"] / off[key]["tok_s"]
+            if peers:
+                best = max((s for s in peers if s != "none"), key=lambda s: peers[s][key]["tok_s"])
+                out[f"{key}: {mode}/llama-server {best}"] = runs[key]["tok_s"] / peers[best][key]["tok_s"]
     return out
 
 
@@ -219,7 +261,7 @@ def plot(result: dict, png) -> None:
     import matplotlib.pyplot as plt
 
     keys = list(result["shardline"]["off"])
-    series = {f"Shardline {m}": result["shardline"][m] for m in ("off", "ngram")}
+    series = {f"Shardline {m}": runs for m, runs in result["shardline"].items()}
     series.update({f"llama-server {s}": r for s, r in result.get("llama_server", {}).items()})
     fig, ax = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / len(series)
@@ -240,12 +282,13 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER") or shutil.which("llama-server"))
     parser.add_argument("--spec-types", default=",".join(SPEC_TYPES), help="llama-server's, 'none' among them")
+    parser.add_argument("--modes", default=",".join(MODES), help="Shardline's --speculative, 'off' first")
     args = parser.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     result = {"benchmark": "speculative", **machine(), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
     result["read_gb_s"] = read_gb_s()  # what a decode step's weights are read at
     print(f"read bandwidth {result['read_gb_s']:.1f} GB/s", flush=True)
-    result["shardline"] = shardline(streams, args.max_new_tokens, args.repeats)
+    result["shardline"] = shardline(streams, args.max_new_tokens, args.repeats, args.modes.split(","))
     if args.llama_server:
         result["llama_server"] = {
             spec: llama(args.llama_server, spec, streams, args.max_new_tokens, args.repeats)

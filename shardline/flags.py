@@ -165,12 +165,14 @@ def _router_flags(p):
     add_flag(
         p,
         "speculative",
-        "ngram",
+        "suffix",
         help="speculative decoding: ngram proposes each sequence's next tokens from its own "
         "earlier n-grams and the shards verify them in one step where the measured step costs say "
-        "it pays (the output is the same: greedy tokens equal, sampled ones equally distributed); off: "
-        "a token per sequence per step. A request opts out with speculative: false",
-        choices=["off", "ngram"],
+        "it pays (the output is the same: greedy tokens equal, sampled ones equally distributed); "
+        "suffix adds suffix decoding beside it, which proposes also from earlier requests' outputs "
+        "(of the same cache namespace), each sequence taking the proposal expected to yield more; "
+        "off: a token per sequence per step. A request opts out with speculative: false",
+        choices=["off", "ngram", "suffix"],
     )
     add_flag(p, "spec-tokens", 8, number(int, 1, 64), "the most tokens proposed for one sequence in one step")
     add_flag(p, "priority-aging-s", 1.0, SECONDS, "seconds of waiting that raise a request's priority by one")

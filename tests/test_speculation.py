@@ -9,7 +9,8 @@ import torch
 from shardline.protos.shard_pb2 import Sampling
 from shardline.router.core.ngrams import Drafting
 from shardline.router.core.sequence import Sequence
-from shardline.router.core.speculation import NGRAM, OFF, Speculator, StepCosts
+from shardline.router.core.speculation import NGRAM, OFF, SUFFIX, Speculator, StepCosts
+from shardline.router.core.suffixes import OutputCache, SuffixDrafting, continuation
 from shardline.shard.sampler import SamplingParams, sample_row, verify
 
 
@@ -66,20 +67,21 @@ def test_proposals_are_sent_where_the_measured_costs_say_they_pay():
     first.measured(1, 0.010, ahead=False)
     first.measured(5, 0.100, ahead=False)  # rows too dear, but a sequence's first proposal is tried
     assert first.propose([_decoding(9, [1, 2, 3, 4, 5, 6, 7], [1, 2, 3])])
+    ngram = copying.drafting.each[0]
     copying.drafting.verified(4, 4)
     spec.measured(1, 0.010, ahead=False)
     spec.measured(5, 0.016, ahead=False)  # rows cost 1.5 ms each
-    copying.drafting.acceptance = 0.95
+    ngram.acceptance = 0.95
     assert spec.propose([copying]) == {copying: [4, 5, 6, 7]}
-    copying.drafting.acceptance = 0.55  # then only the first few are worth their rows
+    ngram.acceptance = 0.55  # then only the first few are worth their rows
     assert spec.propose([copying])[copying] in ([4], [4, 5], [4, 5, 6])
-    copying.drafting.acceptance = 0.1  # and not even the first (by MARGIN)
+    ngram.acceptance = 0.1  # and not even the first (by MARGIN)
     assert spec.propose([copying]) == {}
-    copying.drafting.acceptance = 0.55
+    ngram.acceptance = 0.55
     # Unless a step without proposals, sent ahead, costs less than that: its round trip overlaps.
     spec.measured(1, 0.006, ahead=True)
     assert spec.propose([copying]) == {}
-    copying.drafting.acceptance = 0.95
+    ngram.acceptance = 0.95
     spec.measured(5, 0.100, ahead=False)  # now they cost ten steps (a running average: measure it again)
     spec.measured(5, 0.100, ahead=False)
     spec.measured(5, 0.100, ahead=False)
@@ -92,6 +94,56 @@ def test_proposals_are_sent_where_the_measured_costs_say_they_pay():
     opted_out.speculative = False
     assert Speculator(NGRAM, 4, 1000).propose([opted_out]) == {}
     assert Speculator(OFF, 4, 1000).propose([_decoding(4, [1, 2, 3, 4], [1, 2])]) == {}
+
+
+def test_a_suffix_proposes_what_most_often_followed_its_longest_match():
+    # [0, 1, 2, 3] went on with 4, 5, 6, 0 twice and with 4, 5, 6, 8 once, the latest: frequency
+    # wins where prompt lookup takes the latest occurrence; 4 tokens matched, 4 proposed.
+    text = [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6, 8, 1, 2, 3, 9, 0, 1, 2, 3]
+    assert SuffixDrafting(8).propose(text, [], 8) == [4, 5, 6, 0]
+    assert Drafting(8).propose(text, [], 8)[:4] == [4, 5, 6, 8]
+    # A longer match earns a longer proposal, and outranks more frequent shorter ones.
+    code = [7, 8, 1, 2, 3, 4, 5, 6, 10, 11, 12, 13, 1, 2, 3, 9]
+    assert continuation([*code, 7, 8, 1, 2, 3], [(code, 5), (code, 15)], 8) == [4, 5, 6, 10, 11]  # 5 matched
+    # Continuations that scatter fall below MIN_PROBABILITY and are not proposed.
+    scattered = [tok for nxt in range(20, 40) for tok in (1, 2, 3, nxt)]
+    assert SuffixDrafting(8).propose(scattered, [1, 2, 3], 8) == []
+    assert SuffixDrafting(8).propose([1, 2, 3, 4], [], 8) == []  # nothing recurs
+
+
+def test_earlier_outputs_propose_within_their_namespace_and_the_oldest_go_first():
+    cache = OutputCache(budget=40)
+    answer = list(range(100, 130))
+    cache.add("tenant-a", answer)
+    prompt = [1, 2, 3, *answer[:5]]  # its prompt does not hold the rest of the answer
+    # 5 tokens matched (100..104): 5 proposed
+    assert SuffixDrafting(8, cache=cache, namespace="tenant-a").propose(prompt, [], 8) == answer[5:10]
+    assert SuffixDrafting(8, cache=cache, namespace="tenant-b").propose(prompt, [], 8) == []
+    cache.add("tenant-b", list(range(200, 220)))  # 50 tokens kept over a budget of 40: the first goes
+    assert len(cache) == 1 and cache.tokens == 20
+    assert SuffixDrafting(8, cache=cache, namespace="tenant-a").propose(prompt, [], 8) == []
+    assert all(key[0] == "tenant-b" for key in cache._index), "an evicted text left index entries"
+
+
+def test_suffix_mode_learns_from_finished_requests_and_credits_the_proposer_it_sent():
+    spec = Speculator(SUFFIX, 8, max_position=1000)
+    first = _decoding(1, [1, 2, 3], list(range(40, 60)))
+    spec.finished(first)
+    again = _decoding(2, [5, 6, 7], list(range(40, 48)))  # writes what the first wrote
+    assert spec.propose([again]) == {again: list(range(48, 56))}
+    suffix, ngram = again.drafting.each
+    assert again.drafting.sent is suffix
+    again.drafting.verified(8, 8)
+    assert (suffix.accepted, ngram.accepted, again.drafting.accepted) == (8, 0, 8)
+    # Where both propose the same, the suffix proposer's better record keeps it chosen; prompt
+    # lookup takes over for a sequence where only it proposes.
+    looking_up = _decoding(3, [9, 8, 7, 6, 9, 8, 7], [], max_new=10)
+    assert spec.propose([looking_up]) == {looking_up: [6, 9, 8, 7]}
+    assert looking_up.drafting.sent is not None
+    opted_out = _decoding(4, [1, 2, 3], [9, 9, 9, 9, 9])
+    opted_out.speculative = False
+    spec.finished(opted_out)  # a request that opted out is not kept either
+    assert len(spec.outputs) == 1
 
 
 def test_greedy_verification_keeps_the_proposals_the_target_agrees_with():

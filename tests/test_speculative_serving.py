@@ -144,3 +144,36 @@ def test_a_constrained_answer_is_proposed_within_its_constraint_and_masked_per_r
     # A constraint that forbids what the prompt would propose: nothing it refuses is emitted.
     got, text, _ = _generate(smollm2_server, ids, max_new_tokens=12, regex="[a-z ]{1,60}")
     assert set(text) <= set("abcdefghijklmnopqrstuvwxyz ")
+
+
+@pytest.fixture(scope="module")
+def suffix_server():
+    """Suffix decoding beside prompt lookup, on the GGUF's quantized kernels as served by default."""
+    from tests.support import Server
+
+    server = Server("--speculative", "suffix")
+    yield server
+    assert server.stop() == 0, "".join(server.log[-30:])
+
+
+def test_suffix_decoding_proposes_an_earlier_answer_and_the_text_stays_greedy(suffix_server):
+    """An answer that copies nothing from its prompt: the first time a token a step, nearly; asked
+    again, the first answer's tokens are proposed and accepted, and every run's tokens are those
+    of decoding a token a step (on int8 activations, so bit for bit: test_row_invariance.py)."""
+    ids = smollm2_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "Write a short story about a dragon who learns to bake bread."}],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
+    )
+    plain, _, _ = _generate(suffix_server, list(ids), max_new_tokens=NEW_TOKENS, speculative=False)
+    before = _spec(suffix_server)
+    first, _, _ = _generate(suffix_server, list(ids), max_new_tokens=NEW_TOKENS)
+    middle = _spec(suffix_server)
+    again, _, _ = _generate(suffix_server, list(ids), max_new_tokens=NEW_TOKENS)
+    after = _spec(suffix_server)
+    assert first == plain and again == plain
+    first_accepted, again_accepted = middle[2] - before[2], after[2] - middle[2]
+    again_steps = after[0] - middle[0]
+    assert again_accepted > NEW_TOKENS // 2 > first_accepted, (first_accepted, again_accepted)
+    assert again_steps < NEW_TOKENS // 4, again_steps

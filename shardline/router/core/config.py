@@ -23,7 +23,7 @@ class ReplicaConfig:
     shard_timeout_s: float = 300.0  # for the shards to come up
     step_timeout_s: float = 20.0
     drain_timeout_s: float = 30.0
-    speculative: str = "ngram"  # off | ngram (router/core/speculation.py)
+    speculative: str = "suffix"  # off | ngram | suffix (router/core/speculation.py)
     spec_tokens: int = 8  # the most tokens proposed for one sequence in one step
 
     @classmethod

@@ -343,6 +343,8 @@ class Scheduler:
                 queue.remove(seq)
                 break
         self.kv.release(seq)
+        if self.speculator is not None:
+            self.speculator.finished(seq)
         seq.status = Status.FINISHED
 
 

@@ -11,7 +11,7 @@ from opentelemetry.trace import Span
 
 from shardline.protos import shard_pb2
 from shardline.router.core.constrained import Constrained
-from shardline.router.core.ngrams import Drafting
+from shardline.router.core.proposers import Proposers
 
 
 class Status(enum.Enum):
@@ -101,7 +101,7 @@ class Sequence:
     after: Sequence | None = None
     constrained: Constrained | None = None  # its matcher, when it has a constraint
     speculative: bool = True  # its tokens may be proposed and verified (speculation.py)
-    drafting: Drafting | None = None  # its n-gram proposals, once it decodes with speculation on
+    drafting: Proposers | None = None  # its proposers, once it decodes with speculation on
 
     @property
     def logprobs(self) -> int | None:

@@ -11,8 +11,10 @@ measured:
   running average per row count, read between the counts measured by a line through the two
   nearest; apart for steps sent ahead (a step without proposals may be, and then its router
   round trip overlaps the step before: the cost of not speculating);
-- per sequence, the running acceptance of its proposals (ngrams.Drafting), which prices a
-  proposal of k tokens at the tokens it is expected to yield;
+- per sequence and proposer, the running acceptance of its proposals (ngrams.Drafting), which
+  prices a proposal of k tokens at the tokens it is expected to yield. With suffix decoding
+  (suffixes.py) beside prompt lookup, each step takes the proposal of the two that is expected
+  to yield more (Proposers);
 - the step takes proposals best first, each cut to the length that raises its expected tokens
   per second most, while one does by MARGIN at least; one left out counts as such
   (Drafting.not_sent). Where the costs of a step's rows are not known yet, and for a sequence's
@@ -32,10 +34,12 @@ import bisect
 from dataclasses import dataclass, field
 
 from shardline.router.core.ngrams import Drafting
+from shardline.router.core.proposers import Proposers
 from shardline.router.core.sequence import Sequence
+from shardline.router.core.suffixes import OutputCache, SuffixDrafting
 
-OFF, NGRAM = "off", "ngram"
-MODES = (OFF, NGRAM)
+OFF, NGRAM, SUFFIX = "off", "ngram", "suffix"
+MODES = (OFF, NGRAM, SUFFIX)
 AVERAGING = 0.2  # weight of a new measurement in a row count's running step time
 # How much faster the expected tokens per second of a step with proposals must be: the estimates
 # err (acceptance from few verifications, costs read between row counts), and where the gain is
@@ -81,6 +85,18 @@ class Speculator:
         # those sent ahead while it ran: a step without proposals can be, and then costs only
         # its compute (the router's work and the round trip overlap it).
         self.costs, self.ahead_costs = StepCosts(), StepCosts()
+        self.outputs = OutputCache() if mode == SUFFIX else None  # earlier requests' outputs
+
+    def _proposers(self, seq: Sequence) -> Proposers:
+        ngram = Drafting(self.most_tokens)
+        if self.mode == NGRAM:
+            return Proposers((ngram,))
+        return Proposers((SuffixDrafting(self.most_tokens, cache=self.outputs, namespace=seq.cache_namespace), ngram))
+
+    def finished(self, seq: Sequence) -> None:
+        """A sequence ended: with suffix decoding, its output is proposed from to the ones after it."""
+        if self.outputs is not None and seq.speculative:
+            self.outputs.add(seq.cache_namespace, seq.output_ids)
 
     def propose(self, seqs: list[Sequence], trial: bool = False) -> dict[Sequence, list[int]]:
         """The proposals of a decode step of `seqs`, per sequence that carries any. A `trial`
@@ -92,41 +108,43 @@ class Speculator:
             if not seq.speculative:
                 continue
             if seq.drafting is None:
-                seq.drafting = Drafting(self.most_tokens)
+                seq.drafting = self._proposers(seq)
             # Every accepted proposal and the target's token must fit the request's limits.
             room = min(seq.max_new_tokens - len(seq.output_ids), self.max_position - seq.num_tokens) - 1
-            tokens = seq.drafting.propose(seq.prompt_ids, seq.output_ids, room)
+            drafting, tokens = seq.drafting.propose(seq.prompt_ids, seq.output_ids, room)
             if tokens and seq.constrained is not None and not trial:
                 tokens = seq.constrained.valid_prefix(tokens)
             if tokens:
-                candidates.append((seq, tokens))
+                candidates.append((seq, drafting, tokens))
         return self._worth_it(len(seqs), candidates, trial)
 
     def _worth_it(
-        self, rows: int, candidates: list[tuple[Sequence, list[int]]], trial: bool
+        self, rows: int, candidates: list[tuple[Sequence, Drafting, list[int]]], trial: bool
     ) -> dict[Sequence, list[int]]:
         """The candidates that raise the step's expected tokens per second, best first."""
         chosen: dict[Sequence, list[int]] = {}
         tokens, ms = rows, self.ahead_costs.estimate(rows) or self.costs.estimate(rows)
-        candidates.sort(key=lambda c: c[0].drafting.acceptance, reverse=True)
-        for seq, proposal in candidates:
+        candidates.sort(key=lambda c: c[1].acceptance, reverse=True)
+        for seq, drafting, proposal in candidates:
             best = None  # (rate, proposed, tokens, ms) of the best prefix of the proposal
             for n in range(1, len(proposal) + 1):
                 more_ms = self.costs.estimate(rows + n)
-                # Not measured yet, or the sequence's first proposal (its acceptance is only the
+                # Not measured yet, or the proposer's first proposal (its acceptance is only the
                 # prior's): try it whole.
-                if ms is None or more_ms is None or not seq.drafting.verifications:
-                    best = (0.0, len(proposal), tokens + seq.drafting.expected(len(proposal)), None)
+                if ms is None or more_ms is None or not drafting.verifications:
+                    best = (0.0, len(proposal), tokens + drafting.expected(len(proposal)), None)
                     break
-                more_tokens = tokens + seq.drafting.expected(n)
+                more_tokens = tokens + drafting.expected(n)
                 if more_tokens / more_ms > (best[0] if best else MARGIN * tokens / ms):
                     best = (more_tokens / more_ms, n, more_tokens, more_ms)
             if best is None:
                 if not trial:
-                    seq.drafting.not_sent()
+                    drafting.not_sent()
                 continue
             _, n, tokens, ms = best
             chosen[seq], rows = proposal[:n], rows + n
+            if not trial:
+                seq.drafting.sent = drafting
         return chosen
 
     def measured(self, rows: int, wall_s: float, ahead: bool) -> None:
