@@ -54,6 +54,12 @@ def llama_cpp_model(model: str = "smollm2", n_ctx: int = 2048, **options):
     )
 
 
+# Shardline's flags where a benchmark races a peer that decodes a token a step (llama-server
+# without --spec-type): its workloads repeat their prompts, whose earlier answers suffix decoding
+# would propose. Speculation races the peer's own in bench/speculative.py.
+PLAIN_DECODE = ("--speculative", "off")
+
+
 def machine() -> dict:
     import torch
 

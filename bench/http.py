@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import machine, save
+from bench.common import PLAIN_DECODE, machine, save
 from harness.client import decode_tok_s, http_concurrently, http_workload, percentiles, run_scenario, warm_up
 from harness.serve import CpuMeter, Server, free_port
 from shardline.protos import generation_pb2 as pb
@@ -63,7 +63,7 @@ def summary(runs: list[dict]) -> dict:
 
 
 def against_grpc(args, streams: list[int]) -> dict:
-    server = Server("--max-batch", str(max(streams)))
+    server = Server("--max-batch", str(max(streams)), *PLAIN_DECODE)
     try:
         model = server.stub.Info(pb.InfoRequest(), timeout=30).model
         meter, out = CpuMeter(server), {}
@@ -149,7 +149,7 @@ def llama_server(path: str, slots: int, model: str | None = None, context: int |
 def against_llama_server(args, streams: list[int]) -> dict:
     if not Path(args.llama_server).is_file():
         raise SystemExit(f"no llama-server at {args.llama_server}")
-    server = Server("--max-batch", str(max(streams)))
+    server = Server("--max-batch", str(max(streams)), *PLAIN_DECODE)
     try:
         ours = server.http_url
         model = server.stub.Info(pb.InfoRequest(), timeout=30).model

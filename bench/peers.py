@@ -30,7 +30,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.common import llama_cpp_model, machine, save
+from bench.common import PLAIN_DECODE, llama_cpp_model, machine, save
 from bench.http import http_scenario, llama_server, summary
 from bench.load import hf_run, hf_setup
 from harness.client import PROMPTS, http_concurrently, http_workload, run_scenario, warm_up
@@ -120,7 +120,7 @@ def transformers_peer(max_new: int, repeats: int) -> dict:
 
 def shardline_peer(weights: str, streams: list[int], max_new: int, repeats: int, http: list[int]) -> dict:
     """Over gRPC at each of `streams`, and over the OpenAI API at each of `http`."""
-    server = Server("--weights", weights, "--max-batch", str(max(streams)))
+    server = Server("--weights", weights, "--max-batch", str(max(streams)), *PLAIN_DECODE)
     try:
         stub = pb_grpc.GenerationStub(grpc.insecure_channel(server.target))
         info = stub.Info(pb.InfoRequest(), timeout=30)

@@ -41,7 +41,7 @@ import httpx
 import numpy as np
 import psutil
 
-from bench.common import machine, save
+from bench.common import PLAIN_DECODE, machine, save
 from bench.gguf_shapes import SHAPES, make
 from bench.http import llama_server
 from bench.kernels import read_gb_s
@@ -151,7 +151,7 @@ def run_server(name: str, start, args, memory: TreeMemory, rng) -> dict:
 
 def run_shardline(gguf: Path, args, memory: TreeMemory, rng) -> dict:
     kv_gb = KV_TOKENS * kv_bytes_per_token(gguf) / 2**30
-    flags = ["--model", str(gguf), "--kv-memory-gb", f"{kv_gb:.4f}", "--max-batch", str(SLOTS)]
+    flags = ["--model", str(gguf), "--kv-memory-gb", f"{kv_gb:.4f}", "--max-batch", str(SLOTS), *PLAIN_DECODE]
     flags += shlex.split(args.shardline_flags)
 
     def start(stack):
