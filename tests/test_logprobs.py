@@ -107,8 +107,10 @@ def test_smollm2_logprobs_equal_transformers_on_the_dequantized_weights(smollm2_
 @pytest.mark.smollm2
 def test_smollm2_native_weights_pass_the_quality_gate(smollm2_server):
     """The quantized-weights gate of bench.quality (harness/quality.py) on its text's first 1024
-    tokens: perplexity within +1% of the dequantized weights', the same top-1 token at >= 97% of
-    positions."""
+    tokens: perplexity within +0.5% of the dequantized weights', the same top-1 token at >= 96.5%
+    of positions. Where a machine measured the int8 kernels faster than the LM head's GEMM path
+    at every row count, the 1024 scored rows take int8 activations as a decode step does, a
+    little further from the dequantized weights than the GEMM path's float activations."""
     from harness.quality import compare, prompt_scores, reference_text
     from tests.support import smollm2_codec
 
@@ -121,4 +123,4 @@ def test_smollm2_native_weights_pass_the_quality_gate(smollm2_server):
     finally:
         assert native.stop() == 0
     print(result)
-    assert result["perplexity_ratio"] <= 1.01 and result["same_top1"] >= 0.97, result
+    assert result["perplexity_ratio"] <= 1.005 and result["same_top1"] >= 0.965, result
