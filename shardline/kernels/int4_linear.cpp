@@ -157,15 +157,6 @@ Int8Rows int8_activations(const float* x, int64_t M, int64_t K) {
 
 namespace {
 
-// A record's codes, code(i, k) being output i's for weight k of the group.
-template <typename Code>
-void write_codes(char* rec, Code code) {
-  uint32_t* dst = reinterpret_cast<uint32_t*>(rec);
-  std::fill(dst, dst + WORDS, 0u);
-  for (int64_t i = 0; i < B; ++i)
-    for (int64_t k = 0; k < G; ++k) dst[Int4Codes::word(i, k)] |= (code(i, k) & 0xFu) << Int4Codes::shift(k);
-}
-
 float half_at(const uint8_t* p) { return static_cast<float>(c10::Half(static_cast<uint16_t>(p[0] | p[1] << 8), c10::Half::from_bits())); }
 
 }  // namespace
@@ -177,7 +168,10 @@ at::Tensor int4_pack(const at::Tensor& codes, const at::Tensor& scale, const at:
   const int64_t K = c.size(1);
   const int32_t* src = c.const_data_ptr<int32_t>();
   return interleaved::pack<Int4Codes>(scale, lo, c.size(0), K, [&](char* rec, int64_t b, int64_t g) {
-    write_codes(rec, [&](int64_t i, int64_t k) { return static_cast<uint32_t>(src[(b * B + i) * K + g * G + k]); });
+    interleaved::RecordCodes codes;
+    for (int64_t i = 0; i < B; ++i)
+      for (int64_t k = 0; k < G; ++k) codes[i][k] = static_cast<uint8_t>(src[(b * B + i) * K + g * G + k]);
+    interleaved::write_nibbles(rec, codes);
   });
 }
 
@@ -192,7 +186,7 @@ at::Tensor q4_k_pack(const at::Tensor& blocks) {
   return interleaved::pack<Q4KCodes>(blocks.options(), (N + B - 1) / B * B, rows.K, [&](char* rec, int64_t b, int64_t g) {
     uint8_t* sc = reinterpret_cast<uint8_t*>(rec + Q4KCodes::CODE_BYTES);
     c10::Half* tail = const_cast<c10::Half*>(Q4KCodes::tail(rec, g));
-    const uint8_t* qs[B] = {};
+    interleaved::RecordCodes codes = {};
     const int j = g % 8, shift = 4 * (j % 2);
     for (int64_t i = 0; i < B; ++i) {
       sc[i] = sc[B + i] = 0;
@@ -203,9 +197,10 @@ at::Tensor q4_k_pack(const at::Tensor& blocks) {
       sc[i] = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30);
       sc[B + i] = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
       if (j == 0) std::memcpy(tail + i, block, 2), std::memcpy(tail + B + i, block + 2, 2);
-      qs[i] = block + 16 + 32 * (j / 2);
+      const uint8_t* qs = block + 16 + 32 * (j / 2);
+      for (int64_t k = 0; k < G; ++k) codes[i][k] = static_cast<uint8_t>(qs[k] >> shift);
     }
-    write_codes(rec, [&](int64_t i, int64_t k) { return qs[i] ? static_cast<uint32_t>(qs[i][k] >> shift) : 0u; });
+    interleaved::write_nibbles(rec, codes);
   });
 }
 

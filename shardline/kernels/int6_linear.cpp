@@ -109,21 +109,25 @@ namespace shardline {
 
 namespace {
 
-// Record (b, g) of a layer of N rows: code(i, k) is output 8b + i's code (0..63) for weight k of
-// the group, sc(i, h) its int8 scale of half h, d(i) its d; rows from N on are zeros (padding).
-template <typename Code, typename Scale, typename D>
-void write_record(char* rec, int64_t b, int64_t N, Code code, Scale sc, D d) {
+// Record (b, g) of a layer of N rows: codes[i][k] is output 8b + i's code (0..63) for weight k of
+// the group (zero for rows from N on: padding), sc(i, h) its int8 scale of half h, d(i) its d.
+template <typename Scale, typename D>
+void write_record(char* rec, int64_t b, int64_t N, const interleaved::RecordCodes& codes, Scale sc, D d) {
   std::fill(rec, rec + interleaved::RECORD<Int6Codes>, 0);
-  uint32_t* low = reinterpret_cast<uint32_t*>(rec);
+  interleaved::write_nibbles(rec, codes);
   uint8_t* high = reinterpret_cast<uint8_t*>(rec) + 4 * G * B / 8;
   int8_t* scales = reinterpret_cast<int8_t*>(rec + Int6Codes::CODE_BYTES);
   c10::Half* ds = reinterpret_cast<c10::Half*>(rec + Int6Codes::CODE_BYTES + 2 * B);
   for (int64_t i = 0; i < B && b * B + i < N; ++i) {
-    for (int64_t k = 0; k < G; ++k) {
-      const uint32_t q = code(i, k) & 0x3F;
-      low[Int6Codes::word(i, k)] |= (q & 0xF) << Int6Codes::shift(k);
-      high[Int6Codes::high_byte(i, k)] |= static_cast<uint8_t>((q >> 4) << Int6Codes::high_shift(k));
-    }
+    // byte p % 4 of output i's word for quads 4h .. 4h + 3 holds the high bits of lane positions
+    // p = 16h + 4j + p % 4, quad j's at bit 4 + 2j (j < 2) or 2j - 4 (Int6Codes' layout)
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t r = 0; r < 4; ++r) {
+        uint32_t byte = 0;
+        for (int j = 0; j < 4; ++j)
+          byte |= (codes[i][interleaved::weight_at(16 * h + 4 * j + r)] >> 4 & 0x3u) << (j < 2 ? 4 + 2 * j : 2 * j - 4);
+        high[h * 4 * B + 4 * i + r] = static_cast<uint8_t>(byte);
+      }
     for (int h = 0; h < 2; ++h) scales[h * B + i] = sc(i, h);
     ds[i] = d(i);
   }
@@ -143,8 +147,11 @@ at::Tensor int6_pack(const at::Tensor& codes, const at::Tensor& sc, const at::Te
   const int8_t* sp = s.const_data_ptr<int8_t>();
   const c10::Half* dp = dh.const_data_ptr<c10::Half>();
   return interleaved::pack<Int6Codes>(codes.options(), N, K, [&](char* rec, int64_t b, int64_t g) {
+    interleaved::RecordCodes group;
+    for (int64_t i = 0; i < B; ++i)
+      for (int64_t k = 0; k < G; ++k) group[i][k] = cp[(b * B + i) * K + g * G + k] & 0x3F;
     write_record(
-        rec, b, N, [&](int64_t i, int64_t k) { return cp[(b * B + i) * K + g * G + k]; },
+        rec, b, N, group,
         [&](int64_t i, int h) { return sp[(b * B + i) * 2 * groups + 2 * g + h]; },
         [&](int64_t i) { return dp[(b * B + i) * groups + g]; });
   });
@@ -160,16 +167,20 @@ at::Tensor q6_k_pack(const at::Tensor& blocks) {
   const int64_t N = rows.N;
   return interleaved::pack<Int6Codes>(blocks.options(), (N + B - 1) / B * B, rows.K, [&](char* rec, int64_t b, int64_t g) {
     const auto block = [&](int64_t i) { return rows.block(b * B + i, g, BLOCK); };
-    const int64_t first = g % 8 * G;  // the group's first weight in its block
+    // the group's 32 weights t = 32 (g % 8) + k of its block lie in half t / 128, at u = t % 128:
+    // low nibbles in bytes u % 64 (high nibbles from u = 64 on), high bit pairs in bytes u % 32
+    const int64_t half = g % 8 / 4, u = g % 4 * G;
+    interleaved::RecordCodes codes = {};
+    for (int64_t i = 0; i < B && b * B + i < N; ++i) {
+      const uint8_t* low = block(i) + 64 * half + u % 64;
+      const uint8_t* high = block(i) + 128 + 32 * half;
+      const int low_shift = 4 * (u / 64), high_shift = 2 * (u / 32);
+      for (int64_t k = 0; k < G; ++k)
+        codes[i][k] = static_cast<uint8_t>((low[k] >> low_shift & 0xF) | (high[k] >> high_shift & 0x3) << 4);
+    }
     write_record(
-        rec, b, N,
-        [&](int64_t i, int64_t k) {
-          const int64_t t = first + k, half = t / 128, u = t % 128;
-          const uint8_t* q = block(i);
-          return static_cast<uint32_t>(((q[64 * half + u % 64] >> (4 * (u / 64))) & 0xF) |
-                                       ((q[128 + 32 * half + u % 32] >> (2 * (u / 32))) & 0x3) << 4);
-        },
-        [&](int64_t i, int h) { return static_cast<int8_t>(block(i)[192 + (first + 16 * h) / 16]); },
+        rec, b, N, codes,
+        [&](int64_t i, int h) { return static_cast<int8_t>(block(i)[192 + 2 * (g % 8) + h]); },
         [&](int64_t i) {
           const uint8_t* p = block(i) + 208;
           return c10::Half(static_cast<uint16_t>(p[0] | p[1] << 8), c10::Half::from_bits());

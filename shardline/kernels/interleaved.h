@@ -118,6 +118,33 @@ struct GroupScales {
 #endif
 };
 
+// The codes of one record as a packer gathers them: codes[i][k], output i's for weight k of the
+// group (zeros for a padded block's rows).
+using RecordCodes = uint8_t[B][G];
+
+// The low nibbles of 8 bytes (codes of weights 0..7 of a load) as int4_linear.cpp's word: weight
+// 2p's at bits 4p, weight 2p + 1's at 16 + 4p. Shifts and masks rather than a loop a weight, since
+// packing every layer this way is most of a first start's conversion.
+inline uint32_t nibble_word(uint64_t bytes) {
+  constexpr uint64_t EVEN = 0x00FF00FF00FF00FFull;
+  bytes &= 0x0F0F0F0F0F0F0F0Full;
+  uint64_t even = bytes & EVEN, odd = (bytes >> 8) & EVEN;  // nibbles at bits 0, 16, 32, 48
+  even = (even | even >> 12) & 0x000000FF000000FFull, odd = (odd | odd >> 12) & 0x000000FF000000FFull;
+  even = (even | even >> 24) & 0xFFFF, odd = (odd | odd >> 24) & 0xFFFF;
+  return static_cast<uint32_t>(even | odd << 16);
+}
+
+// A record's 4-bit codes, the low nibbles of `codes`: 4 loads of the 8 outputs' words.
+inline void write_nibbles(char* rec, const RecordCodes& codes) {
+  uint32_t* words = reinterpret_cast<uint32_t*>(rec);
+  for (int64_t i = 0; i < B; ++i)
+    for (int64_t l = 0; l < G / 8; ++l) {
+      uint64_t bytes;
+      std::memcpy(&bytes, codes[i] + 8 * l, 8);
+      words[l * B + i] = nibble_word(bytes);
+    }
+}
+
 // A layer's records [N/8, K/32, RECORD] uint8: `pack_record(record, b, g)` writes block b's
 // codes and scales of group g into the record.
 template <typename Codes, typename PackRecord>
