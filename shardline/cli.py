@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "router":
         import asyncio
 
+        from shardline.common.tokenizer_files import convert_soon
+
+        convert_soon(args.model)  # while the router's modules import
         from shardline.router.app import serve_router
 
         args.shards = [a for a in args.shards.split(",") if a]

@@ -58,6 +58,24 @@ def test_template_errors_are_template_errors(tmp_path):
         TextCodec(folder).render_chat([{"role": "user", "content": "hi"}])
 
 
+def test_a_gguf_tokenizer_converts_to_the_files_transformers_makes_of_it(tmp_path):
+    """The metadata is read by Shardline's header reader, the conversion is transformers' own: the
+    files equal those of transformers' public GGUF path, which reads the file itself."""
+    from transformers import PreTrainedTokenizerFast
+
+    from shardline.common.gguf_tokenizer import convert
+    from shardline.common.model_source import resolve_model
+
+    gguf = resolve_model(None).path
+    convert(gguf, tmp_path / "ours")
+    PreTrainedTokenizerFast(gguf_file=gguf.name, name_or_path=str(gguf.parent)).save_pretrained(tmp_path / "theirs")
+    names = sorted(f.name for f in (tmp_path / "theirs").iterdir())
+    assert sorted(f.name for f in (tmp_path / "ours").iterdir()) == names
+    assert "tokenizer.json" in names and "tokenizer_config.json" in names
+    for name in names:
+        assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "theirs" / name).read_bytes(), name
+
+
 def CODEC_FOLDER():
     from shardline.common.model_source import resolve_model
     from shardline.common.tokenizer_files import tokenizer_folder

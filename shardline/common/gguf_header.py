@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import mmap
 import struct
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,14 +56,16 @@ class GgufHeader:
         return self.metadata.get(key, default)
 
 
-def read_header(path: Path) -> GgufHeader:
+def read_header(path: Path, strings: Container[str] = ()) -> GgufHeader:
+    """`strings`: the keys whose string arrays are read in full (the tokenizer's vocabulary and
+    merges, where the tokenizer is being converted); any other is kept as its length."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
-        return _Cursor(blob, path).header()
+        return _Cursor(blob, path, strings).header()
 
 
 class _Cursor:
-    def __init__(self, blob, path: Path):
-        self.blob, self.path, self.pos = blob, path, 0
+    def __init__(self, blob, path: Path, strings: Container[str]):
+        self.blob, self.path, self.pos, self.strings = blob, path, 0, strings
 
     def take(self, fmt: str) -> tuple:
         values = struct.unpack_from("<" + fmt, self.blob, self.pos)
@@ -77,7 +80,7 @@ class _Cursor:
         self.pos += n
         return bytes(self.blob[self.pos - n : self.pos]).decode("utf-8", errors="replace")
 
-    def value(self, kind: int):
+    def value(self, kind: int, key: str = ""):
         if kind in _SCALARS:
             return self.one(_SCALARS[kind])
         if kind == _STRING:
@@ -85,6 +88,8 @@ class _Cursor:
         if kind != _ARRAY:
             raise ValueError(f"{self.path.name}: unknown GGUF value type {kind}")
         item, count = self.take("IQ")
+        if item == _STRING and key in self.strings:
+            return [self.string() for _ in range(count)]
         if item == _STRING:  # skipped, as its length: only the vocabulary and merges are this long
             for _ in range(count):
                 length = self.one("Q")  # (not `pos += one()`: that adds to the position before the read)
@@ -104,7 +109,7 @@ class _Cursor:
         metadata = {}
         for _ in range(n_metadata):
             key = self.string()
-            metadata[key] = self.value(self.one("I"))
+            metadata[key] = self.value(self.one("I"), key)
         table = []
         for _ in range(n_tensors):
             name = self.string()
