@@ -22,7 +22,6 @@ import warnings
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from shardline.common.model_source import ModelSource
@@ -49,6 +48,10 @@ class _Stored:
 
     def __init__(self, entry: Tensor, file: np.memmap):
         self.name, self.kind, self.dims, self.offset = entry.name, entry.kind, entry.dims, entry.offset
+        # imported here: a start that memory-maps its served weights (shard/served_cache.py) reads
+        # no GGUF tensor, and the `gguf` package is a tenth of a second of its imports
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
         if self.kind not in GGMLQuantizationType.__members__:
             raise Unservable(f"{self.name} is of a type this gguf package does not know: {self.kind}")
         block_weights, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[self.kind]]
