@@ -15,7 +15,7 @@ from collections import deque
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shardline.common.process import FAST_RECONNECT
+from shardline.common.process import reconnect_options
 
 _PR_SET_PDEATHSIG = 1
 _PARENT = "SHARDLINE_PARENT_PID"
@@ -80,10 +80,11 @@ class HealthProbe:
     """Asks the gRPC health service at `target`, over one channel kept open between probes."""
 
     def __init__(self, target: str, credentials: grpc.ChannelCredentials | None = None):
+        options = reconnect_options(target)
         self.channel = (
-            grpc.secure_channel(target, credentials, options=FAST_RECONNECT)
+            grpc.secure_channel(target, credentials, options=options)
             if credentials
-            else grpc.insecure_channel(target, options=FAST_RECONNECT)
+            else grpc.insecure_channel(target, options=options)
         )
         self.stub = health_pb2_grpc.HealthStub(self.channel)
 

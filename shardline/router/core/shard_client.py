@@ -21,7 +21,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shardline.common.process import FAST_RECONNECT, hang_detection_s
+from shardline.common.process import hang_detection_s, reconnect_options
 from shardline.protos import shard_pb2, shard_pb2_grpc
 
 HUNG_AFTER_TIMEOUTS = 3
@@ -39,7 +39,7 @@ class ShardClient:
         options = [
             ("grpc.max_send_message_length", 64 << 20),
             ("grpc.max_receive_message_length", 64 << 20),
-            *FAST_RECONNECT,
+            *reconnect_options(address),
         ]
         self.channel = (
             grpc.aio.secure_channel(address, credentials, options=options)
