@@ -4,7 +4,9 @@ Shardline and by llama.cpp's `llama-server`, one after the other in one sitting,
 OpenAI client (harness/client.py):
 
 - start to first answer, spawn to a one-token completion's end: first start (Shardline's cache of
-  the file emptied first) and second start;
+  the file emptied first) and second start, in turns, medians over the repeats; and one stream's
+  decode right after each first start (Shardline keeps what it converted meanwhile), beside the
+  second start's;
 - resident memory of the process tree, sampled every 0.1 s: its peak while starting and over the
   whole run, and steady (idle after the workloads), with the same KV capacity in tokens on both
   sides (`-c` against `--kv-memory-gb` for as many fp16 tokens);
@@ -129,23 +131,34 @@ def measure(base_url: str, args, memory: TreeMemory, rng) -> dict:
 
 
 def run_server(name: str, start, args, memory: TreeMemory, rng) -> dict:
-    """A first and a second start of a server, each from spawn to its first answer (`start(stack)`
-    spawns it, stopped when `stack` closes, and gives its base URL once it is up), and the
-    workloads on the second."""
-    out = {}
-    for which in ("first", "second"):
-        with contextlib.ExitStack() as stack:
-            memory.mark()
-            t0 = time.perf_counter()
-            url = start(stack)
-            one_token(url, served_name(url), "Hello")
-            seconds, peak = time.perf_counter() - t0, memory.peak
-            out[f"{which}_start_s"], out[f"{which}_start_peak_bytes"] = seconds, peak
-            print(f"  {name} {which} start: {seconds:.1f} s, peak {peak / 1e9:.2f} GB", flush=True)
-            if which == "second":
+    """`args.repeats` rounds of a first and a second start of a server, each from spawn to its first
+    answer (`start(stack, first)` spawns it, a first start with its cache emptied, stopped when
+    `stack` closes, and gives its base URL once it is up): their medians; one stream's decode after
+    each first start; and the workloads on the last second start."""
+    out, runs = {}, {"first": [], "second": []}
+    for repeat in range(args.repeats):
+        for which in runs:
+            with contextlib.ExitStack() as stack:
                 memory.mark()
-                out |= measure(url, args, memory, rng)
-                out["run_peak_bytes"] = memory.peak
+                t0 = time.perf_counter()
+                url = start(stack, which == "first")
+                one_token(url, served_name(url), "Hello")
+                run = {"s": time.perf_counter() - t0, "peak_bytes": memory.peak}
+                print(f"  {name} {which} start: {run['s']:.1f} s, peak {run['peak_bytes'] / 1e9:.2f} GB", flush=True)
+                if which == "first":  # while a first start may still be keeping what it converted
+                    decode(url, served_name(url), 1, 8)
+                    run["decode_1"] = decode(url, served_name(url), 1, args.max_new_tokens)["decode_tok_s"]
+                    print(f"  {name} first start's decode: {run['decode_1']:.1f} tok/s", flush=True)
+                runs[which].append(run)
+                if which == "second" and repeat == args.repeats - 1:
+                    memory.mark()
+                    out |= measure(url, args, memory, rng)
+                    out["run_peak_bytes"] = memory.peak
+    for which, rows in runs.items():
+        out[f"{which}_start_s"] = statistics.median(r["s"] for r in rows)
+        out[f"{which}_start_peak_bytes"] = max(r["peak_bytes"] for r in rows)
+        out[f"{which}_start_runs"] = rows
+    out["first_start_decode_1"] = statistics.median(r["decode_1"] for r in runs["first"])
     return out
 
 
@@ -154,17 +167,18 @@ def run_shardline(gguf: Path, args, memory: TreeMemory, rng) -> dict:
     flags = ["--model", str(gguf), "--kv-memory-gb", f"{kv_gb:.4f}", "--max-batch", str(SLOTS), *PLAIN_DECODE]
     flags += shlex.split(args.shardline_flags)
 
-    def start(stack):
+    def start(stack, first: bool):
+        if first:
+            shutil.rmtree(resolve_model(str(gguf)).cache_dir, ignore_errors=True)
         server = Server(*flags, timeout=1800)
         stack.callback(server.stop)
         return server.http_url
 
-    shutil.rmtree(resolve_model(str(gguf)).cache_dir, ignore_errors=True)  # a first start
     return {"flags": flags, **run_server("Shardline", start, args, memory, rng)}
 
 
 def run_llama_server(gguf: Path, args, memory: TreeMemory, rng) -> dict:
-    def start(stack):
+    def start(stack, first: bool):  # it keeps nothing between starts
         return stack.enter_context(llama_server(args.llama_server, SLOTS, str(gguf), KV_TOKENS))
 
     return {"flags": ["-np", str(SLOTS), "-c", str(KV_TOKENS)], **run_server("llama-server", start, args, memory, rng)}
@@ -214,6 +228,8 @@ def ratios(ours: dict, theirs: dict) -> dict:
     out |= {f"prefill_{n}": theirs["prefill_s"][n]["median"] / ours["prefill_s"][n]["median"] for n in PREFILL}
     out |= {f"{w}_start": ours[f"{w}_start_s"] / theirs[f"{w}_start_s"] for w in ("first", "second")}
     out["steady_memory"] = ours["steady_bytes"] / theirs["steady_bytes"]
+    # Shardline's own: one stream's decode on its first start over that on its second (1: no slower)
+    out["own_first_over_second_start_decode"] = ours["first_start_decode_1"] / ours["decode"][1]["decode_tok_s"]
     out["peak_memory_vs_their_steady"] = (
         max(ours["first_start_peak_bytes"], ours["run_peak_bytes"]) / (theirs["steady_bytes"])
     )
