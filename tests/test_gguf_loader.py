@@ -358,9 +358,9 @@ def test_a_first_start_keeps_what_it_serves_for_the_next(tmp_path):
 def test_the_header_reader_reads_what_the_gguf_package_does(untied):
     """shardline's header reader (common/gguf_header.py) against `gguf`'s GGUFReader: every
     metadata value (a string array as its length), and each tensor's shape, type and offset."""
-    from gguf import GGUFReader
+    from gguf import GGMLQuantizationType, GGUFReader
 
-    from shardline.common.gguf_header import Strings, read_header
+    from shardline.common.gguf_header import GGML_TYPES, Strings, read_header
 
     header, reader = read_header(untied), GGUFReader(str(untied))
     fields = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}
@@ -373,6 +373,10 @@ def test_the_header_reader_reads_what_the_gguf_package_does(untied):
             assert ours == field.contents(), key
         else:  # numbers and arrays of them (floats as float32 holds them: the same either way)
             assert ours == pytest.approx(field.contents(), rel=1e-7), key
-    assert [(t.name, list(t.shape), t.ggml_type, t.offset) for t in header.tensors] == [
-        (t.name, [int(d) for d in t.shape], int(t.tensor_type), int(t.data_offset)) for t in reader.tensors
+    assert [(t.name, list(t.shape), t.ggml_type, t.kind, t.offset) for t in header.tensors] == [
+        (t.name, [int(d) for d in t.shape], int(t.tensor_type), t.tensor_type.name, int(t.data_offset))
+        for t in reader.tensors
     ]
+    assert GGML_TYPES == {t.value: t.name for t in GGMLQuantizationType}  # every type, not just these
+    vocabulary = read_header(untied, strings=("tokenizer.ggml.tokens",)).metadata["tokenizer.ggml.tokens"]
+    assert vocabulary == fields["tokenizer.ggml.tokens"].contents()  # a string array read in full

@@ -35,6 +35,19 @@ class Strings:
         return self.count
 
 
+# ggml's tensor types by id (ggml.h's enum ggml_type, as the `gguf` package's GGMLQuantizationType
+# names them; tests/test_gguf_loader.py checks that the two agree). Named here so that reading a
+# header does not import that package, numpy and all: half a second of the launcher's CPU before
+# it spawns anything on a first start.
+GGML_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
+    11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS",
+    19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32",
+    27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4",
+    41: "Q1_0",
+}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     name: str
@@ -45,6 +58,12 @@ class TensorEntry:
     @property
     def n_elements(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def kind(self) -> str:
+        """The type's name (Q4_K, F32, ...); an id ggml has not named is `type <id>`, which the
+        loader refuses as a type it does not know."""
+        return GGML_TYPES.get(self.ggml_type, f"type {self.ggml_type}")
 
 
 @dataclass(frozen=True)

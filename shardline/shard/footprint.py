@@ -118,14 +118,12 @@ HEADER_VERSION = 3  # what a kept header holds: a new version is read from the f
 
 
 def _read_gguf_header(source: ModelSource) -> tuple[ModelConfig, list[tuple]]:
-    from gguf import GGMLQuantizationType
-
     header = read_header(source.path)
     arch = header.get("general.architecture")
     if arch not in SERVED_GGUF:
         raise Unservable(f"{source.path.name}: the architecture {arch!r} is not served ({', '.join(SERVED_GGUF)} are)")
     return ModelConfig.from_gguf(header, source.name), [
-        (t.name, t.n_elements, GGMLQuantizationType(t.ggml_type).name, list(t.shape), t.offset) for t in header.tensors
+        (t.name, t.n_elements, t.kind, list(t.shape), t.offset) for t in header.tensors
     ]
 
 
