@@ -3,8 +3,9 @@ Llama-3.1-8B shapes and of OLMoE-1B-7B's mixture of experts (bench/gguf_shapes.p
 Shardline and by llama.cpp's `llama-server`, one after the other in one sitting, through the same
 OpenAI client (harness/client.py):
 
-- start to first answer, spawn to a one-token completion's end: first start (Shardline's cache of
-  the file emptied first) and second start, in turns, medians over the repeats; and one stream's
+- start to first answer, spawn to a one-token completion's end: first start (the OS page cache
+  dropped where this runs as root, and Shardline's cache of the file emptied) and second start,
+  in turns, medians over the repeats; and one stream's
   decode right after each first start (Shardline keeps what it converted meanwhile), beside the
   second start's;
 - resident memory of the process tree, sampled every 0.1 s: its peak while starting and over the
@@ -130,18 +131,34 @@ def measure(base_url: str, args, memory: TreeMemory, rng) -> dict:
     return out
 
 
-def run_server(name: str, start, args, memory: TreeMemory, rng) -> dict:
+def drop_page_cache() -> bool:
+    """Empties the OS page cache (root on Linux), as a first start after a reboot or on a fresh node
+    finds it: the GGUF, the Python and torch libraries, llama.cpp's binary read from disk. False
+    where it cannot (the first start then reads them from memory)."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def run_server(name: str, start, args, memory: TreeMemory, rng, forget=lambda: None) -> dict:
     """`args.repeats` rounds of a first and a second start of a server, each from spawn to its first
-    answer (`start(stack, first)` spawns it, a first start with its cache emptied, stopped when
-    `stack` closes, and gives its base URL once it is up): their medians; one stream's decode after
-    each first start; and the workloads on the last second start."""
+    answer (`start(stack)` spawns it, stopped when `stack` closes, and gives its base URL once it
+    is up; before a first start `forget()` empties what the server keeps between starts, and the
+    page cache is dropped): their medians; one stream's decode after each first start; and the
+    workloads on the last second start."""
     out, runs = {}, {"first": [], "second": []}
     for repeat in range(args.repeats):
         for which in runs:
             with contextlib.ExitStack() as stack:
+                if which == "first":
+                    forget()
+                    out["page_cache_dropped"] = drop_page_cache()
                 memory.mark()
                 t0 = time.perf_counter()
-                url = start(stack, which == "first")
+                url = start(stack)
                 one_token(url, served_name(url), "Hello")
                 run = {"s": time.perf_counter() - t0, "peak_bytes": memory.peak}
                 print(f"  {name} {which} start: {run['s']:.1f} s, peak {run['peak_bytes'] / 1e9:.2f} GB", flush=True)
@@ -167,18 +184,19 @@ def run_shardline(gguf: Path, args, memory: TreeMemory, rng) -> dict:
     flags = ["--model", str(gguf), "--kv-memory-gb", f"{kv_gb:.4f}", "--max-batch", str(SLOTS), *PLAIN_DECODE]
     flags += shlex.split(args.shardline_flags)
 
-    def start(stack, first: bool):
-        if first:
-            shutil.rmtree(resolve_model(str(gguf)).cache_dir, ignore_errors=True)
+    def start(stack):
         server = Server(*flags, timeout=1800)
         stack.callback(server.stop)
         return server.http_url
 
-    return {"flags": flags, **run_server("Shardline", start, args, memory, rng)}
+    def forget():
+        shutil.rmtree(resolve_model(str(gguf)).cache_dir, ignore_errors=True)
+
+    return {"flags": flags, **run_server("Shardline", start, args, memory, rng, forget)}
 
 
 def run_llama_server(gguf: Path, args, memory: TreeMemory, rng) -> dict:
-    def start(stack, first: bool):  # it keeps nothing between starts
+    def start(stack):  # it keeps nothing between starts
         return stack.enter_context(llama_server(args.llama_server, SLOTS, str(gguf), KV_TOKENS))
 
     return {"flags": ["-np", str(SLOTS), "-c", str(KV_TOKENS)], **run_server("llama-server", start, args, memory, rng)}
