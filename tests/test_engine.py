@@ -1,19 +1,20 @@
-"""The step loop with stand-in shards (a unit test of one class): deferred release on cancel,
-failures that belong to one request, and failures of the shard group."""
+"""The step loop with stand-in shards (a unit test of one class, over the real codec and link
+that write its plans and read their answers): deferred release on cancel, failures that belong
+to one request, and failures of the shard group."""
 
 import asyncio
 
 import pytest
 
 from shardline.protos import shard_pb2
-from shardline.protos.shard_pb2 import Sampling
 from shardline.router.core.engine import Engine
 from shardline.router.core.kv_manager import KVManager
 from shardline.router.core.page_manager import PageManager
 from shardline.router.core.scheduler import Scheduler
-from shardline.router.core.sequence import Failure, FinishReason, Sequence
-from shardline.router.core.shard_client import ShardError
+from shardline.router.core.sequence import Failure, FinishReason, Sampling, Sequence
+from shardline.router.core.shards import ShardError
 from shardline.router.observers.stats import StatsCounters
+from shardline.router.shards.link import ShardLink
 from tests.support import smollm2_codec
 
 
@@ -24,6 +25,7 @@ class GatedShards:
 
     def __init__(self, samples_alone: bool = True):
         self.samples_alone = samples_alone
+        self.sampler = 0
         self.gate = asyncio.Semaphore(0)
         self.started = asyncio.Event()
         self.fail = False
@@ -62,7 +64,11 @@ def _setup(num_seqs=1, samples_alone=True):
     pool = PageManager(16, 4)
     shards = GatedShards(samples_alone)
     engine = Engine(
-        Scheduler(KVManager(pool), 8, 1000), shards, smollm2_codec(), max_position=1000, observers=[StatsCounters()]
+        Scheduler(KVManager(pool), 8, 1000),
+        ShardLink(shards),
+        smollm2_codec(),
+        max_position=1000,
+        observers=[StatsCounters()],
     )
     seqs = [Sequence(i, f"r{i}", list(range(10 * i, 10 * i + 10)), 20, Sampling()) for i in range(1, num_seqs + 1)]
     return pool, shards, engine, seqs

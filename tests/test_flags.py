@@ -123,11 +123,12 @@ class FakeShards:
         self.infos, self.sampler, self.warmed = infos, 0, False
 
     async def info(self, timeout):
-        from shardline.router.core.shard_client import ShardGroup
+        from shardline.router.shards.group import ShardGroup
+        from shardline.router.shards.link import ShardLink
 
         group = ShardGroup([])
         group.shards = [StaticInfo(i) for i in self.infos]
-        infos = await group.info(timeout)
+        infos = await ShardLink(group).info(timeout)
         self.sampler = group.sampler
         return infos
 
@@ -187,7 +188,7 @@ def _config(**overrides):
 )
 def test_the_router_refuses_shards_that_serve_something_else(infos, args, phrase):
     from shardline.router.core.replica import Replica
-    from shardline.router.core.shard_client import ShardError
+    from shardline.router.core.shards import ShardError
     from tests.support import smollm2_codec
 
     async def scenario():

@@ -13,7 +13,8 @@ import pytest
 
 import shardline.shard.server as shard_server
 from shardline.protos import shard_pb2
-from shardline.router.core.shard_client import ShardError, ShardGroup
+from shardline.router.core.shards import ShardError
+from shardline.router.shards.group import ShardGroup
 
 
 class Aborted(Exception):

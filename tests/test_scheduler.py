@@ -6,11 +6,10 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardline.protos.shard_pb2 import Sampling
 from shardline.router.core.kv_manager import KVManager
 from shardline.router.core.page_manager import PageManager
 from shardline.router.core.scheduler import Scheduler
-from shardline.router.core.sequence import Sequence, Status
+from shardline.router.core.sequence import Sampling, Sequence, Status
 from shardline.router.core.speculation import NGRAM, Speculator
 
 

@@ -1,4 +1,4 @@
-"""When a long step counts as hung (router/core/shard_client.py): after HUNG_AFTER_TIMEOUTS step
+"""When a long step counts as hung (router/shards/group.py): after HUNG_AFTER_TIMEOUTS step
 timeouts, or longer for a step whose tokens the steps measured so far say need more. Stand-in
 shards (the unit under test is the group's deadline, not the wire)."""
 
@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from shardline.protos import shard_pb2
-from shardline.router.core.shard_client import HUNG_AFTER_TIMEOUTS, ShardError, ShardGroup
+from shardline.router.core.shards import ShardError
+from shardline.router.shards.group import HUNG_AFTER_TIMEOUTS, ShardGroup
 
 
 class _SlowShard:

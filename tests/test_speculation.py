@@ -6,9 +6,8 @@ import itertools
 
 import torch
 
-from shardline.protos.shard_pb2 import Sampling
 from shardline.router.core.ngrams import Drafting
-from shardline.router.core.sequence import Sequence
+from shardline.router.core.sequence import Sampling, Sequence
 from shardline.router.core.speculation import NGRAM, OFF, SUFFIX, Speculator, StepCosts
 from shardline.router.core.suffixes import OutputCache, SuffixDrafting, continuation
 from shardline.shard.sampler import SamplingParams, sample_row, verify

@@ -33,11 +33,12 @@ from shardline.router.api.http_app import HttpApi
 from shardline.router.api.kv_events import KvEventPublisher, topic_of
 from shardline.router.core.config import ReplicaConfig
 from shardline.router.core.replica import Replica
-from shardline.router.core.shard_client import ShardGroup
 from shardline.router.observers.metrics import Metrics
 from shardline.router.observers.stats import StatsCounters
 from shardline.router.observers.tracing import Tracing
 from shardline.router.requests.admission import Admission
+from shardline.router.shards.group import ShardGroup
+from shardline.router.shards.link import ShardLink
 
 log = logging.getLogger("shardline.router")
 
@@ -63,9 +64,8 @@ async def serve_router(args) -> int:
             print(f"router listening {address}", flush=True)
 
     shard_tls = ShardTls.from_args(args)
-    shards = ShardGroup(
-        args.shards, step_timeout_s=args.step_timeout_s, credentials=shard_tls.channel() if shard_tls else None
-    )
+    credentials = shard_tls.channel() if shard_tls else None
+    shards = ShardLink(ShardGroup(args.shards, step_timeout_s=args.step_timeout_s, credentials=credentials))
     tracer = setup_tracing(args.otlp_endpoint, "router", f"router:{args.port}")
     tracing = Tracing(tracer, source.name) if tracer is not None else None
     stats = StatsCounters()

@@ -6,10 +6,9 @@ boundary). A page is released only when no step sent before the one that may giv
 sequence still writes it: a step may be sent ahead of the one running (`run`), but a shard runs
 its plans in order.
 
-The shards hold each running sequence's block table and sampling parameters from its first step
-until a plan releases it, so a plan carries only what changed: new sequences whole, appended
-pages, released sequences, and the step's tokens. `_announced` is what the shards were told:
-page count per sequence.
+The engine hands the shard group (core/shards.py) a `Step` and reads back one result per
+scheduled sequence; what the shards already hold, and so what a plan must tell them, is the
+group's to know (router/shards/codec.py). The engine tells it only which sequences ended.
 
 Blast radius: a failure that belongs to one request (the shard could not serve its plan entry or
 sample its token; its detokenizer or stop strings raised) ends that request alone with a status,
@@ -26,13 +25,12 @@ import time
 from dataclasses import dataclass
 
 from shardline.common.tokenizer import Detokenizer, TextCodec
-from shardline.protos import shard_pb2
 from shardline.router.core.constrained import next_masks
 from shardline.router.core.events import RequestEvents
 from shardline.router.core.page_manager import PageManager
 from shardline.router.core.scheduler import Scheduler
 from shardline.router.core.sequence import Ending, Failure, FinishReason, Output, Sequence, Status
-from shardline.router.core.shard_client import ShardError, ShardGroup
+from shardline.router.core.shards import SequenceResult, Shards, StepOutcome
 from shardline.router.core.step import Phase, Step
 from shardline.router.core.stop_strings import StopMatcher
 
@@ -58,7 +56,7 @@ class InFlight:
     """A step whose plan the shards were sent, and when."""
 
     step: Step
-    plan: shard_pb2.StepPlan
+    step_id: int
     sent_at: float
 
 
@@ -66,7 +64,7 @@ class Engine:
     def __init__(
         self,
         scheduler: Scheduler,
-        shards: ShardGroup,
+        shards: Shards,
         codec: TextCodec,
         max_position: int,
         observers: list[RequestEvents] = (),
@@ -77,8 +75,6 @@ class Engine:
         self._wake = asyncio.Event()
         self._text: dict[int, tuple[Detokenizer, StopMatcher]] = {}
         self._cancelled: set[Sequence] = set()
-        self._announced: dict[int, int] = {}  # seq_id -> pages the shards hold for it
-        self._released: list[int] = []  # seq_ids the next plan releases
         self._received_at = 0.0  # perf_counter() of the last step's result
         self._in_flight = 0  # steps sent and not answered
         self.step_id = 0
@@ -151,11 +147,11 @@ class Engine:
             except BaseException as e:  # every step in flight fails with it
                 for sent in (current, ahead):
                     for o in self.observers if sent is not None else ():
-                        o.step_failed(sent.plan.step_id, sent.step, e)
+                        o.step_failed(sent.step_id, sent.step, e)
                 raise
-            failed = {f.seq_id: f.message for f in result.failures}
+            failed = {seq_id: row.failure for seq_id, row in result.rows.items() if row.failure is not None}
             self.scheduler.complete(step, failed)
-            self._apply(step, result, failed)
+            self._apply(step, result)
             if ahead is not None:  # the inputs the shard takes: the tokens just applied
                 for s in ahead.step.scheduled:
                     s.tokens = s.seq.output_ids[-1:]
@@ -190,91 +186,50 @@ class Engine:
                 chunk.seq.admitted_at = now
                 for o in self.observers:
                     o.admitted(chunk.seq)
-        # On the wire, layer_end 0 is through the last layer (shard.proto).
-        plan = shard_pb2.StepPlan(
-            step_id=self.step_id, released=self._released, layer_start=step.layer_start, layer_end=step.layer_end or 0
-        )
-        self._released = []
-        for s in step.scheduled:
-            seq, block_table = s.seq, s.seq.pages.block_table
-            held = self._announced.get(seq.seq_id)
-            entry = plan.seqs.add(
-                seq_id=seq.seq_id,
-                token_ids=s.tokens,
-                emit=s.emit,
-                first=held is None,
-                new_pages=block_table[held or 0 :],
-                proposals=s.proposals,
-            )
-            # A step sent ahead computes the position after the one the step before it computes.
-            entry.start_pos, entry.sampled_input = seq.num_computed + step.sampled_inputs, step.sampled_inputs
-            if held is None:
-                entry.sampling.CopyFrom(seq.sampling)
-            if seq.prompt_logprobs is not None and seq.num_computed < len(seq.prompt_ids):
-                entry.prompt_logprobs = seq.prompt_logprobs
-                end = seq.num_computed + len(s.tokens)
-                if end < len(seq.prompt_ids):
-                    entry.next_token = seq.prompt_ids[end]
-            if s.emit and seq.constrained is not None:
-                entry.allowed_tokens = seq.constrained.mask
-                entry.proposal_masks.extend(seq.constrained.masks_after(s.proposals))
-            self._announced[seq.seq_id] = len(block_table)
         for o in self.observers:
-            o.step_started(self.step_id, step, plan)
+            o.step_started(self.step_id, step)
         try:
-            await self.shards.send(plan)
+            await self.shards.send(self.step_id, step)
         except BaseException as e:
             for o in self.observers:
                 o.step_failed(self.step_id, step, e)
             raise
         self._in_flight += 1
-        return InFlight(step, plan, time.perf_counter())
+        return InFlight(step, self.step_id, time.perf_counter())
 
-    async def _receive(self, sent: InFlight) -> shard_pb2.StepResult:
-        step, step_id = sent.step, sent.plan.step_id
-        result = await self.shards.receive(sent.plan)
+    async def _receive(self, sent: InFlight) -> StepOutcome:
+        step, step_id = sent.step, sent.step_id
+        result = await self.shards.receive(step_id, step)
         self._in_flight -= 1
         # A step sent ahead starts when the one before it ends.
         received_at = time.perf_counter()
         wall_s, self._received_at = received_at - max(sent.sent_at, self._received_at), received_at
-        failed = {f.seq_id for f in result.failures}
-        emitted = [s for s in step.scheduled if s.emit and s.seq.seq_id not in failed]
-        counts = result.token_counts or [1] * len(emitted)
-        if len(counts) != len(emitted) or sum(counts) != len(result.tokens):
-            raise ShardError(f"step {step_id}: {len(result.tokens)} tokens for {len(emitted)} emitting sequences")
-        for s, count in zip(emitted, counts):
-            if not 1 <= count <= 1 + len(s.proposals):
-                raise ShardError(f"step {step_id}: {count} tokens for a sequence of {len(s.proposals)} proposals")
-            s.accepted = count - 1
+        for s in step.scheduled:
+            s.accepted = max(0, len(result.rows[s.seq.seq_id].tokens) - 1)
         self.scheduler.timed(step, wall_s)
         for o in self.observers:
             o.step_done(step_id, step, result, wall_s)
         return result
 
-    def _apply(self, step: Step, result: shard_pb2.StepResult, failed: dict[int, str]) -> None:
-        sampled = iter(result.tokens)
-        logprobs = {entry.seq_id: entry for entry in result.logprobs}
+    def _apply(self, step: Step, result: StepOutcome) -> None:
         for s in step.scheduled:
-            seq = s.seq
-            if seq.seq_id in failed:
-                self.fail(seq, Failure("INTERNAL", f"the shard could not serve this request: {failed[seq.seq_id]}"))
+            seq, row = s.seq, result.rows[s.seq.seq_id]
+            if row.failure is not None:
+                self.fail(seq, Failure("INTERNAL", f"the shard could not serve this request: {row.failure}"))
                 continue
-            scores = logprobs.get(seq.seq_id)
-            if scores is not None:
-                seq.prompt_scores.extend(scores.prompt)
+            seq.prompt_scores.extend(row.prompt_scores)
             if not s.emit:
                 continue  # an intermediate chunk: KV written, nothing sampled
-            tokens = [next(sampled) for _ in range(1 + s.accepted)]
             if seq.cancelled or seq.status is Status.FINISHED:
                 continue  # dropped at the top of the next loop, or it ended while a step sent ahead ran
-            if why := self._missing_logprobs(seq, scores, len(tokens)):
+            if why := self._missing_logprobs(seq, row):
                 self.fail(seq, Failure("INTERNAL", why))
                 continue
-            for i, token in enumerate(tokens):  # until one ends it (EOS, a stop string, a limit)
-                if seq.status is Status.FINISHED:
+            for token, scores in zip(row.tokens, row.sampled_scores or [None] * len(row.tokens)):
+                if seq.status is Status.FINISHED:  # until one ends it (EOS, a stop string, a limit)
                     break
                 try:
-                    self._emit(seq, token, list(scores.sampled[i : i + 1]) if scores is not None else [])
+                    self._emit(seq, token, [scores] if scores is not None else [])
                 except Exception as e:  # a detokenizer or stop-string edge case: this request only
                     log.exception("request %s failed on token %d", seq.request_id, token)
                     self.fail(seq, Failure("INTERNAL", f"turning token {token} into text failed: {e!r}"))
@@ -300,8 +255,8 @@ class Engine:
                 self.fail(seq, Failure("INVALID_ARGUMENT", seq.constrained.error))
 
     @staticmethod
-    def _missing_logprobs(seq: Sequence, scores: shard_pb2.SequenceLogprobs | None, tokens: int) -> str | None:
-        if seq.logprobs is not None and (scores is None or len(scores.sampled) != tokens):
+    def _missing_logprobs(seq: Sequence, row: SequenceResult) -> str | None:
+        if seq.logprobs is not None and len(row.sampled_scores) != len(row.tokens):
             return "the shard returned no log-probability for a sampled token"
         if seq.prompt_logprobs is not None and not seq.output_ids and len(seq.prompt_scores) != len(seq.prompt_ids) - 1:
             return f"the shards scored {len(seq.prompt_scores)} prompt positions, expected {len(seq.prompt_ids) - 1}"
@@ -354,8 +309,7 @@ class Engine:
                 o.finished(seq, end)
         self.scheduler.finish(seq)
         self._text.pop(seq.seq_id, None)
-        if self._announced.pop(seq.seq_id, None) is not None:
-            self._released.append(seq.seq_id)
+        self.shards.release(seq.seq_id)
 
     def fail(self, seq: Sequence, failure: Failure) -> None:
         """Ends one request with a status; its pages go back at once (call between steps only)."""

@@ -23,7 +23,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from shardline.common.tokenizer import TextCodec
-from shardline.protos import shard_pb2
 from shardline.router.core.config import ReplicaConfig
 from shardline.router.core.engine import Engine, Load
 from shardline.router.core.events import RequestEvents
@@ -31,7 +30,7 @@ from shardline.router.core.kv_manager import KVManager
 from shardline.router.core.page_manager import PageManager
 from shardline.router.core.scheduler import Scheduler
 from shardline.router.core.sequence import Failure, Sequence
-from shardline.router.core.shard_client import ShardError, ShardGroup
+from shardline.router.core.shards import ShardError, ShardInfo, Shards, Warmup
 from shardline.router.core.speculation import Speculator
 
 log = logging.getLogger("shardline.router")
@@ -43,9 +42,9 @@ class Served:
     """What the replica serves once its shard group is connected: the shards' Info and Warmup
     answers, and what the router made of them."""
 
-    infos: list[shard_pb2.ShardInfo]
-    warmups: list[shard_pb2.WarmupResponse]
-    head: shard_pb2.ShardInfo  # the sampling shard's: the model as served
+    infos: list[ShardInfo]
+    warmups: list[Warmup]
+    head: ShardInfo  # the sampling shard's: the model as served
     num_pages: int
     layer_groups: int  # 1 where they do not apply (Scheduler)
     eos_ids: frozenset[int]  # the shards' and the tokenizer's
@@ -60,7 +59,7 @@ class Replica:
         self,
         config: ReplicaConfig,
         model_name: str,
-        shards: ShardGroup,
+        shards: Shards,
         codec: TextCodec,
         on_serving: Callable[[bool], Awaitable[None]],
         observers: list[RequestEvents] = (),

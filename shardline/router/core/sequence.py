@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import Span
 
-from shardline.protos import shard_pb2
 from shardline.router.core.constrained import Constrained
 from shardline.router.core.proposers import Proposers
 
@@ -46,6 +45,27 @@ def ending_label(end: Ending) -> str:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """How the shards draw a sequence's tokens, as they take it on its first step."""
+
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # 1: off
+    top_k: int = 0  # 0: off
+    seed: int = 0
+    logprobs: int | None = None  # alternatives to report per sampled token (None: no log-probabilities)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """log p(token_id) under the model's raw distribution, and the best alternatives, best first."""
+
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class Output:
     """What a step produced for one request; `finish_reason` or `failure` set on the last one."""
 
@@ -53,8 +73,8 @@ class Output:
     text: str = ""
     finish_reason: FinishReason | None = None
     failure: Failure | None = None
-    logprobs: list = field(default_factory=list)  # shard TokenLogprobs, one per token
-    prompt_logprobs: list = field(default_factory=list)  # on the first output, when asked for
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked for
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # on the first output, when asked for
     stop: str | None = None  # on the last: the stop string the output ended at (not part of the text)
 
 
@@ -74,9 +94,7 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     max_new_tokens: int
-    # As the shards take it on the sequence's first step (its seed set, top_p 1 when off), with
-    # `logprobs` set where the sampled tokens' log-probabilities are asked for.
-    sampling: shard_pb2.Sampling
+    sampling: Sampling  # its seed set (the server picks one where the request sets none)
     stop_token_ids: frozenset[int] = frozenset()
     arrival: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None  # time.monotonic() of admission, first token, last two tokens
@@ -93,7 +111,7 @@ class Sequence:
     tenant: str = ""
     priority: int = 0
     prompt_logprobs: int | None = None  # alternatives per prompt token; the prompt is then computed whole
-    prompt_scores: list = field(default_factory=list)  # shard TokenLogprobs of prompt tokens 1..
+    prompt_scores: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1..
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     span: Span | None = None  # its trace span (observers/tracing.py), when tracing is on
     # Admitted only once this sequence's prompt is computed (its full pages cached) or it ended:
@@ -106,7 +124,7 @@ class Sequence:
     @property
     def logprobs(self) -> int | None:
         """Alternatives to report per sampled token (None: no log-probabilities)."""
-        return self.sampling.logprobs if self.sampling.HasField("logprobs") else None
+        return self.sampling.logprobs
 
     @property
     def num_tokens(self) -> int:

@@ -44,6 +44,9 @@ class Step:
     # Sent before the step ahead of it ended (`Scheduler.decode_ahead`): each decode row's input
     # is the token the shard samples for it in that step, so its `tokens` are [] until known.
     sampled_inputs: bool = False
+    # W3C trace context (traceparent, tracestate) of the router's span of this step, set by the
+    # tracing observer when the step starts: each shard's span of the step is its child.
+    trace_context: dict[str, str] = field(default_factory=dict)
 
     @property
     def seqs(self) -> list[Sequence]:

@@ -34,7 +34,7 @@ class StatsCounters(RequestEvents):
         if isinstance(end, Failure):
             self.requests_failed += 1
 
-    def step_started(self, step_id: int, step, plan) -> None:
+    def step_started(self, step_id: int, step) -> None:
         self.steps = step_id
 
     def step_done(self, step_id: int, step, result, wall_s: float) -> None:

@@ -7,7 +7,8 @@
   priority and whether a cache salt was sent, never the prompt or the salt.
 - A step serves many requests, so each step is the root span of its own trace, linked to the
   span of every request it served, with its phase, batch size and token count. Its context
-  travels in the step plan (`StepPlan.trace_context`), so every shard's step span is its child.
+  travels with the step (`Step.trace_context`, the plan's on the wire), so every shard's step
+  span is its child.
 From a client's trace id a tracing view thus reaches the request span, through its links every
 step that served it, and under each step every shard rank's work.
 """
@@ -71,7 +72,7 @@ class Tracing(RequestEvents):
         span.end()
 
     # -- steps ------------------------------------------------------------------------------------
-    def step_started(self, step_id: int, step, plan) -> None:
+    def step_started(self, step_id: int, step) -> None:
         for chunk in step.chunks if not step.layer_start else ():  # a chunk's first step
             seq = chunk.seq
             if seq.span is not None:
@@ -100,7 +101,7 @@ class Tracing(RequestEvents):
                 "shardline.step.layer_end": step.layer_end or 0,
             },
         )
-        propagate.inject(plan.trace_context, context=trace.set_span_in_context(span))
+        propagate.inject(step.trace_context, context=trace.set_span_in_context(span))
         self._steps[step_id] = span
 
     def step_done(self, step_id: int, step, result, wall_s: float) -> None:
@@ -109,7 +110,7 @@ class Tracing(RequestEvents):
             {
                 "shardline.step.shard_compute_ms": result.compute_ms,
                 "shardline.step.decode_graph_launches": result.graph_launches,
-                "shardline.step.failed_sequences": len(result.failures),
+                "shardline.step.failed_sequences": result.failures,
                 "shardline.step.spec_proposed_tokens": step.proposed,
                 "shardline.step.spec_accepted_tokens": step.accepted,
             }

@@ -17,7 +17,7 @@ import grpc
 
 from shardline.common.tokenizer import CHAT_ROLES
 from shardline.protos import generation_pb2 as pb
-from shardline.protos import shard_pb2
+from shardline.router.core.sequence import Sampling
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
 MAX_ID_CHARS = 256  # request_id, cache_salt
@@ -95,11 +95,11 @@ def _top_p(s: pb.SamplingParams) -> float:
     return s.top_p if s.HasField("top_p") else 1.0
 
 
-def sampling_of(req: pb.GenerateRequest, seed_if_unset: int) -> shard_pb2.Sampling:
+def sampling_of(req: pb.GenerateRequest, seed_if_unset: int) -> Sampling:
     """A validated request's sampling as the shards take it; the server picks the seed of one
     that sets none."""
     s = req.sampling
-    return shard_pb2.Sampling(
+    return Sampling(
         temperature=s.temperature,
         top_p=_top_p(s),
         top_k=s.top_k,

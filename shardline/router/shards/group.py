@@ -1,4 +1,4 @@
-"""The router's side of the shard contract: one long-lived Steps stream per shard.
+"""The router's side of the shard contract on the wire: one long-lived Steps stream per shard.
 
 A shard is judged failed when its stream breaks (it died, or its connection did), when it ends a
 step with an error, or when a step has run for `step_timeout_s` and the shard then does not
@@ -23,13 +23,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shardline.common.process import hang_detection_s, reconnect_options
 from shardline.protos import shard_pb2, shard_pb2_grpc
+from shardline.router.core.shards import ShardError
 
 HUNG_AFTER_TIMEOUTS = 3
 SLOW_STEP_MARGIN = 4
-
-
-class ShardError(RuntimeError):
-    """A shard failed or went away; the replica cannot serve until its group is back."""
 
 
 class ShardClient:
