@@ -22,15 +22,14 @@ does not hold yet, so decode steps of other sequences can run in between.
 
 A plan entry that cannot be served (a page id outside the pool, positions its block table does
 not cover, a token outside the vocabulary, a position or announcement that disagrees with what
-the shard holds) fails its sequence alone: it is left out of the step, forgotten and reported.
-Every shard of a replica receives the same plan and judges it the same way, so every rank leaves
-out the same sequences and the collectives stay matched.
+the shard holds: plan_reader.py's rules) fails its sequence alone: it is left out of the step,
+forgotten and reported. Every shard of a replica receives the same plan and judges it the same
+way, so every rank leaves out the same sequences and the collectives stay matched.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -38,14 +37,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardline.kernels.attention import AttentionBatch, decode_capturable
-from shardline.kernels.token_mask import mask_bytes, mask_logits, packed_masks
+from shardline.kernels.token_mask import mask_logits, packed_masks
 from shardline.protos import shard_pb2
 from shardline.shard.decode_graphs import DecodeGraphs
 from shardline.shard.kv_cache import KVPages
 from shardline.shard.layout import Layout
-from shardline.shard.logprobs import MAX_TOP, from_logits, score
+from shardline.shard.logprobs import from_logits, score
 from shardline.shard.model import Transformer
-from shardline.shard.sampler import SamplingParams, finite_rows, sample, verify
+from shardline.shard.plan_reader import Context, Entry, read
+from shardline.shard.sampler import finite_rows, sample, verify
 from shardline.shard.sequences import SequenceState, SequenceTable
 
 log = logging.getLogger(__name__)
@@ -162,98 +162,13 @@ class ModelRunner:
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
-    def check(self, s, layer_start: int = 0, finishing: bool = True) -> str | None:
-        """Why this plan entry cannot be served in a step that runs layers from `layer_start`
-        (and through the last one when `finishing`), or None."""
-        state = self.table.get(s.seq_id)
-        held_layers = state.partial_layers if state is not None else 0
-        if held_layers != layer_start:
-            return (
-                f"the plan runs the sequence's chunk from layer {layer_start}, but this shard holds it "
-                f"after {held_layers} layers"
-            )
-        if layer_start and (s.first or s.sampled_input or len(s.token_ids) != len(state.partial)):
-            return (
-                f"the plan continues a chunk of {len(state.partial)} tokens past layer {layer_start} with other inputs"
-            )
-        if s.emit and not finishing:
-            return "the plan samples from a step that stops before the last layer"
-        if s.first and state is not None:
-            return f"the plan announces sequence {s.seq_id} as new, but this shard already holds it"
-        if not s.first and state is None:
-            return f"the plan continues sequence {s.seq_id}, which this shard does not hold"
-        if state is not None and s.start_pos != state.next_pos and not state.holds_verified(s.start_pos):
-            return (
-                f"the plan computes from position {s.start_pos}, but this shard holds "
-                f"{state.held_positions()} positions of the sequence"
-            )
-        if s.sampled_input and s.token_ids:
-            return "the plan gives input tokens and asks for the sampled one"
-        if s.sampled_input and (state is None or state.sampled is None):
-            return "the plan asks for the token sampled in the sequence's previous step, which sampled none here"
-        if s.proposals and (not s.emit or s.sampled_input or s.HasField("prompt_logprobs")):
-            return "the plan proposes tokens for an entry that does not sample from its last input"
-        if s.proposal_masks and (not s.allowed_tokens or len(s.proposal_masks) != len(s.proposals)):
-            return f"{len(s.proposal_masks)} proposal masks for {len(s.proposals)} proposals"
-        if s.allowed_tokens and s.proposals and len(s.proposal_masks) != len(s.proposals):
-            return "a constrained entry proposes tokens without a mask for each"
-        if any(len(m) < mask_bytes(self.vocab_size) for m in s.proposal_masks):
-            return f"a proposal mask shorter than the {mask_bytes(self.vocab_size)} bytes of the vocabulary"
-        if s.proposals and layer_start:
-            return "the plan proposes tokens in a layer group"
-        n = 1 if s.sampled_input else len(s.token_ids)
-        end = s.start_pos + n + len(s.proposals)
-        if n == 0:
-            return "no input tokens"
-        if end > self.max_position:
-            return f"positions up to {end} exceed the model's context of {self.max_position}"
-        pages = (len(state.pages) if state else 0) + len(s.new_pages)
-        if pages * self.page_size < end:
-            return f"block table of {pages} pages does not cover {end} positions"
-        if pages > self.table.max_pages:
-            return f"block table of {pages} pages is longer than the context needs"
-        if s.new_pages and max(s.new_pages) >= self.kv.padding_page:
-            return f"page id {max(s.new_pages)} outside the pool of {self.kv.padding_page} pages"
-        if (
-            max(s.token_ids, default=0) >= self.vocab_size
-            or max(s.proposals, default=0) >= self.vocab_size
-            or (s.HasField("next_token") and s.next_token >= self.vocab_size)
-        ):
-            wrong = max([*s.token_ids, *s.proposals, s.next_token])
-            return f"token id {wrong} outside the vocabulary of {self.vocab_size}"
-        if s.allowed_tokens and len(s.allowed_tokens) < mask_bytes(self.vocab_size):
-            return (
-                f"a token mask of {len(s.allowed_tokens)} bytes; the vocabulary of {self.vocab_size} "
-                f"takes {mask_bytes(self.vocab_size)}"
-            )
-        if max(s.prompt_logprobs, s.sampling.logprobs) > MAX_TOP:
-            return f"at most {MAX_TOP} alternatives per position can be scored"
-        if s.first:
-            sp = s.sampling
-            if not (math.isfinite(sp.temperature) and sp.temperature >= 0 and 0 <= sp.top_p <= 1):
-                return f"invalid sampling parameters {sp}"
-            if not self.table.has_room():
-                return f"this shard already holds {len(self.table.held)} sequences, its maximum"
-        return None
-
-    def _accept(self, s) -> SequenceState:
-        state = self.table.get(s.seq_id)
-        if s.sampled_input:  # from here on the entry reads as any decode step's
-            s.token_ids.append(state.sampled)
+    def _accept(self, e: Entry) -> SequenceState:
+        state = self.table.get(e.seq_id)
         if state is None:
-            sp = s.sampling
-            state = self.table.admit(
-                s.seq_id,
-                s.start_pos,
-                SamplingParams(
-                    sp.temperature, sp.top_p or 1.0, sp.top_k, sp.seed, sp.logprobs if sp.HasField("logprobs") else None
-                ),
-            )
+            state = self.table.admit(e.seq_id, e.start_pos, e.sampling)
         elif state.verified is not None:  # the positions of the last verification it keeps
-            state.next_pos, state.verified = s.start_pos, None
-        self.table.append_pages(state, list(s.new_pages))
-        if s.proposals:  # computed as positions after the inputs
-            s.token_ids.extend(s.proposals)
+            state.next_pos, state.verified = e.start_pos, None
+        self.table.append_pages(state, list(e.new_pages))
         return state
 
     def _decode_batch(self, tokens: list[int], states: list[SequenceState]):
@@ -309,6 +224,20 @@ class ModelRunner:
             return None
         return hidden
 
+    def _context(self, layer_start: int, finishing: bool) -> Context:
+        held = len(self.table.held)
+        return Context(
+            layer_start,
+            finishing,
+            self.vocab_size,
+            self.max_position,
+            self.page_size,
+            self.table.max_pages,
+            self.kv.padding_page,  # the pool's pages come before it
+            held,
+            self.table.has_room(),
+        )
+
     @torch.inference_mode()
     def step(self, plan) -> StepOutput:
         """plan: a StepPlan. Samples one token per valid sequence with emit set (on the sampling
@@ -326,22 +255,23 @@ class ModelRunner:
             layers_why = f"the plan runs layers {layers.start} to {layers.stop} of {num_layers}"
         entries, states = [], []
         for s in plan.seqs:
-            why = layers_why or self.check(s, layers.start, finishing)
-            if why is None:
-                entries.append(s)
-                states.append(self._accept(s))
+            state = self.table.get(s.seq_id)
+            read_as = layers_why or read(s, state, self._context(layers.start, finishing))
+            if isinstance(read_as, Entry):
+                entries.append(read_as)
+                states.append(self._accept(read_as))
             else:
-                out.failures[s.seq_id] = why
+                out.failures[s.seq_id] = read_as
                 self.table.release(s.seq_id)
         if not entries:
             return out
-        scored = {i for i, s in enumerate(entries) if s.HasField("prompt_logprobs")} if finishing else set()
-        verifying = {i for i, s in enumerate(entries) if s.proposals}
+        scored = {i for i, e in enumerate(entries) if e.prompt_logprobs is not None} if finishing else set()
+        verifying = {i for i, e in enumerate(entries) if e.proposals}
         if grouped:  # a layer group of prompt chunks: every chunk's hidden states are kept
             last, chunks = self._prefill(entries, states, set(range(len(entries))), layers)
             every = {i: chunks[i] for i in scored}
-        elif all(len(s.token_ids) == 1 for s in entries):  # a decode step (or one-token chunks)
-            tokens = [s.token_ids[0] for s in entries]
+        elif all(len(e.tokens) == 1 for e in entries):  # a decode step (or one-token chunks)
+            tokens = [e.tokens[0] for e in entries]
             if self.graphs is not None and self.graphs.bucket_for(len(entries)):
                 last = self.graphs.run(tokens, [st.next_pos for st in states], [st.row for st in states])
                 out.graph_launches = 1
@@ -350,14 +280,14 @@ class ModelRunner:
                 out.eager_decode_steps = 1
             every = {i: last[i : i + 1] for i in scored} if last is not None else {}
         else:  # a step of verifications and decode rows computes each row as a decode step would
-            as_rows = all(s.proposals or len(s.token_ids) == 1 for s in entries)
+            as_rows = all(e.proposals or len(e.tokens) == 1 for e in entries)
             last, every = self._prefill(entries, states, scored | verifying, as_rows=as_rows)
-        for i, (s, st) in enumerate(zip(entries, states)):
+        for i, (e, st) in enumerate(zip(entries, states)):
             st.sampled = None  # until this step samples it a token
             if finishing:
-                st.next_pos += len(s.token_ids)
+                st.next_pos += len(e.tokens)
                 # Positions up to the last input are the sequence's; the proposals' may be rejected.
-                st.verified = st.next_pos - len(s.proposals) if s.proposals else None
+                st.verified = st.next_pos - len(e.proposals) if e.proposals else None
                 st.partial, st.partial_layers = None, 0
             else:
                 st.partial, st.partial_layers = chunks[i], layers.stop
@@ -373,8 +303,8 @@ class ModelRunner:
         `kept_for` (for prompt log-probabilities, or a layer group's partial chunks); (None, {})
         off the last stage. `as_rows`: every token as a decode row, however long its context."""
         spans = [
-            Span(list(s.token_ids), s.start_pos, self.table.tables[st.row, : len(st.pages)])
-            for s, st in zip(entries, states)
+            Span(list(e.tokens), e.start_pos, self.table.tables[st.row, : len(st.pages)])
+            for e, st in zip(entries, states)
         ]
         rows = [None] * len(spans)
         kept: dict[int, list[torch.Tensor]] = {i: [] for i in kept_for}
@@ -404,12 +334,12 @@ class ModelRunner:
         """On the sampling shard: scores prompt positions, samples emitting sequences (verifies
         those with proposals), and adds the log-probabilities asked for."""
         logprobs = {}
-        for i, s in enumerate(entries):
-            if s.HasField("prompt_logprobs"):
+        for i, e in enumerate(entries):
+            if e.prompt_logprobs is not None:
                 hidden = every[i]
-                targets = list(s.token_ids[1:]) + ([s.next_token] if s.HasField("next_token") else [])
-                logprobs[i] = shard_pb2.SequenceLogprobs(seq_id=s.seq_id)
-                logprobs[i].prompt.extend(score(self.model.logits, hidden[: len(targets)], targets, s.prompt_logprobs))
+                targets = [*e.tokens[1:], *([e.next_token] if e.next_token is not None else [])]
+                logprobs[i] = shard_pb2.SequenceLogprobs(seq_id=e.seq_id)
+                logprobs[i].prompt.extend(score(self.model.logits, hidden[: len(targets)], targets, e.prompt_logprobs))
         drawn = self._draws(entries, states, last) | self._verifications(entries, states, every)
         counted = any(entries[i].proposals for i in drawn)
         for i in sorted(drawn):
@@ -432,7 +362,7 @@ class ModelRunner:
     def _draws(self, entries, states, last) -> dict[int, tuple[list[int], str | None, torch.Tensor]]:
         """The token of each emitting entry without proposals, by its index: ([token], failure,
         its logits row)."""
-        emitting = [i for i, s in enumerate(entries) if s.emit and not s.proposals]
+        emitting = [i for i, e in enumerate(entries) if e.emit and not e.proposals]
         if not emitting:
             return {}
         logits = self.model.logits(last[torch.tensor(emitting, device=self.device)])
@@ -451,21 +381,21 @@ class ModelRunner:
         """The tokens of each entry with proposals, by its index: (tokens, failure, the logits of
         the rows that chose them). Its last k + 1 rows take the last input and the k proposals."""
         out = {}
-        for i, s in enumerate(entries):
-            if not s.proposals:
+        for i, e in enumerate(entries):
+            if not e.proposals:
                 continue
-            k = len(s.proposals)
+            k = len(e.proposals)
             logits = drawn_from = self.model.logits(every[i][-(k + 1) :])
             if not all(finite_rows(logits)):
                 out[i] = ([], "the model produced non-finite logits for this sequence", logits)
                 continue
-            if s.allowed_tokens:  # each row masked as a sampled token's; logprobs stay raw
-                packed = packed_masks([s.allowed_tokens, *s.proposal_masks], self.vocab_size, self.device)
+            if e.allowed_tokens:  # each row masked as a sampled token's; logprobs stay raw
+                packed = packed_masks([e.allowed_tokens, *e.proposal_masks], self.vocab_size, self.device)
                 if not bool(packed.any(dim=-1).all()):
                     out[i] = ([], "the constraint allows no token here", logits)
                     continue
                 drawn_from = mask_logits(logits.contiguous(), packed)
             # next_pos has moved past the proposals: the first row's token sits k positions before it.
-            tokens = verify(drawn_from, list(s.proposals), states[i].sampling, states[i].next_pos - k)
+            tokens = verify(drawn_from, list(e.proposals), states[i].sampling, states[i].next_pos - k)
             out[i] = (tokens, None, logits)
         return out

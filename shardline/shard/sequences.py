@@ -5,7 +5,7 @@ static block-table tensor that decode steps index instead of rebuilding tables p
 The router owns every page id and every decision; this is a cache of its messages, so that a
 decode step's plan names only the new token (and a new page when one was appended). A plan
 entry that disagrees with the cache fails that sequence, with a message saying how (see
-`ModelRunner.check`); it is never silently re-synchronized.
+`shard/plan_reader.py`); it is never silently re-synchronized.
 
 Invariants kept here:
 - every held sequence has exactly one row, and no two share one;
