@@ -38,18 +38,18 @@ def hang_detection_s(step_timeout_s: float) -> tuple[float, float]:
 
 # A peer that is still starting or restarts (a shard group, say) is reconnected to within a
 # quarter second of its listening, rather than after gRPC's default backoff, which grows to two
-# minutes while the peer is away. With a 1 s cap, a router that started before its shards
-# listened waited 0.3-0.7 s more per start (a tiny model's whole start is 2.5 s); a connection
-# attempt every 250 ms to a local or in-cluster peer costs nothing.
+# minutes while the peer is away; even a 1 s cap added a visible part of a small model's start to
+# a router that started before its shards listened. A connection attempt every 250 ms to a local
+# or in-cluster peer costs nothing.
 FAST_RECONNECT = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 250),
 ]
 # A peer on this machine (a unix socket, a loopback port) takes a connection at once: tried every
-# 100 ms, a start's router notices its shards, and the launcher its router, 75 ms sooner on
-# average. (The minimum backoff is also gRPC's connect timeout, which a remote TLS peer on a busy
-# network should keep at 200 ms.)
+# 100 ms, a start's router notices its shards, and the launcher its router, sooner. (The minimum
+# backoff is also gRPC's connect timeout, which a remote TLS peer on a busy network should keep
+# at 200 ms.)
 LOCAL_RECONNECT = [(name, 100) for name, _ in FAST_RECONNECT]
 LOCAL_HOSTS = ("unix:", "127.", "localhost:", "0.0.0.0:", "[::1]:", "[::]:")
 

@@ -51,18 +51,17 @@ from shardline.shard.sequences import SequenceState, SequenceTable
 log = logging.getLogger(__name__)
 # A piece holds at most PREFILL_PIECE_TOKENS tokens, and fewer where its largest activations (the
 # MLP's gate and up rows and their product: 3 x intermediate values a token) would pass
-# PREFILL_PIECE_BYTES: SmolLM2 1,024 tokens (19 MB), a Llama 3 8B's 780. SmolLM2, forced AVX2, a
-# 2048-token prompt in one step, 8 rounds in turns, medians: pieces of 512 5.19 s, of 1024 4.73 s
-# (faster in 7 of 8 rounds); in another sitting 512 5.08 s, 2048 4.70 s. Each piece after the
+# PREFILL_PIECE_BYTES, so that a long prompt's activations stay bounded whatever the model. Larger
+# pieces amortize each layer's weight reads over more tokens, up to about this size, past which a
+# 2-core host measured no gain (the commit that set it has the figures). Each piece after the
 # first attends to the cached context apart from its own tokens and merges the two.
 PREFILL_PIECE_TOKENS = 1024
 PREFILL_PIECE_BYTES = 128 << 20
 # A prefill piece whose attention is at most this many (token, context token) pairs runs as
 # decode rows, a row per token, each attending its sequence's cache up to itself: through the
 # fused decode layers and the decode attention (which writes every row's K/V before it attends),
-# not the prefill path's dozens of torch operators per layer. SmolLM2, forced AVX2, one step:
-# a prompt's last 4 tokens after 48 cached 29 -> 11 ms, 16 tokens after 496 67 -> 42 ms, 256 fresh
-# tokens (65k pairs) 478 -> 452 ms; but 64 after 1900 (126k pairs) 265 -> 303 ms, as the decode
+# not the prefill path's dozens of torch operators per layer. That wins for a few tokens after a
+# cached prefix and for short fresh prompts; past this many pairs it loses, as the decode
 # attention reads the context once per row. Not on CUDA, where flash-attn's decode writes and
 # reads the rows' K/V at once.
 ROWS_ATTENTION_PAIRS = 32768

@@ -82,8 +82,8 @@ def save(model: Transformer, path: Path, background: bool = False) -> threading.
         elif isinstance(module, (nn.Linear, nn.Embedding, RMSNorm)):
             spec[name] = {"kind": type(module).__name__}
             tensors.update({f"{name}/{k}": t for k, t in module.named_parameters(recurse=False)})
-    # No CRC of every record: computing it made writing a 1B model's 0.8 GB take 3 s; the file is
-    # this machine's own, and read back with weights_only
+    # No CRC of every record: computing it cost more than writing the file; the file is this
+    # machine's own, and read back with weights_only
     torch.utils.serialization.config.save.compute_crc32 = False
     write = functools.partial(publish, path, lambda tmp: torch.save({"spec": spec, "tensors": tensors}, tmp))
     if not background:
