@@ -208,3 +208,14 @@ def wait_for(predicate, timeout: float, what: str, every: float = 0.1):
             return value
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def replica_config(**overrides):
+    """The replica's configuration as the router's flags give it by default (flags.py is the one
+    home of each default), with `overrides`."""
+    import dataclasses
+
+    from shardline.cli import build_parser
+    from shardline.router.core.config import ReplicaConfig
+
+    return dataclasses.replace(ReplicaConfig.from_flags(build_parser().parse_args(["router"])), **overrides)

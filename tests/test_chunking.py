@@ -41,7 +41,6 @@ def _seq(i, prompt_len, max_new, priority=0, base=0):
 )
 def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, mixed, pair_cost, groups):
     pages = PageManager(40, 4)
-    groups = 1 if mixed else groups  # they exclude each other
     sched = Scheduler(
         KVManager(pages),
         max_batch=4,
@@ -52,6 +51,7 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, m
         layer_groups=groups,
         num_layers=5,
     )
+    assert sched.layer_groups == (1 if mixed or not chunk else groups), "layer groups apply to chunks of whole layers"
     group = None  # the chunk in layer groups: (sequence, its tokens, where its last group ended)
     seqs = [_seq(i, p, n, base=100 * (i % 3)) for i, (p, n, _) in enumerate(reqs)]
     arrivals = {s: a for s, (_, _, a) in zip(seqs, reqs)}
@@ -105,10 +105,12 @@ def test_chunked_schedules_keep_their_promises(chunk, budget, reqs, cancel_at, m
             assert step.num_decode == decoding
         if step.layer_start or step.partial:  # a layer group: one chunk, of a prompt longer than one
             ((seq, inputs),) = chunks
-            assert step.num_decode == 0 and groups > 1
+            assert step.num_decode == 0 and sched.layer_groups > 1
             assert len(inputs) < len(seq.prompt_ids) - seq.cached_prompt_tokens
             assert 0 <= step.layer_start < (step.layer_end or 5) <= 5
-        elif groups > 1 and any(len(i) < len(seq.prompt_ids) - seq.cached_prompt_tokens for seq, i in chunks):
+        elif sched.layer_groups > 1 and any(
+            len(i) < len(seq.prompt_ids) - seq.cached_prompt_tokens for seq, i in chunks
+        ):
             assert alone, "a long prompt's chunk ran whole while other work waited or ran"
         if step.layer_start:  # the next group of the chunk in groups, before any other chunk of it
             assert group is not None and (group[0], group[1], group[2]) == (*chunks[0], step.layer_start)

@@ -154,11 +154,9 @@ def _info(**overrides):
 
 
 def _config(**overrides):
-    from shardline.router.core.config import ReplicaConfig
+    from tests.support import replica_config
 
-    return ReplicaConfig(
-        **{**dict(page_size=16, dtype="float32", max_batch=8, max_batch_tokens=512, shard_timeout_s=1), **overrides}
-    )
+    return replica_config(**{**dict(max_batch=8, max_batch_tokens=512, shard_timeout_s=1), **overrides})
 
 
 @pytest.mark.parametrize(

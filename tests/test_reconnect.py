@@ -102,15 +102,14 @@ def test_ranks_of_two_starts_of_a_group_are_not_taken_as_one():
 def test_a_router_does_not_reconnect_to_the_group_it_abandoned():
     """Both ranks of the failed group may still answer before either exits: the router waits for
     the group's next start."""
-    from shardline.router.core.config import ReplicaConfig
     from shardline.router.core.replica import Replica
+    from shardline.router.shards.link import ShardLink
+    from tests.support import replica_config
 
     group = ShardGroup([])
     group.shards = [Answering(0, "failed"), Answering(1, "failed")]
     asyncio.run(group.info(1))  # it served, then failed: its streams are abandoned
     asyncio.run(group.close_streams(abandon=True))
-    replica = Replica(
-        ReplicaConfig(page_size=16, dtype="float32", shard_timeout_s=1), "tiny", group, codec=None, on_serving=None
-    )
+    replica = Replica(replica_config(shard_timeout_s=1), "tiny", ShardLink(group), codec=None, on_serving=None)
     with pytest.raises(ShardError, match="has not restarted yet"):
         asyncio.run(replica._connect())

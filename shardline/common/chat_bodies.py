@@ -81,8 +81,13 @@ def messages_as_chat(body: dict) -> dict:
     for m in body["messages"]:
         messages.extend(_anthropic_message(m))
     chat = {"model": body["model"], "messages": messages, "stream": body.get("stream", False)}
-    chat["temperature"] = body.get("temperature", 1.0)  # Anthropic's default
-    for name, to in (("top_p", "top_p"), ("top_k", "top_k"), ("stop_sequences", "stop")):
+    # Unset, temperature and top_p take the chat default, which is Anthropic's too.
+    for name, to in (
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("top_k", "top_k"),
+        ("stop_sequences", "stop"),
+    ):
         if body.get(name) is not None:
             chat[to] = body[name]
     if (body.get("metadata") or {}).get("user_id"):

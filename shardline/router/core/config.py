@@ -1,5 +1,5 @@
-"""What the replica takes from the router's flags (shardline/flags.py says what each means),
-built once when the router starts."""
+"""What the replica takes from the router's flags, built once when the router starts.
+shardline/flags.py says what each means and is the one home of its default."""
 
 from __future__ import annotations
 
@@ -10,21 +10,21 @@ from dataclasses import dataclass
 class ReplicaConfig:
     page_size: int
     dtype: str
-    num_pages: int = 0  # 0: what the shards' memory budget holds
-    max_batch: int = 32
-    max_batch_tokens: int = 4096
-    chunk_size: int = 0
-    mixed_steps: bool = False
-    layer_groups: int = 8
-    priority_aging_s: float = 1.0
-    prefix_cache: bool = True
-    eviction: str = "lru"
-    slru_protected_ratio: float = 0.5
-    shard_timeout_s: float = 300.0  # for the shards to come up
-    step_timeout_s: float = 20.0
-    drain_timeout_s: float = 30.0
-    speculative: str = "suffix"  # off | ngram | suffix (router/core/speculation.py)
-    spec_tokens: int = 8  # the most tokens proposed for one sequence in one step
+    num_pages: int  # 0: what the shards' memory budget holds
+    max_batch: int
+    max_batch_tokens: int
+    chunk_size: int
+    mixed_steps: bool
+    layer_groups: int  # asked for; the scheduler runs 1 where they do not apply
+    priority_aging_s: float
+    prefix_cache: bool
+    eviction: str
+    slru_protected_ratio: float
+    shard_timeout_s: float  # for the shards to come up
+    step_timeout_s: float
+    drain_timeout_s: float
+    speculative: str  # off | ngram | suffix (router/core/speculation.py)
+    spec_tokens: int  # the most tokens proposed for one sequence in one step
 
     @classmethod
     def from_flags(cls, args) -> ReplicaConfig:

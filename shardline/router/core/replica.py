@@ -46,7 +46,7 @@ class Served:
     warmups: list[Warmup]
     head: ShardInfo  # the sampling shard's: the model as served
     num_pages: int
-    layer_groups: int  # 1 where they do not apply (Scheduler)
+    layer_groups: int  # as the scheduler runs them: 1 where they do not apply
     eos_ids: frozenset[int]  # the shards' and the tokenizer's
 
     @property
@@ -125,17 +125,9 @@ class Replica:
         if len(buckets) > 1:  # every shard opened its step stream: the next attempt must find them closed
             await self.shards.close_streams(abandon=False)
             raise ShardError(f"the shards captured different decode graph buckets: {sorted(buckets)}")
-        # Layer groups cut a long prompt's chunks (there are none without chunking); a mixed
-        # step's decode rows run every layer, and pipeline stages run whole chunks.
-        layer_groups = (
-            min(config.layer_groups, head.num_layers)
-            if config.chunk_size and not config.mixed_steps and head.pp_size == 1
-            else 1
-        )
         eos = set(head.eos_token_ids)
         if self.codec.eos_token_id is not None:
             eos.add(self.codec.eos_token_id)
-        self.served = Served(list(infos), list(warmups), head, num_pages, layer_groups, frozenset(eos))
         pool = PageManager(
             num_pages,
             head.page_size,
@@ -153,9 +145,11 @@ class Replica:
             mixed_steps=config.mixed_steps,
             pair_cost=head.attention_pair_cost,
             num_layers=head.num_layers,
-            layer_groups=layer_groups,
+            layer_groups=config.layer_groups,
+            stages=head.pp_size,
             speculator=Speculator(config.speculative, config.spec_tokens, head.context_length),
         )
+        self.served = Served(list(infos), list(warmups), head, num_pages, scheduler.layer_groups, frozenset(eos))
         self.engine = Engine(scheduler, self.shards, self.codec, head.context_length, self.observers)
         log.info(
             "serving %s: TP%d x PP%d, %d pages of %d tokens",

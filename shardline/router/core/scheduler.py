@@ -26,7 +26,9 @@ weights, from the shards' Info), a chunk holds as many tokens as cost what `chun
 cost at the start of a prompt, so that the steps a decoding sequence waits for grow little with
 the prompt.
 
-With `layer_groups` G > 1, the chunks of a prompt longer than one chunk run in layer groups: a
+With `layer_groups` G > 1, the chunks of a prompt longer than one chunk run in layer groups (where
+they apply: with chunking, without mixed steps, whose decode rows run every layer, and on a single
+stage, as pipeline stages run whole chunks; else G is 1): a
 step runs about 1/G of the model's layers on the chunk, and the shard keeps the chunk's hidden
 states until the next group (`StepPlan.layer_start`). Each group is a prefill step of its own in
 the rotation, so a decoding sequence waits for one group, not one chunk, and a short prompt that
@@ -76,6 +78,7 @@ class Scheduler:
         layer_groups: int = 1,
         num_layers: int = 0,
         speculator: Speculator | None = None,
+        stages: int = 1,
     ):
         if (
             max_batch < 1
@@ -83,17 +86,16 @@ class Scheduler:
             or chunk_size < 0
             or not aging_s > 0
             or not pair_cost >= 0
-            or not 1 <= layer_groups <= max(1, num_layers)
+            or layer_groups < 1
         ):
             raise ValueError(
                 f"scheduler limits out of range: max_batch {max_batch}, max_batch_tokens "
                 f"{max_batch_tokens}, chunk_size {chunk_size}, aging_s {aging_s}, pair_cost {pair_cost}, "
-                f"layer_groups {layer_groups} of {num_layers} layers"
+                f"layer_groups {layer_groups}"
             )
-        if layer_groups > 1 and mixed_steps:
-            raise ValueError(
-                "layer groups and mixed steps exclude each other: a mixed step's decode rows run every layer"
-            )
+        if not chunk_size or mixed_steps or stages > 1:
+            layer_groups = 1
+        layer_groups = min(layer_groups, max(1, num_layers))
         self.kv = kv
         self.speculator = speculator  # which decode rows carry proposals, if any
         # Layer group boundaries: group i runs layers [bounds[i], bounds[i + 1]).

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from opentelemetry import trace
 
 from shardline.protos import generation_pb2 as pb
-from shardline.router.api.openai.schema import BaseRequest
+from shardline.router.api.openai.schema import TEMPERATURE, TOP_P, BaseRequest
 from shardline.router.core.sequence import Output, Sequence
 from shardline.router.requests.admission import Admission
 from shardline.router.requests.validation import InvalidRequest
@@ -55,9 +55,8 @@ def base_request(body: BaseRequest, tool_grammar: str | None = None) -> pb.Gener
     )
     _constrain(req, body, tool_grammar)
     s = req.sampling
-    s.temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI's default
-    if body.top_p is not None:
-        s.top_p = body.top_p
+    s.temperature = TEMPERATURE if body.temperature is None else body.temperature
+    s.top_p = TOP_P if body.top_p is None else body.top_p
     s.top_k = max(0, body.top_k or 0)
     if body.speculative is not None:
         req.speculative = body.speculative

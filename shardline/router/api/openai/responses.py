@@ -41,7 +41,7 @@ from shardline.router.api.openai.responses_schema import (
     ResponsesRequest,
     Usage,
 )
-from shardline.router.api.openai.schema import ChatCompletionRequest, TokenLogprob, ToolCall
+from shardline.router.api.openai.schema import TEMPERATURE, TOP_P, ChatCompletionRequest, TokenLogprob, ToolCall
 
 ERROR_CODES = {400: "invalid_prompt", 429: "rate_limit_exceeded"}  # the Response's error.code; else server_error
 
@@ -171,12 +171,12 @@ class ResponsesAnswer(ChatAnswer):
             previous_response_id=r.previous_response_id,
             reasoning=r.reasoning.model_dump() if r.reasoning else {"effort": None, "summary": None},
             store=r.stores,
-            temperature=1.0 if r.temperature is None else r.temperature,
+            temperature=TEMPERATURE if r.temperature is None else r.temperature,
             text=text,
             tool_choice=choice,
             tools=[t.model_dump() for t in r.tools or []],
             top_logprobs=r.top_logprobs or 0,
-            top_p=1.0 if r.top_p is None else r.top_p,
+            top_p=TOP_P if r.top_p is None else r.top_p,
             usage=usage,
             user=r.user,
             metadata=r.metadata or {},

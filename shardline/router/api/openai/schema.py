@@ -27,6 +27,10 @@ from pydantic import (
 )
 
 MAX_CHOICES = 16
+# What a body that sets none samples with: OpenAI's defaults, which Anthropic's Messages and the
+# Responses API share (their bodies are served as chat completions).
+TEMPERATURE = 1.0
+TOP_P = 1.0
 
 
 def _number(v):
