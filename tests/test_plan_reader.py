@@ -7,7 +7,7 @@ import torch
 
 from shardline.kernels.token_mask import mask_bytes
 from shardline.protos import shard_pb2
-from shardline.shard.plan_reader import RULES, Context, Entry, read
+from shardline.shard.plan_reader import RULES, Context, Entry, plan_layers, read
 from shardline.shard.sampler import SamplingParams
 from shardline.shard.sequences import SequenceState
 
@@ -118,3 +118,20 @@ def test_the_runner_leaves_its_plan_as_it_came(tiny_models):
         sent = plan.SerializeToString()
         out = runner.step(plan)
         assert not out.failures and plan.SerializeToString() == sent
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "stages", "phrase"),
+    [
+        (0, 0, 1, None),  # every layer
+        (0, 2, 1, None),  # a layer group
+        (2, 0, 1, None),  # the last group
+        (0, 2, 2, "on a pipeline stage"),
+        (3, 2, 1, "layers 3 to 2 of 4"),
+        (0, 5, 1, "layers 0 to 5 of 4"),
+    ],
+)
+def test_a_plans_layers_are_read_or_turned_away(start, end, stages, phrase):
+    layers, why = plan_layers(shard_pb2.StepPlan(layer_start=start, layer_end=end), 4, stages)
+    assert layers == slice(start, end or 4)
+    assert why is None if phrase is None else phrase in why

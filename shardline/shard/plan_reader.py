@@ -181,6 +181,19 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+def plan_layers(plan: shard_pb2.StepPlan, num_layers: int, stages: int) -> tuple[slice, str | None]:
+    """The layers the plan runs (`StepPlan.layer_start`, `layer_end`), and why every entry of it
+    fails where a shard cannot run them."""
+    layers = slice(plan.layer_start, plan.layer_end or num_layers)
+    if layers == slice(0, num_layers):
+        return layers, None
+    if stages > 1:
+        return layers, "the plan runs a layer group on a pipeline stage: layer groups need a single stage"
+    if not layers.start < layers.stop <= num_layers:
+        return layers, f"the plan runs layers {layers.start} to {layers.stop} of {num_layers}"
+    return layers, None
+
+
 def read(s: shard_pb2.SequenceStep, state: SequenceState | None, at: Context) -> Entry | str:
     """The entry, or why this shard cannot serve it."""
     for rule in RULES:

@@ -44,7 +44,7 @@ from shardline.shard.kv_cache import KVPages
 from shardline.shard.layout import Layout
 from shardline.shard.logprobs import from_logits, score
 from shardline.shard.model import Transformer
-from shardline.shard.plan_reader import Context, Entry, read
+from shardline.shard.plan_reader import Context, Entry, plan_layers, read
 from shardline.shard.sampler import finite_rows, sample, verify
 from shardline.shard.sequences import SequenceState, SequenceTable
 
@@ -244,43 +244,13 @@ class ModelRunner:
         out = StepOutput()
         for seq_id in plan.released:
             self.table.release(seq_id)
-        num_layers = len(self.model.layers)
-        layers = slice(plan.layer_start, plan.layer_end or num_layers)
-        grouped, finishing = layers != slice(0, num_layers), layers.stop == num_layers
-        layers_why = None
-        if grouped and self.layout.pp > 1:
-            layers_why = "the plan runs a layer group on a pipeline stage: layer groups need a single stage"
-        elif grouped and not layers.start < layers.stop <= num_layers:
-            layers_why = f"the plan runs layers {layers.start} to {layers.stop} of {num_layers}"
-        entries, states = [], []
-        for s in plan.seqs:
-            state = self.table.get(s.seq_id)
-            read_as = layers_why or read(s, state, self._context(layers.start, finishing))
-            if isinstance(read_as, Entry):
-                entries.append(read_as)
-                states.append(self._accept(read_as))
-            else:
-                out.failures[s.seq_id] = read_as
-                self.table.release(s.seq_id)
+        layers, layers_why = plan_layers(plan, len(self.model.layers), self.layout.pp)
+        finishing = layers.stop == len(self.model.layers)
+        entries, states = self._admit(plan, layers_why, layers.start, finishing, out.failures)
         if not entries:
             return out
         scored = {i for i, e in enumerate(entries) if e.prompt_logprobs is not None} if finishing else set()
-        verifying = {i for i, e in enumerate(entries) if e.proposals}
-        if grouped:  # a layer group of prompt chunks: every chunk's hidden states are kept
-            last, chunks = self._prefill(entries, states, set(range(len(entries))), layers)
-            every = {i: chunks[i] for i in scored}
-        elif all(len(e.tokens) == 1 for e in entries):  # a decode step (or one-token chunks)
-            tokens = [e.tokens[0] for e in entries]
-            if self.graphs is not None and self.graphs.bucket_for(len(entries)):
-                last = self.graphs.run(tokens, [st.next_pos for st in states], [st.row for st in states])
-                out.graph_launches = 1
-            else:
-                last = self._forward(*self._decode_batch(tokens, states))
-                out.eager_decode_steps = 1
-            every = {i: last[i : i + 1] for i in scored} if last is not None else {}
-        else:  # a step of verifications and decode rows computes each row as a decode step would
-            as_rows = all(e.proposals or len(e.tokens) == 1 for e in entries)
-            last, every = self._prefill(entries, states, scored | verifying, as_rows=as_rows)
+        last, every, chunks = self._compute(entries, states, layers, scored, out)
         for i, (e, st) in enumerate(zip(entries, states)):
             st.sampled = None  # until this step samples it a token
             if finishing:
@@ -290,11 +260,45 @@ class ModelRunner:
                 st.partial, st.partial_layers = None, 0
             else:
                 st.partial, st.partial_layers = chunks[i], layers.stop
-        if not finishing:
-            return out
-        if self.layout.samples:
+        if finishing and self.layout.samples:
             self._sample(entries, states, last, every, out)
         return out
+
+    def _admit(self, plan, why: str | None, layer_start: int, finishing: bool, failures: dict[int, str]):
+        """The plan's entries this shard can serve, each with its state (a new sequence's
+        admitted here); the others fail and are forgotten."""
+        entries, states = [], []
+        for s in plan.seqs:  # each judged by the rows the entries before it left free
+            read_as = why or read(s, self.table.get(s.seq_id), self._context(layer_start, finishing))
+            if isinstance(read_as, Entry):
+                entries.append(read_as)
+                states.append(self._accept(read_as))
+            else:
+                failures[s.seq_id] = read_as
+                self.table.release(s.seq_id)
+        return entries, states
+
+    def _compute(self, entries, states, layers: slice, scored: set[int], out: StepOutput):
+        """Runs the step's layers. Returns the last position's hidden state of each entry, every
+        position's of those `scored` (and of those verifying proposals), and in a layer group
+        that stops short of the last layer each chunk's hidden states to keep."""
+        if layers != slice(0, len(self.model.layers)):  # a layer group: every chunk's hidden states are kept
+            last, chunks = self._prefill(entries, states, set(range(len(entries))), layers)
+            return last, {i: chunks[i] for i in scored}, chunks
+        if all(len(e.tokens) == 1 for e in entries):  # a decode step (or one-token chunks)
+            tokens = [e.tokens[0] for e in entries]
+            if self.graphs is not None and self.graphs.bucket_for(len(entries)):
+                last = self.graphs.run(tokens, [st.next_pos for st in states], [st.row for st in states])
+                out.graph_launches = 1
+            else:
+                last = self._forward(*self._decode_batch(tokens, states))
+                out.eager_decode_steps = 1
+            return last, {i: last[i : i + 1] for i in scored} if last is not None else {}, {}
+        # A step of verifications and decode rows computes each row as a decode step would.
+        as_rows = all(e.proposals or len(e.tokens) == 1 for e in entries)
+        verifying = {i for i, e in enumerate(entries) if e.proposals}
+        last, every = self._prefill(entries, states, scored | verifying, as_rows=as_rows)
+        return last, every, {}
 
     def _prefill(self, entries, states, kept_for: set[int], layers: slice = slice(None), as_rows: bool = False):
         """Runs a prefill step (or the layer group `layers` of one) in pieces. Returns the hidden
