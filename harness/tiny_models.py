@@ -96,8 +96,9 @@ def smollm2_codec():
     return TextCodec(tokenizer_folder(resolve_model(None)))
 
 
-def make_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
-    """A random Hugging Face checkpoint (config, safetensors, SmolLM2's tokenizer) in `path`."""
+def make_tiny_model(arch: str, path: Path, seed: int = 0, context: int = 2048) -> Path:
+    """A random Hugging Face checkpoint (config, safetensors, SmolLM2's tokenizer) in `path`, of
+    `context` positions."""
     import transformers
 
     cls = {
@@ -111,7 +112,7 @@ def make_tiny_model(arch: str, path: Path, seed: int = 0) -> Path:
     tok = smollm2_tokenizer()
     config = cls[0](
         vocab_size=len(tok),
-        max_position_embeddings=2048,
+        max_position_embeddings=context,
         rms_norm_eps=1e-6,
         initializer_range=0.3,
         eos_token_id=tok.eos_token_id,

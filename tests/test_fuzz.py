@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from shardline.protos import generation_pb2 as pb
-from tests.support import Server, health_status
+from tests.support import Server, health_status, make_tiny_model
 
 pytestmark = pytest.mark.processes  # every test here starts processes
 
@@ -37,7 +37,8 @@ floats32 = st.one_of(
     st.floats(width=32),
     st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-39, 1.4e-45, -1e-39, 3.4e38, 1.0, 0.5]),
 )
-uint32 = st.one_of(st.integers(0, 24), st.sampled_from([0, 1, 2047, 2048, 2**31, 2**32 - 1]), st.integers(0, 2**32 - 1))
+edges = st.sampled_from([0, 1, 255, 256, 2047, 2**31, 2**32 - 1])  # about the fuzz model's 256 positions too
+uint32 = st.one_of(st.integers(0, 24), edges, st.integers(0, 2**32 - 1))
 
 
 def _pick(draw, plausible, wild):
@@ -98,10 +99,13 @@ def requests(draw) -> pb.GenerateRequest:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models):
+def server(tmp_path_factory):
+    # A short context: a body that sets no length runs to it, and a random model seldom ends
+    # sooner (at 2,048 positions, four such bodies took half of the Responses test's time).
+    model = make_tiny_model("llama", tmp_path_factory.mktemp("fuzz") / "llama", context=256)
     server = Server(
         "--model",
-        str(tiny_models["llama"]),
+        str(model),
         "--page-size",
         "16",
         "--num-pages",
