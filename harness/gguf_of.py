@@ -7,6 +7,7 @@ that a GGUF and its checkpoint give the same tokens; `llama-quantize` makes quan
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -85,19 +86,28 @@ def gguf_tensors(folder: Path) -> dict[str, np.ndarray]:
 def add_smollm2_tokenizer(writer) -> int:
     """Writes SmolLM2's tokenizer (the default model's GGUF fields) into `writer`; returns its
     vocabulary's size."""
-    from gguf import GGUFReader, GGUFValueType
+    from gguf import GGUFValueType
+
+    fields, vocab = _smollm2_tokenizer_fields()
+    for key, kind, contents in fields:
+        if kind is GGUFValueType.ARRAY:
+            writer.add_array(key, contents)
+        else:
+            writer.add_key_value(key, contents, kind)
+    return vocab
+
+
+@functools.cache
+def _smollm2_tokenizer_fields() -> tuple[list, int]:
+    """(key, type, contents) of each tokenizer field, read once a process: the gguf package reads
+    a 49k-token vocabulary in seconds."""
+    from gguf import GGUFReader
 
     from shardline.common.model_source import resolve_model
 
     smollm2 = GGUFReader(str(resolve_model(None).path))
-    for key, field in smollm2.fields.items():
-        if key.startswith("tokenizer."):
-            kind = field.types[0]
-            if kind is GGUFValueType.ARRAY:
-                writer.add_array(key, field.contents())
-            else:
-                writer.add_key_value(key, field.contents(), kind)
-    return len(smollm2.fields["tokenizer.ggml.tokens"].data)
+    fields = [(k, f.types[0], f.contents()) for k, f in smollm2.fields.items() if k.startswith("tokenizer.")]
+    return fields, len(smollm2.fields["tokenizer.ggml.tokens"].data)
 
 
 def write_gguf_of(folder: Path, path: Path) -> Path:
