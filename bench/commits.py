@@ -28,7 +28,8 @@ FLAGS = ("--max-batch", "32", "--speculative", "off")
 def checkout(rev: str, into: Path) -> Path:
     """`rev` in a worktree at `into`, with its generated gRPC code."""
     subprocess.run(["git", "worktree", "add", "--detach", "-f", str(into), rev], cwd=ROOT, check=True)
-    subprocess.run([sys.executable, "-c", "import setup; setup.generate_protos()"], cwd=into, check=True)
+    build = ["build_py", "--build-lib", str(into / "build")]  # which generates the gRPC code in place
+    subprocess.run([sys.executable, "setup.py", "-q", *build], cwd=into, check=True, capture_output=True)
     return into
 
 
