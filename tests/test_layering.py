@@ -1,6 +1,6 @@
 """The layering DESIGN.md states, read off the code: every import (at module level or inside a
 function) of every part runs one way, the router's rooms too, and its core imports no server
-code and no public API; no two modules import each other (directly or through others); the
+code, no gRPC and no wire message; no two modules import each other (directly or through others); the
 router process imports no torch; and the wheel installs one top-level package."""
 
 import ast
