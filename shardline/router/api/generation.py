@@ -107,7 +107,7 @@ class GenerationService:
 
 
 def _public_logprob(entry) -> pb.TokenLogprob:
-    """A shard's TokenLogprob (parallel id and value lists) as the API's message."""
+    """A token's log-probability (core/sequence.py: parallel id and value tuples) as the API's message."""
     return pb.TokenLogprob(
         token_id=entry.token_id,
         logprob=entry.logprob,

@@ -2,7 +2,7 @@
 the gauges an endpoint picker reads from vLLM under vLLM's own `vllm:` names.
 
 The router aggregates what the shards report (each step's compute time comes back in its
-`StepResult`), so one scrape target describes the whole replica; shards expose no endpoint.
+`StepOutcome`), so one scrape target describes the whole replica; shards expose no endpoint.
 
 Counters and histograms move when the engine reports a request's or a step's events
 (`RequestEvents`); gauges are read from the engine's load and page pool at scrape time, so they cost

@@ -72,7 +72,7 @@ class Answer:
         return reason
 
     def _logprob(self, index: int, entry):
-        """A shard TokenLogprob as the API reports it."""
+        """A token's log-probability (core/sequence.py) as the API reports it."""
         raise NotImplementedError
 
     def _opening(self) -> list[BaseModel]:
