@@ -8,6 +8,7 @@ plan and judges it by the same rules, so every rank leaves out the same sequence
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,9 +36,9 @@ class Entry:
     allowed_tokens: bytes  # the first sampled row's mask (b"": any token)
     proposal_masks: tuple[bytes, ...]  # the mask of each proposal's row
 
-    @property
+    @functools.cached_property
     def tokens(self) -> tuple[int, ...]:
-        """The positions the step computes for it, in order."""
+        """The positions the step computes for it, in order (read several times a step)."""
         return self.inputs + self.proposals
 
     @property
@@ -145,7 +146,7 @@ def _positions_in_its_pages(s, state, at):
 
 
 def _tokens_in_the_vocabulary(s, state, at):
-    wrong = max([*s.token_ids, *s.proposals, s.next_token], default=0)  # next_token: 0 when unset
+    wrong = max(max(s.token_ids, default=0), max(s.proposals, default=0), s.next_token)  # next_token: 0 unset
     if wrong >= at.vocab_size:
         return f"token id {wrong} outside the vocabulary of {at.vocab_size}"
 

@@ -30,6 +30,7 @@ way, so every rank leaves out the same sequences and the collectives stay matche
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -71,7 +72,7 @@ ROWS_ATTENTION_PAIRS = 32768
 class Span:
     """Some consecutive tokens of one sequence's step: what one forward pass computes for it."""
 
-    token_ids: list[int]
+    token_ids: Sequence[int]
     start_pos: int
     block_table: torch.Tensor  # the sequence's pages
 
@@ -306,8 +307,7 @@ class ModelRunner:
         `kept_for` (for prompt log-probabilities, or a layer group's partial chunks); (None, {})
         off the last stage. `as_rows`: every token as a decode row, however long its context."""
         spans = [
-            Span(list(e.tokens), e.start_pos, self.table.tables[st.row, : len(st.pages)])
-            for e, st in zip(entries, states)
+            Span(e.tokens, e.start_pos, self.table.tables[st.row, : len(st.pages)]) for e, st in zip(entries, states)
         ]
         rows = [None] * len(spans)
         kept: dict[int, list[torch.Tensor]] = {i: [] for i in kept_for}

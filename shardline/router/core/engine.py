@@ -225,11 +225,11 @@ class Engine:
             if why := self._missing_logprobs(seq, row):
                 self.fail(seq, Failure("INTERNAL", why))
                 continue
-            for token, scores in zip(row.tokens, row.sampled_scores or [None] * len(row.tokens)):
+            for i, token in enumerate(row.tokens):
                 if seq.status is Status.FINISHED:  # until one ends it (EOS, a stop string, a limit)
                     break
                 try:
-                    self._emit(seq, token, [scores] if scores is not None else [])
+                    self._emit(seq, token, list(row.sampled_scores[i : i + 1]))
                 except Exception as e:  # a detokenizer or stop-string edge case: this request only
                     log.exception("request %s failed on token %d", seq.request_id, token)
                     self.fail(seq, Failure("INTERNAL", f"turning token {token} into text failed: {e!r}"))
