@@ -19,7 +19,7 @@ from shardline.shard.footprint import (
     Unservable,
     available_bytes,
     check_layout,
-    read_model,
+    describe,
     shard_footprint,
 )
 from tests.support import ROOT, free_port
@@ -91,10 +91,10 @@ def test_a_kv_pool_larger_than_memory_is_refused_with_the_numbers_and_a_flag_tha
 
 
 def _footprint(source, **flags):
-    cfg, tensors = read_model(source)
+    description = describe(source)
     layout = dict(tp=1, pp=1, tp_rank=0, pp_stage=0)
     defaults = dict(dtype="float32", weights="native", quantize="", dense_copy=False, kv_memory_gb=1.0, max_batch=32)
-    return shard_footprint(cfg, tensors, **{**layout, **defaults, **flags})
+    return shard_footprint(description.cfg, description.tensors, **{**layout, **defaults, **flags})
 
 
 @pytest.mark.smollm2
@@ -119,7 +119,7 @@ def test_quantized_weights_are_estimated_to_within_the_width_of_the_int8_dense_c
     model = str(tiny_models["llama"])
     args = build_parser().parse_args(["shard", "--model", model, "--quantize", quantize, "--listen", "unix:/x"])
     held = load_shard(args).info.weight_bytes
-    cfg, tensors = read_model(resolve_model(model))
+    tensors = describe(resolve_model(model)).tensors
     estimated = _footprint(resolve_model(model), quantize=quantize).weights
     int8_params = sum(t.params for t in tensors if quantize == "int8" and t.name.startswith("blk")) + sum(
         t.params for t in tensors if t.name == "output.weight"
@@ -150,6 +150,7 @@ def test_shards_on_one_host_load_at_once(tiny_models):
     args = Namespace(
         tp=2,
         pp=1,
+        device="",
         dtype="float32",
         weights="native",
         quantize="none",

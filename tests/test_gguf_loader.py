@@ -14,6 +14,7 @@ from shardline.kernels.gguf_groups import dequantized, groups_of
 from shardline.kernels.grid import grid_weights
 from shardline.kernels.quantized import QuantizedLinear
 from shardline.kernels.stacked import StackedLinear
+from shardline.shard.footprint import describe
 from shardline.shard.gguf_loader import GgufLoader
 from shardline.shard.layout import Layout
 from shardline.shard.load import weight_formats
@@ -215,7 +216,7 @@ def untied(tmp_path_factory):
 
 
 def test_each_layer_serves_the_weights_its_blocks_hold(untied):
-    model = GgufLoader(resolve_model(str(untied)), Layout(), torch.float32, dense_copy=False).load()
+    model = GgufLoader(describe(resolve_model(str(untied))), Layout(), torch.float32, dense_copy=False).load()
     for i, block in enumerate(model.layers):
         parts = {
             "attn.wqkv": ["attn_q", "attn_k", "attn_v"],
@@ -241,7 +242,7 @@ def test_each_layer_serves_the_weights_its_blocks_hold(untied):
 @pytest.mark.parametrize("embed", ["Q8_0", "Q4_K", "Q6_K"])
 def test_a_tied_model_serves_its_lm_head_from_the_embeddings_blocks(tmp_path, embed):
     path = write_gguf(tmp_path / "tied.gguf", tied=True, embed=embed)
-    model = GgufLoader(resolve_model(str(path)), Layout(), torch.float32, dense_copy=False).load()
+    model = GgufLoader(describe(resolve_model(str(path))), Layout(), torch.float32, dense_copy=False).load()
     want = _reference(path, "token_embd.weight")
     assert _close(_served(model.lm_head), want)
     tokens = torch.tensor([3, VOCAB - 2])
@@ -269,7 +270,7 @@ def prefill_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 def test_the_native_model_computes_what_the_dequantized_one_does(untied):
     """The same file through both loaders: wired alike (unpermuted Q/K, fused order, norms)."""
     source = resolve_model(str(untied))
-    native = GgufLoader(source, Layout(), torch.float32, dense_copy=False).load()
+    native = GgufLoader(describe(source), Layout(), torch.float32, dense_copy=False).load()
     dense = build_model(source, torch.float32, torch.device("cpu"))
     tokens = torch.tensor([1, 5, 9, 40, 100])
     outs = [prefill_logits(model, tokens) for model in (native, dense)]
@@ -278,9 +279,9 @@ def test_the_native_model_computes_what_the_dequantized_one_does(untied):
 
 
 def test_a_tp_rank_reads_its_rows_and_columns_and_a_stage_its_layers(untied):
-    source = resolve_model(str(untied))
-    whole = GgufLoader(source, Layout(), torch.float32, dense_copy=False).load()
-    ranks = [GgufLoader(source, Layout(tp=2, tp_rank=r), torch.float32, dense_copy=False).load() for r in (0, 1)]
+    model = describe(resolve_model(str(untied)))
+    whole = GgufLoader(model, Layout(), torch.float32, dense_copy=False).load()
+    ranks = [GgufLoader(model, Layout(tp=2, tp_rank=r), torch.float32, dense_copy=False).load() for r in (0, 1)]
     hd = HIDDEN // HEADS
     for i in range(2):
         full = _served(whole.layers[i].attn.wqkv)
@@ -298,7 +299,7 @@ def test_a_tp_rank_reads_its_rows_and_columns_and_a_stage_its_layers(untied):
             torch.cat([_served(r.layers[i].attn.wo) for r in ranks], 1), _served(whole.layers[i].attn.wo), atol=1e-6
         )
     assert ranks[0].lm_head is not None and ranks[1].lm_head is None  # the head sits with the sampler
-    stages = [GgufLoader(source, Layout(pp=2, pp_stage=s), torch.float32, dense_copy=False).load() for s in (0, 1)]
+    stages = [GgufLoader(model, Layout(pp=2, pp_stage=s), torch.float32, dense_copy=False).load() for s in (0, 1)]
     assert len(stages[0].layers) == len(stages[1].layers) == 1
     assert stages[0].embed is not None and stages[0].lm_head is None and stages[1].embed is None
     assert torch.equal(_served(stages[1].layers[0].mlp.w13), _served(whole.layers[1].mlp.w13))
@@ -312,7 +313,7 @@ def test_kept_weights_serve_what_was_read_without_reading_the_file_again(tmp_pat
 
     path = write_gguf(tmp_path / "model.gguf", tied=tied, embed="Q8_0" if tied else "Q4_K")
     source = resolve_model(str(path))
-    made = GgufLoader(source, Layout(), torch.float32, dense_copy=True).load()
+    made = GgufLoader(describe(source), Layout(), torch.float32, dense_copy=True).load()
     served_cache.save(made, tmp_path / "kept.pt")
     path.unlink()  # nothing is read from the GGUF any more
     kept = served_cache.load(made.cfg, Layout(), torch.float32, tmp_path / "kept.pt")

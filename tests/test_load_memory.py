@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from shardline.common.model_source import resolve_model
-from shardline.shard.footprint import read_model
+from shardline.shard.footprint import describe
 from tests.support import ROOT
 from tests.test_footprint import _footprint
 from tests.test_gguf_loader import write_gguf
@@ -62,7 +62,7 @@ def test_a_gguf_loads_without_a_dense_copy_of_the_model(tmp_path):
     try:
         first, second = _load(path), _load(path)
         estimate = _footprint(source, kv_memory_gb=0, streamed=True)
-        fp32 = 4 * sum(t.params for t in read_model(source)[1])
+        fp32 = 4 * sum(t.params for t in describe(source).tensors)
     finally:
         shutil.rmtree(source.cache_dir, ignore_errors=True)
     assert first["weights"] == second["weights"] == estimate.weights

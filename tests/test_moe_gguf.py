@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 
 from shardline.common.model_source import resolve_model
 from shardline.shard import served_cache
-from shardline.shard.footprint import read_model, shard_footprint
+from shardline.shard.footprint import describe, shard_footprint
 from shardline.shard.gguf_loader import GgufLoader
 from shardline.shard.layout import Layout
 from shardline.shard.load import weight_bytes
@@ -100,7 +100,7 @@ def moe_gguf(tmp_path_factory):
 
 
 def _load(path, layout=Layout(), dense_copy=False):
-    return GgufLoader(resolve_model(str(path)), layout, torch.float32, dense_copy=dense_copy).load()
+    return GgufLoader(describe(resolve_model(str(path))), layout, torch.float32, dense_copy=dense_copy).load()
 
 
 def test_each_expert_serves_the_weights_its_blocks_hold_and_a_tp_rank_its_units(moe_gguf):
@@ -137,7 +137,8 @@ def test_the_native_mixture_computes_what_the_dequantized_one_does_and_keeps_it(
 
 
 def test_the_footprint_counts_experts_at_the_width_they_are_served(moe_gguf):
-    cfg, tensors = read_model(resolve_model(str(moe_gguf)))
+    description = describe(resolve_model(str(moe_gguf)))
+    cfg, tensors = description.cfg, description.tensors
     footprint = shard_footprint(
         cfg,
         tensors,
@@ -168,7 +169,7 @@ def test_a_sparse_layer_decodes_as_one_operator_as_its_modules_do(tmp_path, shar
 
     assert native.available(), "Shardline's kernels did not build (the README's setup builds them)"
     model = _load(write_moe_gguf(tmp_path / "moe.gguf", shared=shared))
-    finish(model, torch.device("cpu"), onednn=False)
+    finish(model, Layout(), None, torch.device("cpu"), onednn=False)
     layer = model.layers[0]
     assert isinstance(layer, FusedDecodeBlock) and isinstance(layer.block.mlp, MoE)
     assert (layer.block.mlp.shared is not None) == shared and layer.block.mlp.norm_topk_prob == (not shared)

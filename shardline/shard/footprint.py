@@ -91,18 +91,29 @@ class Footprint:
         return max(self.loading, self.serving)
 
 
-def read_model(source: ModelSource) -> tuple[ModelConfig, list[Tensor]]:
-    """The model's config and tensors from its header alone; Unservable for what is not served.
+@dataclass(frozen=True)
+class Description:
+    """What a model's files say of it before a byte of its weights is read: its config and its
+    tensors (name, size, type, where a GGUF's lie). Read once per process (`describe`); the
+    footprint, the GGUF loader and the quantization rule all read this one."""
+
+    source: ModelSource
+    cfg: ModelConfig
+    tensors: list[Tensor]
+
+
+def describe(source: ModelSource) -> Description:
+    """The model's description from its header alone; Unservable for what is not served.
     A GGUF's header takes seconds to parse (and 165 MB for a vocabulary of 49,152: its fields are
-    read into many small arrays): what it says is kept beside its converted weights, where the
-    shard's loader reads where each tensor lies too (shard/gguf_loader.py)."""
+    read into many small arrays): what it says is kept beside its converted weights."""
     if source.kind == "gguf":
         header = source.cache_dir / f"gguf_header-{HEADER_VERSION}.json"
         if not header.is_file():
             cfg, tensors = _read_gguf_header(source)
             publish(header, lambda tmp: tmp.write_text(json.dumps({"config": asdict(cfg), "tensors": tensors})))
         kept = json.loads(header.read_text())
-        return ModelConfig(**kept["config"]), [Tensor(n, p, k, tuple(d), o) for n, p, k, d, o in kept["tensors"]]
+        tensors = [Tensor(n, p, k, tuple(d), o) for n, p, k, d, o in kept["tensors"]]
+        return Description(source, ModelConfig(**kept["config"]), tensors)
     raw = json.loads((source.path / "config.json").read_text())
     arch = raw.get("model_type", "llama")
     if arch not in SERVED:
@@ -111,7 +122,14 @@ def read_model(source: ModelSource) -> tuple[ModelConfig, list[Tensor]]:
         cfg = ModelConfig.from_hf(source.path)
     except (KeyError, ValueError) as e:
         raise Unservable(f"{source.path.name}: its config.json cannot be served: {e}") from None
-    return cfg, _safetensors_tensors(source.path)
+    return Description(source, cfg, _safetensors_tensors(source.path))
+
+
+def streams(model: Description, args, device_type: str) -> bool:
+    """Whether a shard reads its GGUF straight into the serving layout (shard/gguf_loader.py),
+    rather than building the whole model in fp32 and transforming it (shard/weights.py): a GGUF
+    with `--weights native`, nothing to quantize at load, on the CPU."""
+    return model.source.kind == "gguf" and args.weights == "native" and args.quantize == "none" and device_type == "cpu"
 
 
 HEADER_VERSION = 3  # what a kept header holds: a new version is read from the file again
@@ -287,14 +305,13 @@ def check_fits(footprints: list[Footprint], available: int, what: str) -> None:
     )
 
 
-def check_layout(source: ModelSource, args, shards: list[tuple[int, int]]) -> None:
-    """Unservable unless the model is served and the given (pp_stage, tp_rank) shards of it, all
-    on this host, fit in its memory. `args`: a shard's or `serve`'s flags."""
-    cfg, tensors = read_model(source)
-    footprints = [
+def footprints(model: Description, args, shards: list[tuple[int, int]], streamed: bool) -> list[Footprint]:
+    """The footprint of each given (pp_stage, tp_rank) shard of the model. `args`: a shard's or
+    `serve`'s flags."""
+    return [
         shard_footprint(
-            cfg,
-            tensors,
+            model.cfg,
+            model.tensors,
             tp=args.tp,
             pp=args.pp,
             tp_rank=rank,
@@ -305,11 +322,17 @@ def check_layout(source: ModelSource, args, shards: list[tuple[int, int]]) -> No
             dense_copy=args.dense_prefill == "on",
             kv_memory_gb=args.kv_memory_gb,
             max_batch=getattr(args, "max_batch", 32),
-            streamed=source.kind == "gguf"
-            and args.weights == "native"
-            and args.quantize == "none"
-            and args.device != "cuda",
+            streamed=streamed,
         )
         for stage, rank in shards
     ]
-    check_fits(footprints, available_bytes(), source.name)
+
+
+def check_layout(source: ModelSource, args, shards: list[tuple[int, int]]) -> None:
+    """The launcher's check, before it starts a shard: Unservable unless the model is served and
+    the given (pp_stage, tp_rank) shards of it, all on this host, fit in its memory. Torch-free,
+    it plans a shard without `--device` as on the CPU (where loading peaks lower, streamed); a
+    shard that finds a GPU checks itself again (shard/load.py)."""
+    model = describe(source)
+    device_type = "cuda" if args.device.startswith("cuda") else "cpu"
+    check_fits(footprints(model, args, shards, streams(model, args, device_type)), available_bytes(), source.name)

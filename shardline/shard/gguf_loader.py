@@ -24,7 +24,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardline.common.model_source import ModelSource
 from shardline.common.process import trim_heap
 from shardline.kernels import native
 from shardline.kernels.gguf_groups import BITS, BLOCK_WEIGHTS, dequantized, groups_of
@@ -32,7 +31,7 @@ from shardline.kernels.grid import GROUP, grid_groups, rows_at_once
 from shardline.kernels.operands import FORMATS, Q4_K_RECORD, RECORD_BYTES
 from shardline.kernels.quantized import QuantizedEmbedding, QuantizedLinear, TiedEmbedding
 from shardline.kernels.stacked import StackedLinear
-from shardline.shard.footprint import Tensor, Unservable, read_model
+from shardline.shard.footprint import Description, Tensor, Unservable
 from shardline.shard.layout import Layout, layer_range
 from shardline.shard.model import MLP, MoE, Rotary, Transformer, uninitialized
 from shardline.shard.parallel import keep_stage, mlp_units, tp_slice
@@ -220,10 +219,10 @@ def _unpermuted(n_rows: int, n_head: int) -> np.ndarray:
 
 
 class GgufLoader:
-    def __init__(self, source: ModelSource, layout: Layout, dtype: torch.dtype, dense_copy: bool):
-        self.cfg, entries = read_model(source)
+    def __init__(self, model: Description, layout: Layout, dtype: torch.dtype, dense_copy: bool):
+        self.cfg, source = model.cfg, model.source
         self.file = np.memmap(source.path, dtype=np.uint8, mode="r")
-        self.tensors = {t.name: _Stored(t, self.file) for t in entries}
+        self.tensors = {t.name: _Stored(t, self.file) for t in model.tensors}
         self.name, self.layout, self.dtype, self.dense_copy = source.path.name, layout, dtype, dense_copy
         self._read = []  # tensors read since the last `_release`
 

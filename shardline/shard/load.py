@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardline.common.model_source import resolve_model
+from shardline.common.model_source import ModelSource, resolve_model
 from shardline.kernels import native
 from shardline.kernels.grid import GROUP
 from shardline.kernels.linear import OneDnnLinear
@@ -22,13 +22,13 @@ from shardline.kernels.quantized import QuantizedEmbedding, QuantizedLinear, Tie
 from shardline.kernels.stacked import StackedLinear
 from shardline.protos import shard_pb2
 from shardline.shard import served_cache
-from shardline.shard.footprint import check_layout, read_model
+from shardline.shard.footprint import Description, available_bytes, check_fits, describe, footprints, streams
 from shardline.shard.gguf_loader import GgufLoader
 from shardline.shard.kv_cache import bytes_per_page
 from shardline.shard.layout import Layout
 from shardline.shard.model import Transformer
-from shardline.shard.parallel import connect_tensor_parallel, group_id, init_distributed
-from shardline.shard.transforms import finish, is_quantized, prepare
+from shardline.shard.parallel import group_id, init_distributed
+from shardline.shard.transforms import finish, is_quantized, serving_layout
 from shardline.shard.weights import build_model
 
 log = logging.getLogger("shardline.shard")
@@ -104,50 +104,68 @@ def weight_formats(model: nn.Module) -> dict[str, str]:
     }
 
 
-def load_shard(args) -> LoadedShard:
-    layout = Layout(tp=args.tp, pp=args.pp, tp_rank=args.tp_rank, pp_stage=args.pp_stage)
-    device, dtype = pick_device(args.device, layout), DTYPES[args.dtype]
-    source = resolve_model(args.model)
-    check_layout(source, args, [(layout.pp_stage, layout.tp_rank)])  # Unservable before a byte is loaded
-    # Compiled decode graphs are kept beside the converted weights (or where TORCHINDUCTOR_CACHE_DIR
-    # says), so a restart reuses them, and per build of Shardline's kernels, which they call and
-    # inductor's cache knows nothing of: with one cache for every build (ISA levels, changed
-    # sources), a test's quantized decode graphs corrupted the heap on a development machine until
-    # the cache was emptied. (A test that compiled something itself has set the variable to
-    # torch's default, and the shards it starts inherit it.)
+def use_inductor_cache(source: ModelSource) -> None:
+    """Keeps compiled decode graphs beside the converted weights (or where TORCHINDUCTOR_CACHE_DIR
+    says), so a restart reuses them, and per build of Shardline's kernels, which they call and
+    inductor's cache knows nothing of: with one cache for every build (ISA levels, changed
+    sources), a test's quantized decode graphs corrupted the heap on a development machine until
+    the cache was emptied. (A test that compiled something itself has set the variable to
+    torch's default, and the shards it starts inherit it.)"""
     build = native.build_folder().name
     cache = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or source.cache_dir / "inductor")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache if cache.name == build else cache / build)
-    decode_graphs = args.decode_graphs == "on" or (args.decode_graphs == "auto" and device.type == "cuda")
-    t0, keep = time.perf_counter(), None
-    onednn = device.type == "cpu" and dtype == torch.float32 and not decode_graphs
-    if source.kind == "gguf" and args.weights == "native" and args.quantize == "none" and device.type == "cpu":
-        dense_copy = args.dense_prefill == "on"
-        full, kept = read_model(source)[0], served_cache.path_for(source, layout, dtype, dense_copy)
+
+
+def weights_as_served(
+    description: Description, layout: Layout, dtype: torch.dtype, device: torch.device, args, streamed: bool
+) -> tuple[Transformer, threading.Thread | None]:
+    """This shard's layers as served, without collectives yet, and the writer that keeps them for
+    later starts where they were made now (unstarted: shard/served_cache.py). `streamed`: read
+    straight from the GGUF into the serving layout, or from what an earlier start kept of that;
+    else the whole model built in fp32 and laid out by shard/transforms.py's `serving_layout`."""
+    dense_copy = args.dense_prefill == "on"
+    if streamed:
+        kept = served_cache.path_for(description.source, layout, dtype, dense_copy)
         if kept.is_file():
-            model = served_cache.load(full, layout, dtype, kept)
-        else:  # served as made, and kept for later starts meanwhile
-            model = GgufLoader(source, layout, dtype, dense_copy).load()
-            keep = served_cache.save(model, kept, background=True)
-        tp_group = init_distributed(layout, args.dist_init, device) if layout.world > 1 else None
-        if layout.tp > 1:
-            connect_tensor_parallel(model, layout, tp_group)
-        finish(model, device, onednn=onednn)
-    else:
-        model = build_model(source, dtype, device)
-        full = model.cfg
-        tp_group = init_distributed(layout, args.dist_init, device) if layout.world > 1 else None
-        prepare(
-            model,
-            source,
-            layout,
-            tp_group,
-            device,
-            weights=args.weights,
-            quantize_to="" if args.quantize == "none" else args.quantize,
-            dense_copy=args.dense_prefill == "on",
-            onednn=onednn,
-        )
+            return served_cache.load(description.cfg, layout, dtype, kept), None
+        model = GgufLoader(description, layout, dtype, dense_copy).load()
+        return model, served_cache.save(model, kept, background=True)
+    model = build_model(description.source, dtype, device)
+    quantize_to = "" if args.quantize == "none" else args.quantize
+    serving_layout(
+        model, description, layout, device, weights=args.weights, quantize_to=quantize_to, dense_copy=dense_copy
+    )
+    return model, None
+
+
+def load_shard(args) -> LoadedShard:
+    """One shard's model, in four steps, each taking what the one before it made:
+    1. read the model's description (its config and tensors, from its header: shard/footprint.py);
+    2. check that this shard of it fits in memory, before a byte of its weights is read;
+    3. lay out its weights as served: this stage's layers, this TP rank's slice, each layer held
+       as its kernels take it (`weights_as_served`);
+    4. apply the transformations that ready it for serving: the TP group's collectives, the CPU
+       kernels, fused decode layers (shard/transforms.py's `finish`)."""
+    layout = Layout(tp=args.tp, pp=args.pp, tp_rank=args.tp_rank, pp_stage=args.pp_stage)
+    device, dtype = pick_device(args.device, layout), DTYPES[args.dtype]
+    description = describe(resolve_model(args.model))
+    source, full = description.source, description.cfg
+    streamed = streams(description, args, device.type)
+    here = footprints(description, args, [(layout.pp_stage, layout.tp_rank)], streamed)
+    check_fits(here, available_bytes(), source.name)
+    use_inductor_cache(source)
+    t0 = time.perf_counter()
+    model, keep = weights_as_served(description, layout, dtype, device, args, streamed)
+    decode_graphs = args.decode_graphs == "on" or (args.decode_graphs == "auto" and device.type == "cuda")
+    if decode_graphs and full.num_experts:
+        # which experts a step runs is known only once its router has run: no graph to replay
+        log.info("a mixture of experts decodes without decode graphs")
+        decode_graphs = False
+    # The group is joined with the weights laid out: every rank of a replica loads at once, slices
+    # alike, so they come together, and none holds a half-joined group while it reads.
+    tp_group = init_distributed(layout, args.dist_init, device)
+    onednn = device.type == "cpu" and dtype == torch.float32 and not decode_graphs
+    finish(model, layout, tp_group, device, onednn=onednn)
     log.info(
         "loaded %s (stage %d/%d, TP rank %d/%d, %d layers) in %.1f s",
         source.name,
@@ -158,10 +176,6 @@ def load_shard(args) -> LoadedShard:
         model.cfg.num_layers,
         time.perf_counter() - t0,
     )
-    if decode_graphs and full.num_experts:
-        # which experts a step runs is known only once its router has run: no graph to replay
-        log.info("a mixture of experts decodes without decode graphs")
-        decode_graphs = False
     kv_dtype = kv_dtype_for(args.kv_dtype, model, dtype)
     per_page = bytes_per_page(model.cfg, args.page_size, kv_dtype)
     info = shard_pb2.ShardInfo(

@@ -79,7 +79,7 @@ def head_split(heads: int, kv_heads: int, tp: int, rank: int) -> tuple[range, ra
 
 
 def tp_slice(cfg, layout: Layout) -> tuple[range, range, range]:
-    """This TP rank's (q heads, KV heads, MLP units): what `shard_tensor_parallel` keeps of each
+    """This TP rank's (q heads, KV heads, MLP units): what `slice_tensor_parallel` keeps of each
     layer, and what a GGUF is read for (shard/gguf_loader.py)."""
     q_heads, kv = head_split(cfg.num_heads, cfg.num_kv_heads, layout.tp, layout.tp_rank)
     return q_heads, kv, layer_range(cfg.intermediate_size, layout.tp_rank, layout.tp)
@@ -98,11 +98,12 @@ def _split_mlp(mlp: MLP, units: range) -> None:
     mlp.w2.weight = nn.Parameter(_cols(mlp.w2.weight, units.start, len(units)), requires_grad=False)
 
 
-def shard_tensor_parallel(model: Transformer, layout: Layout, group) -> None:
-    """Splits attention heads and the MLP across the stage's TP ranks, in place.
+def slice_tensor_parallel(model: Transformer, layout: Layout) -> None:
+    """Keeps this TP rank's slice of attention heads and of the MLP, in place; the all-reduces
+    come after (`connect_tensor_parallel`), as for a model read already sliced.
 
     wqkv and w13 are split by output rows (column parallel), wo and w2 by input columns (row
-    parallel) followed by an all-reduce of their outputs. A mixture of experts splits every
+    parallel), whose outputs are then summed over the ranks. A mixture of experts splits every
     expert's units alike (and the shared expert's), its router whole on every rank: each rank
     sums its part of every picked expert's output, and one all-reduce of the sum per layer adds
     them up, as one of w2's does in a dense layer. The LM head stays whole on the one shard that
@@ -138,12 +139,12 @@ def shard_tensor_parallel(model: Transformer, layout: Layout, group) -> None:
                 _split_mlp(mlp.shared, mlp_units(cfg.shared_expert_intermediate_size, layout))
         else:
             _split_mlp(mlp, units)
-    connect_tensor_parallel(model, layout, group)
 
 
 def connect_tensor_parallel(model: Transformer, layout: Layout, group) -> None:
-    """A model whose layers hold this TP rank's slice (`tp_slice`): each attention's head counts,
-    and an all-reduce of the row-parallel outputs (wo's, w2's)."""
+    """A model whose layers hold this TP rank's slice (`tp_slice`), read so or sliced: each
+    attention's head counts, and an all-reduce of the row-parallel outputs (wo's, w2's; a
+    mixture's summed experts)."""
 
     def all_reduce(_module, _inputs, output):
         dist.all_reduce(output, group=group)

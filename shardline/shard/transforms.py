@@ -1,15 +1,21 @@
-"""The transformations a shard applies to its plain `Transformer`, in the one order `prepare`
-applies them (gpt-fast style: the model code knows nothing of ranks, quantization or kernels).
+"""The transformations a shard applies to its plain `Transformer` (gpt-fast style: the model code
+knows nothing of ranks, quantization or kernels), in two groups, each in one order.
 
+`serving_layout` lays out the weights of a model built whole in fp32 (shard/weights.py) as they
+are served; a GGUF read straight into the serving layout (shard/gguf_loader.py) comes out of
+its loader as these four steps leave a model:
 1. `mark_quantized`: tag the linear layers to serve quantized;
 2. `keep_stage` (shard/parallel.py): drop what this pipeline stage does not run;
-3. `shard_tensor_parallel` (shard/parallel.py): slice this TP rank's weights, add all-reduces;
+3. `slice_tensor_parallel` (shard/parallel.py): keep this TP rank's slice of the weights;
 4. `quantize`: swap the tagged layers for `QuantizedLinear` (after slicing, which works on dense
-   weights), carrying over their forward hooks (the all-reduces);
-5. `use_native_ops`: attention's decode step and the MLP's activation on Shardline's CPU kernels;
-6. `fuse_decode`: wrap each block whose linear layers (a mixture's: every expert's) are quantized
+   weights).
+
+`finish` then readies either for serving:
+5. `connect_tensor_parallel` (shard/parallel.py): the TP group's all-reduces, as forward hooks;
+6. `use_native_ops`: attention's decode step and the MLP's activation on Shardline's CPU kernels;
+7. `fuse_decode`: wrap each block whose linear layers (a mixture's: every expert's) are quantized
    (and untouched by TP) so that a decode step runs it as one C++ operator;
-7. `use_onednn`: dense fp32 linear layers in oneDNN's blocked layout (without decode graphs).
+8. `use_onednn`: dense fp32 linear layers in oneDNN's blocked layout (without decode graphs).
 """
 
 from __future__ import annotations
@@ -19,56 +25,54 @@ import logging
 import torch
 from torch import nn
 
-from shardline.common.model_source import ModelSource
 from shardline.kernels import native
 from shardline.kernels.attention import AttentionBatch
 from shardline.kernels.linear import OneDnnLinear
 from shardline.kernels.operands import Kernel, record_format
 from shardline.kernels.quantized import QuantizedLinear, TiedEmbedding
 from shardline.kernels.stacked import parts_of
+from shardline.shard.footprint import Description
 from shardline.shard.layout import Layout
 from shardline.shard.model import MLP, Attention, MoE, Transformer
-from shardline.shard.parallel import keep_stage, shard_tensor_parallel
+from shardline.shard.parallel import connect_tensor_parallel, keep_stage, slice_tensor_parallel
 from shardline.shard.weights import gguf_types, parameter_sources
 
 log = logging.getLogger(__name__)
 
 
-def prepare(
+def serving_layout(
     model: Transformer,
-    source: ModelSource,
+    description: Description,
     layout: Layout,
-    tp_group,
     device: torch.device,
     *,
     weights: str,
     quantize_to: str,
     dense_copy: bool,
-    onednn: bool,
 ) -> None:
-    """Applies the shard's transformations to `model` in place, in the module docstring's order.
-    `weights` and `quantize_to` ("", "int4" or "int8"): as `mark_quantized` takes them;
-    `dense_copy`: int4 layers keep a dense copy for prefill; `onednn`: step 6 applies."""
-    cpu = device.type == "cpu"
-    if cpu:
+    """Steps 1 to 4, in place. `weights` and `quantize_to` ("", "int4" or "int8"): as
+    `mark_quantized` takes them; `dense_copy`: int4 layers keep a dense copy for prefill."""
+    if device.type == "cpu":
+        mark_quantized(model, description, weights, quantize_to)
+    elif quantize_to or (weights == "native" and description.source.kind == "gguf"):
+        log.warning("quantized weights have CPU kernels only: serving every weight in the serving dtype")
+    if layout.world > 1:
+        keep_stage(model, layout)
+        slice_tensor_parallel(model, layout)
+    quantize(model, dense_copy=dense_copy)
+
+
+def finish(model: Transformer, layout: Layout, tp_group, device: torch.device, *, onednn: bool) -> None:
+    """Steps 5 to 8, in place, on a model that holds this shard's weights as served. `tp_group`:
+    this stage's TP group (shard/parallel.py's `init_distributed`), None without TP; `onednn`:
+    step 8 applies."""
+    if layout.tp > 1:
+        connect_tensor_parallel(model, layout, tp_group)
+    if device.type == "cpu":
         log.info(
             "decode attention and quantized layers %s Shardline's CPU kernels",
             "may use" if native.available() else "use torch's kernels: could not build",
         )
-        mark_quantized(model, source, weights, quantize_to)
-    elif quantize_to or (weights == "native" and source.kind == "gguf"):
-        log.warning("quantized weights have CPU kernels only: serving every weight in the serving dtype")
-    if layout.world > 1:
-        keep_stage(model, layout)
-        shard_tensor_parallel(model, layout, tp_group)
-    quantize(model, dense_copy=dense_copy)
-    finish(model, device, onednn=onednn)
-
-
-def finish(model: Transformer, device: torch.device, *, onednn: bool) -> None:
-    """Steps 5 to 7, also of a model read straight into the serving layout (shard/gguf_loader.py),
-    which has its quantized layers and this shard's slice of them already."""
-    if device.type == "cpu":
         use_native_ops(model)
         log.info("%d layers decode as one operator each", fuse_decode(model))
     if onednn:
@@ -81,14 +85,14 @@ _FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}
 _FLOAT = {"F32", "F16", "BF16", "F64"}
 
 
-def mark_quantized(model: Transformer, source: ModelSource, weights: str, quantize: str) -> None:
+def mark_quantized(model: Transformer, description: Description, weights: str, quantize: str) -> None:
     """Tags each linear layer that is to be served quantized with `quant_bits` (4 or 8), for
     `quantize` to swap after any slicing.
 
     `weights="native"` keeps a GGUF's quantized layers quantized: 4-bit block types as int4, the
     others as int8. `quantize` ("int4" | "int8" | "") quantizes dense layers at load: with int4 the
     block layers take int4 and the LM head int8, whose logits suffer most from 4 bits."""
-    types = gguf_types(source) if source.kind == "gguf" and weights == "native" else {}
+    types = gguf_types(description) if description.source.kind == "gguf" and weights == "native" else {}
     sources = parameter_sources(model.cfg, types)
     # A mixture's routers stay dense: a token's experts are picked by small differences of scores.
     linears = [
@@ -131,7 +135,7 @@ def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, QuantizedLinear) for m in model.modules())
 
 
-# -- 5. Shardline's CPU kernels in attention and the MLP ------------------------------------------
+# -- 6. Shardline's CPU kernels in attention and the MLP ------------------------------------------
 class NativeAttention(Attention):
     """Attention whose decode step is one operator for the q/k norms, the rotation, the K/V write
     and attention over the pages; other steps (and tensors the kernels do not take) as `Attention`."""
@@ -177,7 +181,7 @@ def use_native_ops(model: nn.Module) -> None:
             module.__class__ = NativeMLP
 
 
-# -- 6. one operator per decode layer -------------------------------------------------------------
+# -- 7. one operator per decode layer -------------------------------------------------------------
 # The operand layouts kernels/decode_layer.cpp takes: torch's by bits, Shardline's by what its
 # records hold.
 _LAYOUTS = {(Kernel.TORCH, 4): 0, (Kernel.TORCH, 8): 1, "int8": 2, "int4": 3, "int6": 4, "q4_k": 5}
@@ -289,7 +293,7 @@ def fuse_decode(model: nn.Module) -> int:
     return fused
 
 
-# -- 7. oneDNN layouts ----------------------------------------------------------------------------
+# -- 8. oneDNN layouts ----------------------------------------------------------------------------
 def use_onednn(model: nn.Module) -> int:
     """Swaps every `nn.Linear` whose weight no other module shares (a tied LM head keeps the
     embedding's dense weight) for a `OneDnnLinear`; returns how many were swapped."""

@@ -17,7 +17,7 @@ from shardline.common.files import publish
 from shardline.common.gguf_header import read_header
 from shardline.common.model_source import ModelSource
 from shardline.shard.config import ModelConfig
-from shardline.shard.footprint import Unservable
+from shardline.shard.footprint import Description, Unservable
 from shardline.shard.model import Rotary, Transformer, uninitialized
 
 log = logging.getLogger(__name__)
@@ -187,12 +187,10 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device) -
     return model.eval().requires_grad_(False)
 
 
-def gguf_types(source: ModelSource) -> dict[str, str]:
+def gguf_types(model: Description) -> dict[str, str]:
     """Hugging Face tensor name -> GGUF type name (Q4_1, Q8_0, F32, ...), from the file's header."""
-    from shardline.shard.footprint import read_model
-
     types = {}
-    for t in read_model(source)[1]:
+    for t in model.tensors:
         for e in range(t.dims[2]) if len(t.dims) == 3 else [None]:
             types[hf_name(t.name, e)] = t.kind
     return types
