@@ -136,6 +136,7 @@ class QuantizedLinear(nn.Module):
         codes, scale, lo, exact = grid_groups(linear.weight.detach(), 16 if bits == 4 else 255)
         groups = lambda: (codes, scale, lo)  # noqa: E731
         self._init(codes.shape, groups, bits, linear.bias, exact, dense_copy, keep_rows, count_down=True)
+        self._forward_hooks = linear._forward_hooks  # a layer swapped after its hooks were added keeps them
 
     @classmethod
     def from_groups(
