@@ -50,7 +50,8 @@ def _start(runner, seq_id: int) -> tuple[int, float]:
         seq_id=seq_id, first=True, token_ids=PROMPT, start_pos=0, new_pages=pages, emit=True, sampling=sampling
     )
     out = runner.step(shard_pb2.StepPlan(seqs=[entry]))
-    return out.tokens[0], out.logprobs[0].sampled[0].logprob
+    (made,) = out.sequences.values()
+    return made.tokens[0], made.sampled_logprobs[0].logprob
 
 
 def _decode(runner, seq_ids: list[int], tokens: dict[int, int], pos: int) -> dict[int, tuple[int, float]]:
@@ -58,7 +59,7 @@ def _decode(runner, seq_ids: list[int], tokens: dict[int, int], pos: int) -> dic
     entries = [shard_pb2.SequenceStep(seq_id=i, token_ids=[tokens[i]], start_pos=pos, emit=True) for i in seq_ids]
     out = runner.step(shard_pb2.StepPlan(seqs=entries))
     assert not out.failures, out.failures
-    return {i: (t, lp.sampled[0].logprob) for i, t, lp in zip(seq_ids, out.tokens, out.logprobs)}
+    return {i: (out.sequences[i].tokens[0], out.sequences[i].sampled_logprobs[0].logprob) for i in seq_ids}
 
 
 def _alone(shard, steps: int) -> list[tuple[int, float]]:
@@ -86,8 +87,8 @@ def test_a_verification_computes_each_row_as_a_decode_step_does(shard, monkeypat
             entry = shard_pb2.SequenceStep(seq_id=0, token_ids=[tokens[at]], start_pos=len(PROMPT) + at, emit=True)
             entry.proposals.extend(tokens[at + 1 : at + 9])
             out = runner.step(shard_pb2.StepPlan(seqs=[entry]))
-            assert out.token_counts == [9] and out.tokens == tokens[at + 1 : at + 10], (limit, at, out)
-            got = [lp.logprob for lp in out.logprobs[0].sampled]
+            assert out.sequences[0].tokens == tokens[at + 1 : at + 10], (limit, at, out)
+            got = [lp.logprob for lp in out.sequences[0].sampled_logprobs]
             assert got == [lp for _, lp in reference[at + 1 : at + 10]], (limit, at)
 
 

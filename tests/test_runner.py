@@ -131,9 +131,10 @@ def test_a_small_prefill_runs_as_decode_rows_and_computes_what_the_prefill_path_
     assert calls == 0
     assert [o.tokens for o in as_rows] == [o.tokens for o in as_prefill] and len(as_rows[0].tokens) == 1
     torch.testing.assert_close(rows_kv, prefill_kv, rtol=1e-5, atol=1e-5)
-    rows_lp, prefill_lp = as_rows[1].logprobs[0], as_prefill[1].logprobs[0]
-    assert len(rows_lp.prompt) == len(prefill_lp.prompt) == 20
-    for got, want in zip([*rows_lp.prompt, *rows_lp.sampled], [*prefill_lp.prompt, *prefill_lp.sampled]):
+    rows_lp, prefill_lp = as_rows[1].sequences[1], as_prefill[1].sequences[1]
+    assert len(rows_lp.prompt_logprobs) == len(prefill_lp.prompt_logprobs) == 20
+    rows_all = [*rows_lp.prompt_logprobs, *rows_lp.sampled_logprobs]
+    for got, want in zip(rows_all, [*prefill_lp.prompt_logprobs, *prefill_lp.sampled_logprobs]):
         assert got.token_id == want.token_id and abs(got.logprob - want.logprob) < 1e-4
         assert list(got.top_ids) == list(want.top_ids) and len(got.top_ids) > 0
 
@@ -246,7 +247,7 @@ def test_a_chunk_run_in_layer_groups_computes_what_it_computes_whole(model):
             out = runner.step(plan)
             assert not out.failures, out.failures
             assert runner.table.held[1].next_pos == (len(prompt) if last else 0)
-            assert bool(out.tokens) == last and bool(out.logprobs) == last
+            assert bool(out.tokens) == last and bool(out.sequences) == last
             if not last:  # the other sequence decodes between the groups
                 decoded += _decode(
                     runner, 2, (decoded or first)[-1], len(other) + len(decoded), 1, page_of=lambda pos: 8
@@ -258,7 +259,7 @@ def test_a_chunk_run_in_layer_groups_computes_what_it_computes_whole(model):
     grouped, decoded, grouped_kv = run([(0, 1), *((i, i + 1) for i in range(1, num_layers))])
     assert grouped.tokens == whole.tokens and len(decoded) == num_layers - 1
     torch.testing.assert_close(grouped_kv, whole_kv, rtol=1e-5, atol=1e-5)
-    got, want = grouped.logprobs[0].prompt, whole.logprobs[0].prompt
+    got, want = grouped.sequences[1].prompt_logprobs, whole.sequences[1].prompt_logprobs
     assert len(got) == len(want) == len(prompt) - 1
     assert all(g.token_id == w.token_id and abs(g.logprob - w.logprob) < 1e-4 for g, w in zip(got, want))
 
@@ -301,12 +302,12 @@ def test_a_verification_emits_the_accepted_proposals_and_the_tokens_of_plain_dec
     entry.proposals.extend([*reference[1:4], wrong])
     out = runner.step(_plan(entry))
     assert not out.failures, out.failures
-    assert out.tokens == reference[1:5] and out.token_counts == [4]  # 3 accepted + the target's
+    assert out.sequences[1].tokens == reference[1:5]  # 3 accepted + the target's
     # Every proposal accepted: 1 + k tokens.
     entry = _next(1, [reference[4]], len(prompt) + 4)
     entry.proposals.extend(reference[5:8])
     out = runner.step(_plan(entry))
-    assert out.tokens == reference[5:9] and out.token_counts == [4]
+    assert out.sequences[1].tokens == reference[5:9]
     # The router names where it goes on; a position past what the verification wrote fails.
     step = runner.step(_plan(_next(1, [reference[8]], len(prompt) + 9)))
     assert "holds" in step.failures[1] and not runner.table.held

@@ -1,7 +1,8 @@
 """The codec between the router's steps and shard.proto (router/shards/codec.py): every field of
 the answers it reads has a home in the core's types, a plan carries what the sequence asked for,
 and a step result's flat token list comes back as one result per sequence, or as the group's
-failure when it does not add up."""
+failure when it does not add up; what the shard writes (shard/server.py), the codec reads back
+per sequence."""
 
 import pytest
 
@@ -93,3 +94,26 @@ def test_a_result_that_does_not_add_up_fails_the_group(tokens, counts, failed, p
     result = shard_pb2.StepResult(step_id=1, tokens=tokens, token_counts=counts, failures=failures)
     with pytest.raises(ShardError, match=phrase):
         outcome_of(_step(), result)
+
+
+@pytest.mark.parametrize("accepted", [0, 1])
+def test_what_the_shard_writes_the_router_reads_back_per_sequence(accepted):
+    """shard/server.py's `step_result` over the runner's per-sequence output, read by the codec:
+    each sequence's own tokens and log-probabilities, whether or not a count is written (none
+    where every sequence has one token)."""
+    from shardline.shard.runner import SequenceOutput, StepOutput
+    from shardline.shard.server import step_result
+
+    a_tokens = [6, 8][1 - accepted :]  # a verifies proposals 6, 7: one accepted, or none
+    out = StepOutput(
+        sequences={
+            1: SequenceOutput(tokens=a_tokens),
+            3: SequenceOutput(tokens=[9], sampled_logprobs=[shard_pb2.TokenLogprob(token_id=9, logprob=-0.5)]),
+        },
+        failures={2: "page id 999 outside the pool"},
+    )
+    result = step_result(1, out, 3.0)
+    assert bool(result.token_counts) == bool(accepted)
+    rows = outcome_of(_step(), result).rows
+    assert rows[1].tokens == tuple(a_tokens) and rows[3].tokens == (9,) and rows[2].failure
+    assert rows[3].sampled_scores[0].logprob == -0.5 and not rows[1].sampled_scores

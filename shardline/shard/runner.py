@@ -95,13 +95,26 @@ def pieces(seqs: list[Span], limit: int) -> list[list[tuple[int, Span]]]:
 
 
 @dataclass
+class SequenceOutput:
+    """What one step made of one sequence (on the sampling shard)."""
+
+    tokens: list[int] = field(default_factory=list)  # one sampled, or a verification's accepted proposals and one
+    prompt_logprobs: list[shard_pb2.TokenLogprob] = field(default_factory=list)  # of its inputs' next tokens, if asked
+    sampled_logprobs: list[shard_pb2.TokenLogprob] = field(default_factory=list)  # of each of `tokens`, if asked
+
+
+@dataclass
 class StepOutput:
-    tokens: list[int] = field(default_factory=list)  # of each emitting sequence that did not fail
+    # seq_id -> its output, in the plan's order: a sequence that sampled or was scored, and did not fail
+    sequences: dict[int, SequenceOutput] = field(default_factory=dict)
     failures: dict[int, str] = field(default_factory=dict)  # seq_id -> why
     graph_launches: int = 0  # decode graphs replayed for the step (0 or 1)
     eager_decode_steps: int = 0  # or the decode step run eagerly (0 or 1)
-    logprobs: list[shard_pb2.SequenceLogprobs] = field(default_factory=list)
-    token_counts: list[int] = field(default_factory=list)  # StepResult.token_counts
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every sequence's new tokens, one after the other in the plan's order."""
+        return [t for seq in self.sequences.values() for t in seq.tokens]
 
 
 class ModelRunner:
@@ -336,31 +349,27 @@ class ModelRunner:
     def _sample(self, entries, states, last, every: dict[int, torch.Tensor], out: StepOutput) -> None:
         """On the sampling shard: scores prompt positions, samples emitting sequences (verifies
         those with proposals), and adds the log-probabilities asked for."""
-        logprobs = {}
+        made = {e.seq_id: SequenceOutput() for e in entries}  # in the plan's order
         for i, e in enumerate(entries):
             if e.prompt_logprobs is not None:
-                hidden = every[i]
                 targets = [*e.tokens[1:], *([e.next_token] if e.next_token is not None else [])]
-                logprobs[i] = shard_pb2.SequenceLogprobs(seq_id=e.seq_id)
-                logprobs[i].prompt.extend(score(self.model.logits, hidden[: len(targets)], targets, e.prompt_logprobs))
+                made[e.seq_id].prompt_logprobs = score(
+                    self.model.logits, every[i][: len(targets)], targets, e.prompt_logprobs
+                )
         drawn = self._draws(entries, states, last) | self._verifications(entries, states, every)
-        counted = any(entries[i].proposals for i in drawn)
-        for i in sorted(drawn):
-            tokens, failure, logits = drawn[i]
+        for i, (tokens, failure, logits) in drawn.items():
+            seq_id = entries[i].seq_id
             if failure is not None:
-                out.failures[entries[i].seq_id] = failure
-                self.table.release(entries[i].seq_id)
-                logprobs.pop(i, None)
+                out.failures[seq_id] = failure
+                self.table.release(seq_id)
+                del made[seq_id]
                 continue
             states[i].sampled = tokens[-1]
-            out.tokens.extend(tokens)
-            if counted:
-                out.token_counts.append(len(tokens))
+            made[seq_id].tokens = tokens
             top = states[i].sampling.logprobs
             if top is not None:
-                entry = logprobs.setdefault(i, shard_pb2.SequenceLogprobs(seq_id=entries[i].seq_id))
-                entry.sampled.extend(from_logits(logits[: len(tokens)], tokens, top))
-        out.logprobs = [logprobs[i] for i in sorted(logprobs)]
+                made[seq_id].sampled_logprobs = from_logits(logits[: len(tokens)], tokens, top)
+        out.sequences = {seq_id: seq for seq_id, seq in made.items() if seq.tokens or seq.prompt_logprobs}
 
     def _draws(self, entries, states, last) -> dict[int, tuple[list[int], str | None, torch.Tensor]]:
         """The token of each emitting entry without proposals, by its index: ([token], failure,

@@ -34,7 +34,7 @@ from shardline.common.tls import ShardTls
 from shardline.protos import shard_pb2, shard_pb2_grpc
 from shardline.shard.footprint import REFUSED, Unservable
 from shardline.shard.load import load_shard
-from shardline.shard.runner import ModelRunner
+from shardline.shard.runner import ModelRunner, StepOutput
 
 log = logging.getLogger("shardline.shard")
 MAX_SEQUENCES = 4096  # sequences a shard holds at once: the top of the router's --max-batch range
@@ -200,16 +200,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                         log.exception("step %d failed", plan.step_id)
                         self._leave_group_soon(f"step {plan.step_id} failed")
                         context.abort(grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {e!r}")
-                    result = shard_pb2.StepResult(
-                        step_id=plan.step_id,
-                        tokens=out.tokens,
-                        compute_ms=(time.perf_counter() - t0) * 1e3,
-                        graph_launches=out.graph_launches,
-                        eager_decode_steps=out.eager_decode_steps,
-                        failures=[shard_pb2.SequenceFailure(seq_id=k, message=v) for k, v in out.failures.items()],
-                        logprobs=out.logprobs,
-                        token_counts=out.token_counts,
-                    )
+                    result = step_result(plan.step_id, out, (time.perf_counter() - t0) * 1e3)
                     span.set_attributes(
                         {
                             "shardline.step.compute_ms": result.compute_ms,
@@ -250,6 +241,26 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             self.leaving = why
             log.error("%s; exiting so that the shard group restarts as a whole", why)
             exit_soon(0.5)  # time for the abort to reach the router
+
+
+def step_result(step_id: int, out: StepOutput, compute_ms: float) -> shard_pb2.StepResult:
+    """A step's output in shard.proto's form: the sequences' tokens one after the other in the
+    plan's order, counted where any sequence has other than one, and their log-probabilities."""
+    emitted = [seq.tokens for seq in out.sequences.values() if seq.tokens]
+    return shard_pb2.StepResult(
+        step_id=step_id,
+        tokens=out.tokens,
+        token_counts=[len(tokens) for tokens in emitted] if any(len(tokens) != 1 for tokens in emitted) else [],
+        compute_ms=compute_ms,
+        graph_launches=out.graph_launches,
+        eager_decode_steps=out.eager_decode_steps,
+        failures=[shard_pb2.SequenceFailure(seq_id=k, message=v) for k, v in out.failures.items()],
+        logprobs=[
+            shard_pb2.SequenceLogprobs(seq_id=seq_id, prompt=seq.prompt_logprobs, sampled=seq.sampled_logprobs)
+            for seq_id, seq in out.sequences.items()
+            if seq.prompt_logprobs or seq.sampled_logprobs
+        ],
+    )
 
 
 def serve_shard(args) -> int:
