@@ -1,4 +1,5 @@
-"""What a shard process serves: its device, its prepared model (shard/transforms.py), the dtype of
+"""What a shard process serves, loaded in one pipeline (`load_shard`: describe the model, check
+that it fits, lay out its weights, finish them for serving): its device, its model, the dtype of
 its KV pages, and the `ShardInfo` it answers the router with."""
 
 from __future__ import annotations
