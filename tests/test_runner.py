@@ -8,7 +8,8 @@ import shardline.shard.runner as runner_module
 from shardline.common.model_source import resolve_model
 from shardline.kernels.token_mask import mask_bytes
 from shardline.protos import shard_pb2
-from shardline.shard.runner import ModelRunner, Span, pieces
+from shardline.shard.pieces import Span, pieces
+from shardline.shard.runner import ModelRunner
 from shardline.shard.transforms import use_native_ops
 from shardline.shard.weights import build_model
 

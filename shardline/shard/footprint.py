@@ -40,7 +40,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # a record per 8 outputs x 32 inputs (kernels/operands.py), per weight
 RECORD_BYTES = {4: 160 / 256, 6: 224 / 256, 8: 288 / 256, "Q4_K": 1184 / 2048}
 INT4_BYTES = RECORD_BYTES[4]
-PREFILL_PIECE_BYTES = 128 << 20  # shard/runner.py's bound on a prefill piece's MLP activations
+PREFILL_PIECE_BYTES = 128 << 20  # the bound on a prefill piece's MLP activations (shard/pieces.py)
 WEIGHTS_AT_ONCE = 1 << 21  # weights of a slice the GGUF loader (and the operand packing) takes at once
 STREAM_COPIES = 8  # fp32-sized copies of such a slice the loader's steps hold at their peak
 # a layer being made holds its codes (a byte a weight), scales and los (8 bytes a group of 32) and

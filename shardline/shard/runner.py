@@ -30,7 +30,6 @@ way, so every rank leaves out the same sequences and the collectives stay matche
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,23 +40,17 @@ from shardline.kernels.attention import AttentionBatch, decode_capturable
 from shardline.kernels.token_mask import mask_logits, packed_masks
 from shardline.protos import shard_pb2
 from shardline.shard.decode_graphs import DecodeGraphs
+from shardline.shard.footprint import PREFILL_PIECE_BYTES
 from shardline.shard.kv_cache import KVPages
 from shardline.shard.layout import Layout
 from shardline.shard.logprobs import from_logits, score
 from shardline.shard.model import Transformer
+from shardline.shard.pieces import PREFILL_PIECE_TOKENS, Span, pieces
 from shardline.shard.plan_reader import Context, Entry, plan_layers, read
 from shardline.shard.sampler import finite_rows, sample, verify
 from shardline.shard.sequences import SequenceState, SequenceTable
 
 log = logging.getLogger(__name__)
-# A piece holds at most PREFILL_PIECE_TOKENS tokens, and fewer where its largest activations (the
-# MLP's gate and up rows and their product: 3 x intermediate values a token) would pass
-# PREFILL_PIECE_BYTES, so that a long prompt's activations stay bounded whatever the model. Larger
-# pieces amortize each layer's weight reads over more tokens, up to about this size, past which a
-# 2-core host measured no gain (the commit that set it has the figures). Each piece after the
-# first attends to the cached context apart from its own tokens and merges the two.
-PREFILL_PIECE_TOKENS = 1024
-PREFILL_PIECE_BYTES = 128 << 20
 # A prefill piece whose attention is at most this many (token, context token) pairs runs as
 # decode rows, a row per token, each attending its sequence's cache up to itself: through the
 # fused decode layers and the decode attention (which writes every row's K/V before it attends),
@@ -66,32 +59,6 @@ PREFILL_PIECE_BYTES = 128 << 20
 # attention reads the context once per row. Not on CUDA, where flash-attn's decode writes and
 # reads the rows' K/V at once.
 ROWS_ATTENTION_PAIRS = 32768
-
-
-@dataclass(frozen=True)
-class Span:
-    """Some consecutive tokens of one sequence's step: what one forward pass computes for it."""
-
-    token_ids: Sequence[int]
-    start_pos: int
-    block_table: torch.Tensor  # the sequence's pages
-
-
-def pieces(seqs: list[Span], limit: int) -> list[list[tuple[int, Span]]]:
-    """Cuts a prefill step into pieces of at most `limit` tokens: [(index in seqs, span)] each."""
-    out, piece, room = [], [], limit
-    for i, s in enumerate(seqs):
-        done = 0
-        while done < len(s.token_ids):
-            n = min(room, len(s.token_ids) - done)
-            piece.append((i, Span(s.token_ids[done : done + n], s.start_pos + done, s.block_table)))
-            done, room = done + n, room - n
-            if room == 0:
-                out.append(piece)
-                piece, room = [], limit
-    if piece:
-        out.append(piece)
-    return out
 
 
 @dataclass

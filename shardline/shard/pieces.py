@@ -1,0 +1,44 @@
+"""A long prefill step cut into pieces, run one after the other: each piece's spans are the
+consecutive tokens of some sequences that one forward pass computes (shard/runner.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+# A piece holds at most PREFILL_PIECE_TOKENS tokens, and fewer where its largest activations (the
+# MLP's gate and up rows and their product: 3 x intermediate values a token) would pass
+# PREFILL_PIECE_BYTES (shard/footprint.py, which counts them in a shard's memory), so that a long
+# prompt's activations stay bounded whatever the model. Larger pieces amortize each layer's
+# weight reads over more tokens, up to about this size, past which a 2-core host measured no
+# gain (the commit that set it has the figures). Each piece after the first attends to the
+# cached context apart from its own tokens and merges the two.
+PREFILL_PIECE_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class Span:
+    """Some consecutive tokens of one sequence's step: what one forward pass computes for it."""
+
+    token_ids: Sequence[int]
+    start_pos: int
+    block_table: torch.Tensor  # the sequence's pages
+
+
+def pieces(seqs: list[Span], limit: int) -> list[list[tuple[int, Span]]]:
+    """Cuts a prefill step into pieces of at most `limit` tokens: [(index in seqs, span)] each."""
+    out, piece, room = [], [], limit
+    for i, s in enumerate(seqs):
+        done = 0
+        while done < len(s.token_ids):
+            n = min(room, len(s.token_ids) - done)
+            piece.append((i, Span(s.token_ids[done : done + n], s.start_pos + done, s.block_table)))
+            done, room = done + n, room - n
+            if room == 0:
+                out.append(piece)
+                piece, room = [], limit
+    if piece:
+        out.append(piece)
+    return out
