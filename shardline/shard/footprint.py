@@ -34,8 +34,10 @@ from shardline.shard.layout import layer_range
 # architectures: Hugging Face model_type, GGUF general.architecture (Mixtral's is llama's)
 SERVED = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 SERVED_GGUF = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
-FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}  # GGUF types whose blocks int4 holds exactly
-FLOAT = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+# GGUF types whose blocks int4 holds exactly (groups of 32 on a 4-bit grid), and those of floats:
+# what the loader, the quantization rule and this estimate all read a tensor's type by
+FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}
+FLOAT = {"F32", "F16", "BF16", "F64"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # a record per 8 outputs x 32 inputs (kernels/operands.py), per weight
 RECORD_BYTES = {4: 160 / 256, 6: 224 / 256, 8: 288 / 256, "Q4_K": 1184 / 2048}
@@ -185,7 +187,7 @@ def _bits(kinds: set[str], layer: str, weights: str, quantize: str) -> int | str
     `mark_quantized`), or "Q4_K" for its own blocks; None: dense, in the serving dtype."""
     if quantize:
         return 8 if quantize == "int8" or layer == "output" else 4
-    if weights != "native" or kinds <= FLOAT.keys():
+    if weights != "native" or kinds <= FLOAT:
         return None
     if kinds == {"Q4_K"}:
         return "Q4_K"  # its blocks as they are, in 4.6 bits

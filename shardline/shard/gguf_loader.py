@@ -31,14 +31,12 @@ from shardline.kernels.grid import GROUP, grid_groups, rows_at_once
 from shardline.kernels.operands import FORMATS, Q4_K_RECORD, RECORD_BYTES
 from shardline.kernels.quantized import QuantizedEmbedding, QuantizedLinear, TiedEmbedding
 from shardline.kernels.stacked import StackedLinear
-from shardline.shard.footprint import Description, Tensor, Unservable
+from shardline.shard.footprint import FLOAT, FOUR_BIT, Description, Tensor, Unservable
 from shardline.shard.layout import Layout, layer_range
 from shardline.shard.model import MLP, MoE, Rotary, Transformer, uninitialized
 from shardline.shard.parallel import keep_stage, mlp_units, tp_slice
 
 log = logging.getLogger(__name__)
-FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}
-FLOAT = {"F32", "F16", "BF16", "F64"}
 
 
 class _Stored:

@@ -31,7 +31,7 @@ from shardline.kernels.linear import OneDnnLinear
 from shardline.kernels.operands import Kernel, record_format
 from shardline.kernels.quantized import QuantizedLinear, TiedEmbedding
 from shardline.kernels.stacked import parts_of
-from shardline.shard.footprint import Description
+from shardline.shard.footprint import FLOAT, FOUR_BIT, Description
 from shardline.shard.layout import Layout
 from shardline.shard.model import MLP, Attention, MoE, Transformer
 from shardline.shard.parallel import connect_tensor_parallel, keep_stage, slice_tensor_parallel
@@ -80,11 +80,6 @@ def finish(model: Transformer, layout: Layout, tp_group, device: torch.device, *
 
 
 # -- 1. which layers are served quantized ------------------------------------------------------
-# GGUF types whose blocks are groups of 32 weights on a 4-bit grid: int4 reproduces them exactly.
-_FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}
-_FLOAT = {"F32", "F16", "BF16", "F64"}
-
-
 def mark_quantized(model: Transformer, description: Description, weights: str, quantize: str) -> None:
     """Tags each linear layer that is to be served quantized with `quant_bits` (4 or 8), for
     `quantize` to swap after any slicing.
@@ -104,9 +99,9 @@ def mark_quantized(model: Transformer, description: Description, weights: str, q
         kinds = {types.get(t, "F32") for t in sources[name + ".weight"]}
         if quantize == "int8" or (quantize == "int4" and name == "lm_head"):
             bits = 8
-        elif quantize == "int4" or kinds <= _FOUR_BIT:
+        elif quantize == "int4" or kinds <= FOUR_BIT:
             bits = 4
-        elif not kinds <= _FLOAT:
+        elif not kinds <= FLOAT:
             bits = 8
         else:
             continue
