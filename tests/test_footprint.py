@@ -93,7 +93,9 @@ def test_a_kv_pool_larger_than_memory_is_refused_with_the_numbers_and_a_flag_tha
 def _footprint(source, **flags):
     description = describe(source)
     layout = dict(tp=1, pp=1, tp_rank=0, pp_stage=0)
-    defaults = dict(dtype="float32", weights="native", quantize="", dense_copy=False, kv_memory_gb=1.0, max_batch=32)
+    defaults = dict(
+        dtype="float32", weights="native", quantize="none", dense_copy=False, kv_memory_gb=1.0, max_batch=32
+    )
     return shard_footprint(description.cfg, description.tensors, **{**layout, **defaults, **flags})
 
 

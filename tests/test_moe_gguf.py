@@ -148,7 +148,7 @@ def test_the_footprint_counts_experts_at_the_width_they_are_served(moe_gguf):
         pp_stage=0,
         dtype="float32",
         weights="native",
-        quantize="",
+        quantize="none",
         dense_copy=False,
         kv_memory_gb=0.0,
         max_batch=1,

@@ -227,7 +227,7 @@ def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_
     from shardline.shard.config import ModelConfig
     from shardline.shard.kv_cache import KVPages
     from shardline.shard.model import Transformer
-    from shardline.shard.transforms import FusedDecodeBlock, fuse_decode, quantize, use_native_ops
+    from shardline.shard.transforms import FusedDecodeBlock, fuse_decode, swap_quantized, use_native_ops
 
     monkeypatch.setattr("shardline.kernels.quantized.kernel_for", lambda b: Kernel(kernel.removesuffix("+torch")))
     if kernel.startswith("native"):  # not whatever this machine's timing says: torch's int4 kernel measured
@@ -285,7 +285,7 @@ def test_a_fused_decode_layer_computes_its_block(kernel, bits, monkeypatch, own_
                 qk.weight.data = layer.weight[:96]
                 parts = [QuantizedLinear(qk, 4), q6_k(32, 64)]
                 setattr(block.get_submodule(parent), attr, StackedLinear(parts, layer.bias))
-    quantize(model)
+    swap_quantized(model)
     use_native_ops(model)  # as prepare does before fusing
     blocks = list(model.layers)
     assert fuse_decode(model) == 2 and all(isinstance(b, FusedDecodeBlock) for b in model.layers)

@@ -19,7 +19,7 @@ from shardline.kernels.operands import Kernel, multiply, native_operands, native
 from shardline.kernels.quantized import QuantizedLinear, TiedEmbedding
 from shardline.shard.config import ModelConfig
 from shardline.shard.model import Transformer
-from shardline.shard.transforms import quantize
+from shardline.shard.transforms import swap_quantized
 
 pytestmark = pytest.mark.usefixtures("own_machine_choices")
 
@@ -326,7 +326,7 @@ def test_quantize_swaps_tagged_layers_keeps_hooks_and_feeds_a_tied_embedding(ker
         block.attn.wqkv.quant_bits = block.mlp.w13.quant_bits = block.mlp.w2.quant_bits = 4
     model.lm_head.quant_bits = 8
     table = model.embed.weight.clone()
-    quantize(model)
+    swap_quantized(model)
     assert model.layers[1].attn.wqkv.bits == 4 and model.layers[0].mlp.w2.bits == 4
     assert type(model.layers[0].attn.wo) is torch.nn.Linear  # untagged: left alone
     assert model.lm_head.bits == 8 and isinstance(model.embed, TiedEmbedding) and model.lm_head.kernel == kernel

@@ -182,16 +182,27 @@ def _in_w13(name: str) -> bool:
     return len(parts) == 4 and FUSED.get(parts[2], "").startswith("w13")
 
 
-def _bits(kinds: set[str], layer: str, weights: str, quantize: str) -> int | str | None:
-    """The width a linear layer of these GGUF types is served at (shard/transforms.py,
-    `mark_quantized`), or "Q4_K" for its own blocks; None: dense, in the serving dtype."""
-    if quantize:
-        return 8 if quantize == "int8" or layer == "output" else 4
-    if weights != "native" or kinds <= FLOAT:
+def served_bits(kinds: set[str], quantize: str = "none", head: bool = False) -> int | None:
+    """The rule for how a linear layer is held, whose weights are of these GGUF types (floats for a
+    checkpoint's): 4 or 8 bits a weight, or None: dense, in the serving dtype. `quantize` (as
+    `--quantize` says: "int4", "int8" or "none") quantizes dense layers at load, the LM head
+    (`head`) at int8 under int4: its logits suffer most from 4 bits. Otherwise 4-bit block types
+    take int4 and other quantized types int8. (Streamed from a GGUF, Q4_K and Q6_K layers keep
+    their own blocks instead: shard/gguf_loader.py.)"""
+    if quantize != "none":
+        return 8 if quantize == "int8" or head else 4
+    if kinds <= FLOAT:
         return None
-    if kinds == {"Q4_K"}:
-        return "Q4_K"  # its blocks as they are, in 4.6 bits
-    return 4 if kinds <= FOUR_BIT else 6 if kinds == {"Q6_K"} else 8
+    return 4 if kinds <= FOUR_BIT else 8
+
+
+def _bits(kinds: set[str], layer: str, weights: str, quantize: str) -> int | str | None:
+    """`served_bits` as the estimate counts it: "Q4_K" for a Q4_K layer kept in its own blocks (4.6
+    bits), 6 for a Q6_K one."""
+    bits = served_bits(kinds if weights == "native" else {"F32"}, quantize, head=layer == "output")
+    if bits is None or quantize != "none":
+        return bits
+    return "Q4_K" if kinds == {"Q4_K"} else 6 if kinds == {"Q6_K"} else bits
 
 
 def _held(params: int, bits: int | None, dtype: str, dense_copy: bool = False) -> float:
@@ -320,7 +331,7 @@ def footprints(model: Description, args, shards: list[tuple[int, int]], streamed
             pp_stage=stage,
             dtype=args.dtype,
             weights=args.weights,
-            quantize="" if args.quantize == "none" else args.quantize,
+            quantize=args.quantize,
             dense_copy=args.dense_prefill == "on",
             kv_memory_gb=args.kv_memory_gb,
             max_batch=getattr(args, "max_batch", 32),

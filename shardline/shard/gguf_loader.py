@@ -3,7 +3,7 @@ the CPU. The model is built on the meta device and each of its layers is made fr
 the file's tensors (memory-mapped), so no fp32 copy of the model exists at any time; only this
 shard's pipeline stage is read, and of its layers only this TP rank's rows and columns.
 
-How each linear layer is held is `mark_quantized`'s rule (shard/transforms.py): layers whose
+How each linear layer is held is `served_bits`'s rule (shard/footprint.py): layers whose
 tensors are all 4-bit blocks (Q4_0, Q4_1, Q4_K) as int4 groups, Q4_K's and Q6_K's as their own
 blocks on the 4- and 6-bit kernels (where Shardline's kernels are built; a fused layer of both
 as a `StackedLinear` of one part each), any other quantized ones as int8, float ones dense in
@@ -31,7 +31,7 @@ from shardline.kernels.grid import GROUP, grid_groups, rows_at_once
 from shardline.kernels.operands import FORMATS, Q4_K_RECORD, RECORD_BYTES
 from shardline.kernels.quantized import QuantizedEmbedding, QuantizedLinear, TiedEmbedding
 from shardline.kernels.stacked import StackedLinear
-from shardline.shard.footprint import FLOAT, FOUR_BIT, Description, Tensor, Unservable
+from shardline.shard.footprint import FLOAT, Description, Tensor, Unservable, served_bits
 from shardline.shard.layout import Layout, layer_range
 from shardline.shard.model import MLP, MoE, Rotary, Transformer, uninitialized
 from shardline.shard.parallel import keep_stage, mlp_units, tp_slice
@@ -201,14 +201,12 @@ def _fp16_share(scale: torch.Tensor, lo: torch.Tensor, bits: int) -> float:
 
 
 def _bits(parts: list[_Part]) -> int | None:
-    """`mark_quantized`'s width for a layer of these parts; None: dense. Q6_K's own 6 bits where
-    the kernel for them is built and no part's columns cut its blocks."""
+    """`served_bits` for a layer of these parts, but Q6_K's own 6 bits where the kernel for them is
+    built and no part's columns cut its blocks (`packed` reads them)."""
     kinds = {p.kind for p in parts}
-    if kinds <= FOUR_BIT:
-        return 4
     if kinds == {"Q6_K"} and native.available() and all(p.aligned() for p in parts):
-        return 6  # `packed` reads them
-    return None if kinds <= FLOAT else 8
+        return 6
+    return served_bits(kinds)
 
 
 def _unpermuted(n_rows: int, n_head: int) -> np.ndarray:

@@ -132,9 +132,8 @@ def weights_as_served(
         model = GgufLoader(description, layout, dtype, dense_copy).load()
         return model, served_cache.save(model, kept, background=True)
     model = build_model(description.source, dtype, device)
-    quantize_to = "" if args.quantize == "none" else args.quantize
     serving_layout(
-        model, description, layout, device, weights=args.weights, quantize_to=quantize_to, dense_copy=dense_copy
+        model, description, layout, device, weights=args.weights, quantize=args.quantize, dense_copy=dense_copy
     )
     return model, None
 

@@ -7,7 +7,7 @@ its loader as these four steps leave a model:
 1. `mark_quantized`: tag the linear layers to serve quantized;
 2. `keep_stage` (shard/parallel.py): drop what this pipeline stage does not run;
 3. `slice_tensor_parallel` (shard/parallel.py): keep this TP rank's slice of the weights;
-4. `quantize`: swap the tagged layers for `QuantizedLinear` (after slicing, which works on dense
+4. `swap_quantized`: swap the tagged layers for `QuantizedLinear` (after slicing, which works on dense
    weights).
 
 `finish` then readies either for serving:
@@ -31,7 +31,7 @@ from shardline.kernels.linear import OneDnnLinear
 from shardline.kernels.operands import Kernel, record_format
 from shardline.kernels.quantized import QuantizedLinear, TiedEmbedding
 from shardline.kernels.stacked import parts_of
-from shardline.shard.footprint import FLOAT, FOUR_BIT, Description
+from shardline.shard.footprint import Description, served_bits
 from shardline.shard.layout import Layout
 from shardline.shard.model import MLP, Attention, MoE, Transformer
 from shardline.shard.parallel import connect_tensor_parallel, keep_stage, slice_tensor_parallel
@@ -47,19 +47,19 @@ def serving_layout(
     device: torch.device,
     *,
     weights: str,
-    quantize_to: str,
+    quantize: str,
     dense_copy: bool,
 ) -> None:
-    """Steps 1 to 4, in place. `weights` and `quantize_to` ("", "int4" or "int8"): as
-    `mark_quantized` takes them; `dense_copy`: int4 layers keep a dense copy for prefill."""
+    """Steps 1 to 4, in place. `weights` and `quantize`: as the flags say
+    (`mark_quantized`); `dense_copy`: int4 layers keep a dense copy for prefill."""
     if device.type == "cpu":
-        mark_quantized(model, description, weights, quantize_to)
-    elif quantize_to or (weights == "native" and description.source.kind == "gguf"):
+        mark_quantized(model, description, weights, quantize)
+    elif quantize != "none" or (weights == "native" and description.source.kind == "gguf"):
         log.warning("quantized weights have CPU kernels only: serving every weight in the serving dtype")
     if layout.world > 1:
         keep_stage(model, layout)
         slice_tensor_parallel(model, layout)
-    quantize(model, dense_copy=dense_copy)
+    swap_quantized(model, dense_copy=dense_copy)
 
 
 def finish(model: Transformer, layout: Layout, tp_group, device: torch.device, *, onednn: bool) -> None:
@@ -81,12 +81,9 @@ def finish(model: Transformer, layout: Layout, tp_group, device: torch.device, *
 
 # -- 1. which layers are served quantized ------------------------------------------------------
 def mark_quantized(model: Transformer, description: Description, weights: str, quantize: str) -> None:
-    """Tags each linear layer that is to be served quantized with `quant_bits` (4 or 8), for
-    `quantize` to swap after any slicing.
-
-    `weights="native"` keeps a GGUF's quantized layers quantized: 4-bit block types as int4, the
-    others as int8. `quantize` ("int4" | "int8" | "") quantizes dense layers at load: with int4 the
-    block layers take int4 and the LM head int8, whose logits suffer most from 4 bits."""
+    """Tags each linear layer that is to be served quantized with `quant_bits` (4 or 8, by
+    `footprint.served_bits`), for `swap_quantized` to swap after any slicing. `weights="native"` reads a
+    GGUF's types; dequantized weights count as floats."""
     types = gguf_types(description) if description.source.kind == "gguf" and weights == "native" else {}
     sources = parameter_sources(model.cfg, types)
     # A mixture's routers stay dense: a token's experts are picked by small differences of scores.
@@ -96,20 +93,13 @@ def mark_quantized(model: Transformer, description: Description, weights: str, q
         if type(module) is nn.Linear and name.startswith("layers.") and not name.endswith(("mlp.gate", "shared_gate"))
     ]
     for name in [*linears, "lm_head"]:
-        kinds = {types.get(t, "F32") for t in sources[name + ".weight"]}
-        if quantize == "int8" or (quantize == "int4" and name == "lm_head"):
-            bits = 8
-        elif quantize == "int4" or kinds <= FOUR_BIT:
-            bits = 4
-        elif not kinds <= FLOAT:
-            bits = 8
-        else:
-            continue
-        model.get_submodule(name).quant_bits = bits
+        bits = served_bits({types.get(t, "F32") for t in sources[name + ".weight"]}, quantize, head=name == "lm_head")
+        if bits is not None:
+            model.get_submodule(name).quant_bits = bits
 
 
 # -- 4. quantized layers ---------------------------------------------------------------------------
-def quantize(model: nn.Module, dense_copy: bool = False) -> None:
+def swap_quantized(model: nn.Module, dense_copy: bool = False) -> None:
     """Swaps every linear layer tagged with a `quant_bits` attribute (4 or 8) for its quantized
     form, in place. A tied LM head quantized to int8 also serves the embedding's lookups.
     `dense_copy`: int4 layers also keep a dense copy, for steps of many rows (prefill)."""
