@@ -17,8 +17,9 @@ rounding moves one. The exact path's tests catch a position computed wrong token
 
 A repeat on a prefix-cache hit computes only the prompt's tail, in a step of a few rows, which
 the kernel choices measured on the machine (kernels/choice.py) may give to another kernel than
-the whole prompt's step: its tokens' distributions must be the first run's, within rounding,
-for as long as the two runs choose the same tokens; they may part only at a near-tie.
+the whole prompt's step: its tokens' distributions must be the first run's by the same gate (most
+alternatives shared, a mean KL within 0.01), for as long as the two runs choose the same tokens;
+they may part only at a near-tie.
 """
 
 import random
@@ -35,7 +36,7 @@ QUANT = ["--quantize", "int4", "--page-size", "16", "--max-batch-tokens", "512"]
 # a top-2 gap, in log-probability, wider than the paths' roundings move one (by how much they
 # were seen to: the commit that set it)
 CLEAR = 1.5
-ROUNDING = 0.25  # four bf16 steps of this model's logits: what a token's log-probability may move
+MEAN_KL = 0.01
 
 
 def generate(server, prompt, **extra):
@@ -52,17 +53,20 @@ def generate(server, prompt, **extra):
 
 
 def same_run(first, again) -> int:
-    """Asserts that `again` chose what `first` chose, from the same distributions within rounding,
-    up to a near-tie where they may part; returns how many positions it compared."""
+    """Asserts that `again` chose what `first` chose, from the same distributions (most of each
+    position's alternatives shared, a mean KL within the gate), up to a near-tie where they may
+    part; returns how many positions it compared."""
+    compared = len(first)
     for i, (a, b) in enumerate(zip(first, again)):
-        theirs = {t.token_id: t.logprob for t in b.top}
-        shared = [(t.logprob, theirs[t.token_id]) for t in a.top if t.token_id in theirs]
-        assert len(shared) >= len(a.top) // 2, (i, a, b)
-        assert max(abs(x - y) for x, y in shared) <= ROUNDING, (i, shared)
+        theirs = {t.token_id for t in b.top}
+        assert sum(t.token_id in theirs for t in a.top) >= len(a.top) // 2, (i, a, b)
         if b.token_id != a.token_id:
             assert a.top[0].logprob - a.top[1].logprob <= CLEAR, (i, a, b)
-            return i + 1
-    return len(first)
+            compared = i + 1
+            break
+    result = compare(first[:compared], again[:compared])
+    assert result["mean_kl"] <= MEAN_KL, result
+    return compared
 
 
 def serve_and_score(model, prompts, *flags):
@@ -105,7 +109,7 @@ def test_quantized_serving_paths_agree_with_the_whole_prompt_run(tiny_models, wh
     got = serve_and_score(tiny_models["llama"], prompts, *flags)
     result = compare(want, got)
     print(result)
-    assert result["mean_kl"] <= 0.01, result
+    assert result["mean_kl"] <= MEAN_KL, result
     clear = [
         (w.top[0].token_id, g.top[0].token_id) for w, g in zip(want, got) if w.top[0].logprob - w.top[1].logprob > CLEAR
     ]
