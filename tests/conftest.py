@@ -15,13 +15,25 @@ def _refuse_processes(set_attr, who: str) -> None:
 
 
 def pytest_configure(config):
-    """`-m "not processes"` runs the in-process tests alone: then nothing may start a process,
-    fixtures of any scope included. Shardline's CPU kernels are loaded first, once: loading them
-    asks the compiler whether the build is current."""
+    """What tests of either kind read is made first, once: Shardline's CPU kernels (loading them
+    asks the compiler whether the build is current) and the default model's tokenizer files (a
+    child process converts them from the GGUF where the cache holds none yet)."""
+    from shardline.common.model_source import resolve_model
+    from shardline.common.tokenizer_files import tokenizer_folder
     from shardline.kernels import native
 
     native.available()
-    if "not processes" in (config.option.markexpr or ""):
+    tokenizer_folder(resolve_model(None))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session):
+    """`-m "not processes"` runs the in-process tests alone: then nothing may start a process,
+    fixtures of any scope included. Under pytest-xdist (./test.sh) that holds in the workers, once
+    they have started: their controller starts them."""
+    config = session.config
+    controller = bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
+    if "not processes" in (config.option.markexpr or "") and not controller:
         _refuse_processes(setattr, "this in-process run")
 
 
