@@ -2,6 +2,7 @@ import multiprocessing.process
 import subprocess
 
 import pytest
+from xdist import is_xdist_controller
 
 from tests.support import Server, make_tiny_model
 
@@ -31,9 +32,7 @@ def pytest_sessionstart(session):
     """`-m "not processes"` runs the in-process tests alone: then nothing may start a process,
     fixtures of any scope included. Under pytest-xdist (./test.sh) that holds in the workers, once
     they have started: their controller starts them."""
-    config = session.config
-    controller = bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
-    if "not processes" in (config.option.markexpr or "") and not controller:
+    if "not processes" in (session.config.option.markexpr or "") and not is_xdist_controller(session):
         _refuse_processes(setattr, "this in-process run")
 
 

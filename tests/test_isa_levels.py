@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch.utils.cpp_extension import get_cxx_compiler
 
-from shardline.kernels.native import HERE, ISA_LEVELS
+from shardline.kernels.native import HERE, ISA_LEVELS, SOURCES
 
 pytestmark = pytest.mark.processes  # every test here starts processes
 
@@ -81,11 +82,13 @@ def _has(flag: str) -> bool:
 def _paths(level: str) -> set[str]:
     """The instruction-set macros the kernels' sources branch on that a build for `level` defines:
     which of their paths it compiles."""
-    sources = " ".join(f.read_text() for f in (*HERE.glob("*.cpp"), *HERE.glob("*.h")))
+    sources = " ".join(f.read_text() for f in (*SOURCES, *HERE.glob("*.h")))
     tested = set(re.findall(r"__(?:AVX\w*|FMA|F16C)__", sources))
-    compiler = os.environ.get("CXX", "c++")
     defined = subprocess.run(
-        [compiler, ISA_LEVELS[level], "-dM", "-E", "-x", "c++", os.devnull], capture_output=True, text=True, check=True
+        [get_cxx_compiler(), ISA_LEVELS[level], "-dM", "-E", "-x", "c++", os.devnull],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
     return tested & set(defined)
 

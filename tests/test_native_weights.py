@@ -36,7 +36,7 @@ QUANT = ["--quantize", "int4", "--page-size", "16", "--max-batch-tokens", "512"]
 # a top-2 gap, in log-probability, wider than the paths' roundings move one (by how much they
 # were seen to: the commit that set it)
 CLEAR = 1.5
-MEAN_KL = 0.01
+MEAN_KL = 0.01  # the int8 test's gate too: a path that computes something else puts it far beyond
 
 
 def generate(server, prompt, **extra):
@@ -135,7 +135,7 @@ def test_int8_quantized_layers_serve_what_the_dense_weights_say(tiny_models):
     # This random model's flat distributions let rounding reorder even some clear-cut top-2 pairs
     # (5 of 139 in one run), so the gate is the distance between the distributions: a layer
     # computing something else puts KL near 1, rounding here about 0.003.
-    assert result["perplexity_ratio"] <= 1.01 and result["mean_kl"] <= 0.01, result
+    assert result["perplexity_ratio"] <= 1.01 and result["mean_kl"] <= MEAN_KL, result
 
 
 def test_quantized_decode_graphs_agree_with_eager_decode(tiny_models):
