@@ -22,7 +22,12 @@ ARCHITECTURES = {
     "qwen3": "qwen3",
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
+    "smollm3": "smollm3",
+    "granite": "granite",
+    "olmo2": "olmo2",
 }
+# Architectures whose Q/K rows the converter permutes: its LlamaModel and those built on it
+_PERMUTED = ("llama", "smollm3", "granite")
 _LAYER = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
@@ -42,6 +47,8 @@ _LAYER = {
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# OLMo 2's norms follow its sublayers: its `post_attention_layernorm` is no MLP input norm
+_OLMO2_LAYER = {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _EXPERT_KINDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
@@ -56,7 +63,8 @@ def gguf_tensors(folder: Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
     raw = json.loads((folder / "config.json").read_text())
-    llama = ARCHITECTURES[raw["model_type"]] == "llama"
+    arch = ARCHITECTURES[raw["model_type"]]
+    names = {**_LAYER, **_OLMO2_LAYER} if arch == "olmo2" else _LAYER
     heads, kv_heads = raw["num_attention_heads"], raw.get("num_key_value_heads", raw["num_attention_heads"])
     sd = {}
     for f in sorted(folder.glob("*.safetensors")):
@@ -72,8 +80,8 @@ def gguf_tensors(folder: Path) -> dict[str, np.ndarray]:
             out[{"model.embed_tokens.weight": "token_embd", "lm_head.weight": "output"}.get(name, "output_norm")] = w
             continue
         layer, part, kind = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name).groups()
-        gguf = _LAYER[part]
-        if llama and gguf in ("attn_q", "attn_k"):
+        gguf = names[part]
+        if arch in _PERMUTED and gguf in ("attn_q", "attn_k"):
             w = _permute(w, heads if gguf == "attn_q" else kv_heads)
         if gguf == "ffn_gate_inp_shexp":
             w = w.reshape(-1)  # llama.cpp's is a vector of n_embd
@@ -117,7 +125,7 @@ def write_gguf_of(folder: Path, path: Path) -> Path:
     raw = json.loads((folder / "config.json").read_text())
     arch = ARCHITECTURES[raw["model_type"]]
     heads = raw["num_attention_heads"]
-    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    head_dim = (raw.get("head_dim") if arch != "granite" else None) or raw["hidden_size"] // heads
     rope = raw.get("rope_parameters") or {}
     writer = GGUFWriter(str(path), arch)
     writer.add_name(folder.name)
@@ -139,6 +147,14 @@ def write_gguf_of(folder: Path, path: Path) -> Path:
             writer.add_expert_feed_forward_length(raw["moe_intermediate_size"])
         if raw.get("shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(raw["shared_expert_intermediate_size"])
+    for key, add in [
+        ("attention_multiplier", writer.add_attention_scale),
+        ("embedding_multiplier", writer.add_embedding_scale),
+        ("residual_multiplier", writer.add_residual_scale),
+        ("logits_scaling", writer.add_logit_scale),
+    ]:  # Granite's, as the converter writes them
+        if raw.get(key):
+            add(raw[key])
     add_smollm2_tokenizer(writer)
     for name, w in gguf_tensors(folder).items():
         writer.add_tensor(name, np.ascontiguousarray(w))

@@ -38,6 +38,38 @@ TINY_CONFIGS = {
         head_dim=32,
         tie_word_embeddings=False,
     ),
+    # SmolLM3: layer 3 of 4 without rotary embedding, tied embeddings
+    "smollm3": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        pad_token_id=None,  # its default, 128004, is past the tiny vocabulary
+    ),
+    # Granite 3: every multiplier away from what Llama's block does
+    "granite": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        embedding_multiplier=4.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.2,
+        logits_scaling=2.0,
+        tie_word_embeddings=True,
+    ),
+    # OLMo 2: norms after each sublayer, q/k norms across all heads
+    "olmo2": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ),
     # Mixtures of experts: 8 experts of 32 units (16 per TP rank), 2 per token; Qwen3-MoE with a
     # dense layer among its sparse ones, Qwen2-MoE with a shared expert and unnormalized weights.
     "qwen3_moe": dict(
@@ -108,6 +140,9 @@ def make_tiny_model(arch: str, path: Path, seed: int = 0, context: int = 2048) -
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+        "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+        "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
     }[arch]
     tok = smollm2_tokenizer()
     config = cls[0](

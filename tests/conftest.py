@@ -58,11 +58,22 @@ def own_machine_choices(tmp_path, monkeypatch):
     return tmp_path
 
 
+class _TinyModels(dict):
+    """arch -> folder of a random Hugging Face checkpoint, made on first use."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, arch):
+        self[arch] = make_tiny_model(arch, self.root / arch)
+        return self[arch]
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """arch -> folder of a random Hugging Face checkpoint, made once per test session."""
-    root = tmp_path_factory.mktemp("tiny")
-    return {arch: make_tiny_model(arch, root / arch) for arch in ("llama", "qwen2", "qwen3")}
+    return _TinyModels(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="session")

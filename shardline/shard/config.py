@@ -12,7 +12,9 @@ from shardline.common.gguf_header import GgufHeader
 @dataclass
 class ModelConfig:
     """Llama-family decoder: Llama 2/3, SmolLM2, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm), and their
-    mixtures of experts: Mixtral (`llama` with experts), Qwen2-MoE (shared expert) and Qwen3-MoE.
+    mixtures of experts: Mixtral (`llama` with experts), Qwen2-MoE (shared expert) and Qwen3-MoE;
+    SmolLM3 (no rotary embedding in `nope_layers`), Granite 3 (the four scales) and OLMo 2 (norms
+    after each sublayer rather than before, q/k norms across all heads).
 
     A mixture's layers are sparse (`num_experts` MLPs of `expert_intermediate_size`, a token's
     `experts_per_token` picked by a router) but for `dense_layers` (an MLP of `intermediate_size`)."""
@@ -39,6 +41,16 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's expert every token takes, gated by a sigmoid
     norm_topk_prob: bool = True  # the picked experts' weights renormalized to sum to 1
     dense_layers: list[int] = field(default_factory=list)
+    nope_layers: list[int] = field(default_factory=list)  # layers whose q and k do not rotate (SmolLM3's every 4th)
+    qk_norm_across_heads: bool = False  # OLMo 2: q and k each normalized as one vector of all heads
+    pre_norms: bool = True  # an RMSNorm on each sublayer's input (attention's, the MLP's)
+    post_norms: bool = False  # an RMSNorm on each sublayer's output, before the residual add (OLMo 2)
+    # Granite's multipliers: the embedding's output, each sublayer's output before the residual
+    # add, the softmax's scale (0: head_dim ** -0.5) and the logits' divisor.
+    embedding_scale: float = 1.0
+    residual_scale: float = 1.0
+    attention_scale: float = 0.0
+    logit_scale: float = 1.0
 
     def is_sparse(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -72,6 +84,9 @@ class ModelConfig:
         layers = raw["num_hidden_layers"]
         step = raw.get("decoder_sparse_step") or 1
         dense = [i for i in range(layers) if i in (raw.get("mlp_only_layers") or []) or (i + 1) % step]
+        if raw.get("use_sliding_window") and raw.get("sliding_window"):
+            raise ValueError("sliding-window attention is not served yet")
+        rotates = raw.get("no_rope_layers") or [1] * layers  # SmolLM3's: 1 where the layer rotates
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -86,7 +101,7 @@ class ModelConfig:
             max_position=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             qkv_bias=arch in ("qwen2", "qwen2_moe") or raw.get("attention_bias", False),
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "olmo2"),
             eos_token_ids=eos,
             name=raw.get("_name_or_path") or path.name,
             num_experts=experts,
@@ -95,14 +110,22 @@ class ModelConfig:
             shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0) if experts else 0,
             norm_topk_prob=raw.get("norm_topk_prob", arch == "mixtral"),
             dense_layers=dense if experts else [],
+            nope_layers=[i for i in range(layers) if not rotates[i]],
+            qk_norm_across_heads=arch == "olmo2",
+            pre_norms=arch != "olmo2",
+            post_norms=arch == "olmo2",
+            embedding_scale=raw.get("embedding_multiplier", 1.0),
+            residual_scale=raw.get("residual_multiplier", 1.0),
+            attention_scale=raw.get("attention_multiplier", 0.0),
+            logit_scale=raw.get("logits_scaling", 1.0),
         )
 
     @classmethod
     def from_gguf(cls, header: GgufHeader, name: str) -> ModelConfig:
         field_value = header.get
         arch = field_value("general.architecture")
-        if arch not in ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe"):
-            raise ValueError(f"GGUF architecture {arch!r} is not supported")
+        if field_value(f"{arch}.attention.sliding_window"):
+            raise ValueError("sliding-window attention is not served yet")
         tensors = {t.name for t in header.tensors}
         hidden = field_value(f"{arch}.embedding_length")
         heads = field_value(f"{arch}.attention.head_count")
@@ -138,6 +161,15 @@ class ModelConfig:
             # as llama.cpp reads each: Qwen2-MoE's weights are the softmax's, the others' renormalized
             norm_topk_prob=bool(field_value(f"{arch}.expert_weights_norm", arch != "qwen2moe")),
             dense_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors] if experts else [],
+            # llama.cpp's SmolLM3 leaves every 4th layer unrotated; its GGUF says nothing of it
+            nope_layers=[i for i in range(layers) if (i + 1) % 4 == 0] if arch == "smollm3" else [],
+            qk_norm_across_heads=arch == "olmo2",
+            pre_norms="blk.0.attn_norm.weight" in tensors,
+            post_norms="blk.0.post_attention_norm.weight" in tensors,
+            embedding_scale=float(field_value(f"{arch}.embedding_scale", 1.0)),
+            residual_scale=float(field_value(f"{arch}.residual_scale", 1.0)),
+            attention_scale=float(field_value(f"{arch}.attention.scale", 0.0)),
+            logit_scale=float(field_value(f"{arch}.logit_scale", 1.0)),
         )
 
     def to_json(self) -> str:

@@ -32,8 +32,11 @@ from shardline.shard.config import ModelConfig
 from shardline.shard.layout import layer_range
 
 # architectures: Hugging Face model_type, GGUF general.architecture (Mixtral's is llama's)
-SERVED = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
-SERVED_GGUF = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+SERVED = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3", "granite", "olmo2")
+SERVED_GGUF = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "smollm3", "granite", "olmo2")
+# GGUF architectures whose Q and K rows llama.cpp's converter interleaves for its RoPE (its
+# LlamaModel and the converters built on it): the loaders undo it
+QK_PERMUTED = ("llama", "smollm3", "granite")
 # GGUF types whose blocks int4 holds exactly (groups of 32 on a 4-bit grid), and those of floats:
 # what the loader, the quantization rule and this estimate all read a tensor's type by
 FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}
@@ -319,8 +322,11 @@ def check_fits(footprints: list[Footprint], available: int, what: str) -> None:
 
 
 def footprints(model: Description, args, shards: list[tuple[int, int]], streamed: bool) -> list[Footprint]:
-    """The footprint of each given (pp_stage, tp_rank) shard of the model. `args`: a shard's or
-    `serve`'s flags."""
+    """The footprint of each given (pp_stage, tp_rank) shard of the model; Unservable for a
+    layout the model cannot be split into. `args`: a shard's or `serve`'s flags."""
+    if args.tp > 1 and model.cfg.qk_norm_across_heads:
+        name = model.source.name
+        raise Unservable(f"{name}: its q/k norms span all attention heads, which TP would split (use --tp 1)")
     return [
         shard_footprint(
             model.cfg,

@@ -31,12 +31,21 @@ from shardline.kernels.grid import GROUP, grid_groups, rows_at_once
 from shardline.kernels.operands import FORMATS, Q4_K_RECORD, RECORD_BYTES
 from shardline.kernels.quantized import QuantizedEmbedding, QuantizedLinear, TiedEmbedding
 from shardline.kernels.stacked import StackedLinear
-from shardline.shard.footprint import FLOAT, Description, Tensor, Unservable, served_bits
+from shardline.shard.footprint import FLOAT, QK_PERMUTED, Description, Tensor, Unservable, served_bits
 from shardline.shard.layout import Layout, layer_range
 from shardline.shard.model import MLP, MoE, Rotary, Transformer, uninitialized
 from shardline.shard.parallel import keep_stage, mlp_units, tp_slice
 
 log = logging.getLogger(__name__)
+
+
+# A block's norms (`Block`'s) -> their GGUF names: before and after attention, before and after the MLP
+_NORMS = {
+    "attn_norm": "attn_norm",
+    "attn_out_norm": "post_attention_norm",
+    "mlp_norm": "ffn_norm",
+    "mlp_out_norm": "post_ffw_norm",
+}
 
 
 class _Stored:
@@ -288,14 +297,15 @@ class GgufLoader:
         q_heads, kv, units = tp_slice(cfg, layout)
         q_rows = np.arange(q_heads.start * hd, q_heads.stop * hd)
         kv_rows = np.arange(kv.start * hd, kv.stop * hd)
-        llama = cfg.architecture == "llama"
-        q_order = _unpermuted(cfg.num_heads * hd, cfg.num_heads) if llama else np.arange(cfg.num_heads * hd)
-        k_order = _unpermuted(cfg.num_kv_heads * hd, cfg.num_kv_heads) if llama else np.arange(cfg.num_kv_heads * hd)
+        permuted = cfg.architecture in QK_PERMUTED
+        q_order = _unpermuted(cfg.num_heads * hd, cfg.num_heads) if permuted else np.arange(cfg.num_heads * hd)
+        k_order = _unpermuted(cfg.num_kv_heads * hd, cfg.num_kv_heads) if permuted else np.arange(cfg.num_kv_heads * hd)
         for i, block in zip(layer_range(cfg.num_layers, layout.pp_stage, layout.pp), model.layers):
             self._read_ahead(f"blk.{i + 1}.")
             p = f"blk.{i}."
-            block.attn_norm.weight = nn.Parameter(self._dense(p + "attn_norm.weight"), requires_grad=False)
-            block.mlp_norm.weight = nn.Parameter(self._dense(p + "ffn_norm.weight"), requires_grad=False)
+            for mine, theirs in _NORMS.items():
+                if getattr(block, mine) is not None:
+                    getattr(block, mine).weight = nn.Parameter(self._dense(f"{p}{theirs}.weight"), requires_grad=False)
             attn = block.attn
             if cfg.qk_norm:
                 attn.q_norm.weight = nn.Parameter(self._dense(p + "attn_q_norm.weight"), requires_grad=False)

@@ -1,5 +1,5 @@
-"""A Llama-family decoder as a plain torch module (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, and the
-mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE).
+"""A Llama-family decoder as a plain torch module (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, SmolLM3,
+Granite 3, OLMo 2, and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE).
 
 The forward pass takes a flat batch of tokens from any number of sequences; where their K/V lives
 is described by an `AttentionBatch`. It returns hidden states: the caller picks the positions it
@@ -63,6 +63,12 @@ class Rotary(nn.Module):
         )
 
     @staticmethod
+    def unrotated(cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables of no rotation (x * 1 + roll(x) * 0 is x exactly), for a layer that does not
+        rotate (SmolLM3's) in a kernel that always does."""
+        return torch.ones_like(cos_sin[0]), torch.zeros_like(cos_sin[1])
+
+    @staticmethod
     def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x [T, heads, head_dim]."""
         cos, sin = cos_sin
@@ -70,23 +76,32 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.wqkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.wo = nn.Linear(q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = self.head_dim**-0.5
+        # per head (Qwen3), or across all of q's heads and all of k's (OLMo 2)
+        self.qk_norm_across_heads = cfg.qk_norm_across_heads
+        q_width, k_width = (q_size, kv_size) if cfg.qk_norm_across_heads else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.attention_scale or self.head_dim**-0.5
+        self.rotates = layer not in cfg.nope_layers
 
     def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):
         qkv = self.wqkv(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv[:, : self.num_heads + self.num_kv_heads], qkv[:, self.num_heads + self.num_kv_heads :]
         if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], 1)
-        # q and k rotate as one tensor: one set of operators per layer instead of two
-        qk = Rotary.apply(qk, cos_sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            if self.qk_norm_across_heads:
+                q, k = self.q_norm(q.flatten(1)).view_as(q), self.k_norm(k.flatten(1)).view_as(k)
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
+            qk = torch.cat([q, k], 1)
+        if self.rotates:  # q and k rotate as one tensor: one set of operators per layer instead of two
+            qk = Rotary.apply(qk, cos_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = paged_attention(q, k, v, k_pages, v_pages, batch, self.scale)
         return self.wo(out.reshape(-1, self.num_heads * self.head_dim))
@@ -149,16 +164,34 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
+    """Attention then the MLP, each added to the residual stream: normalized before (`attn_norm`,
+    `mlp_norm`: Llama's), after (`attn_out_norm`, `mlp_out_norm`: OLMo 2's) or both, and scaled
+    by `residual_scale` (Granite's) before the add."""
+
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+        def norm(present: bool):
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if present else None
+
+        self.attn_norm, self.attn_out_norm = norm(cfg.pre_norms), norm(cfg.post_norms)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm, self.mlp_out_norm = norm(cfg.pre_norms), norm(cfg.post_norms)
         self.mlp = MoE(cfg) if cfg.is_sparse(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.residual_scale = cfg.residual_scale
+
+    @staticmethod
+    def _normed(norm, x):
+        return x if norm is None else norm(x)
+
+    def _residual(self, norm, out):
+        out = out if norm is None else norm(out)
+        return out if self.residual_scale == 1 else out * self.residual_scale
 
     def forward(self, x, cos_sin, k_pages, v_pages, batch):
-        x = x + self.attn(self.attn_norm(x), cos_sin, k_pages, v_pages, batch)
-        return x + self.mlp(self.mlp_norm(x))
+        attended = self.attn(self._normed(self.attn_norm, x), cos_sin, k_pages, v_pages, batch)
+        x = x + self._residual(self.attn_out_norm, attended)
+        return x + self._residual(self.mlp_out_norm, self.mlp(self._normed(self.mlp_norm, x)))
 
 
 class Transformer(nn.Module):
@@ -184,6 +217,8 @@ class Transformer(nn.Module):
         A later pipeline stage, or a step that starts past the first layer (`layers`, of this
         module's), passes the hidden states going into its first layer instead of embedding tokens."""
         x = self.embed(tokens) if hidden is None else hidden
+        if hidden is None and self.cfg.embedding_scale != 1:
+            x = x * self.cfg.embedding_scale
         cos_sin = self.rotary.at(positions, x.dtype)
         # islice, not self.layers[layers]: slicing a ModuleList builds a new one (70 us a step)
         for layer, (k_pages, v_pages) in islice(zip(self.layers, kv_pages), layers.start, layers.stop):
@@ -191,7 +226,8 @@ class Transformer(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden)).float()
+        logits = self.lm_head(self.norm(hidden)).float()
+        return logits if self.cfg.logit_scale == 1 else logits / self.cfg.logit_scale
 
 
 @contextlib.contextmanager

@@ -33,7 +33,7 @@ from shardline.kernels.quantized import QuantizedLinear, TiedEmbedding
 from shardline.kernels.stacked import parts_of
 from shardline.shard.footprint import Description, served_bits
 from shardline.shard.layout import Layout
-from shardline.shard.model import MLP, Attention, MoE, Transformer
+from shardline.shard.model import MLP, Attention, MoE, Rotary, Transformer
 from shardline.shard.parallel import connect_tensor_parallel, keep_stage, slice_tensor_parallel
 from shardline.shard.weights import gguf_types, parameter_sources
 
@@ -126,13 +126,15 @@ class NativeAttention(Attention):
     and attention over the pages; other steps (and tensors the kernels do not take) as `Attention`."""
 
     def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):
-        if not batch.is_decode or batch.opaque or not native.usable(k_pages):
+        native_step = batch.is_decode and not batch.opaque and native.usable(k_pages)
+        if not native_step or self.qk_norm_across_heads:  # the kernel normalizes q and k per head
             return super().forward(x, cos_sin, k_pages, v_pages, batch)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else (None, None, 0.0)
+        cos, sin = cos_sin if self.rotates else Rotary.unrotated(cos_sin)
         out = native.ops().paged_decode(
             self.wqkv(x),
-            cos_sin[0],
-            cos_sin[1],
+            cos,
+            sin,
             *norms,
             k_pages,
             v_pages,
@@ -240,14 +242,18 @@ class FusedDecodeBlock(nn.Module):
     def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):
         if not batch.is_decode or batch.opaque or x.shape[0] > self.max_rows or not native.usable(x):
             return self.block(x, cos_sin, k_pages, v_pages, batch)
-        return self.decode.forward(
-            x, cos_sin[0], cos_sin[1], k_pages, v_pages, batch.slots, batch.block_tables, batch.context_lens
-        )
+        cos, sin = cos_sin if self.block.attn.rotates else Rotary.unrotated(cos_sin)
+        return self.decode.forward(x, cos, sin, k_pages, v_pages, batch.slots, batch.block_tables, batch.context_lens)
 
 
 def fusable(block: nn.Module) -> bool:
-    """Whether a block's decode step can be one `DecodeLayer`: every linear part quantized (a
-    mixture's routers are dense fp32 layers beside them) and untouched by TP."""
+    """Whether a block's decode step can be one `DecodeLayer`: Llama's block (its norms before each
+    sublayer, q/k norms per head, no residual scale), every linear part quantized (a mixture's
+    routers are dense fp32 layers beside them) and untouched by TP."""
+    if block.attn_norm is None or block.attn_out_norm is not None or block.residual_scale != 1:
+        return False
+    if block.attn.qk_norm_across_heads:
+        return False
     moe = block.mlp if isinstance(block.mlp, MoE) else None
     if moe is not None and (
         type(moe.gate) is not nn.Linear

@@ -17,7 +17,7 @@ from shardline.common.files import publish
 from shardline.common.gguf_header import read_header
 from shardline.common.model_source import ModelSource
 from shardline.shard.config import ModelConfig
-from shardline.shard.footprint import Description, Unservable
+from shardline.shard.footprint import QK_PERMUTED, Description, Unservable
 from shardline.shard.model import Rotary, Transformer, uninitialized
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,8 @@ _GGUF_BLOCK_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "post_attention_norm": "post_attention_layernorm",  # OLMo 2's, after attention
+    "post_ffw_norm": "post_feedforward_layernorm",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
@@ -78,9 +80,10 @@ def read_gguf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]
                 sd[hf_name(t.name, e)] = torch.from_numpy(np.ascontiguousarray(rows))
             continue
         name = hf_name(t.name)
-        if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        permuted = cfg.architecture in QK_PERMUTED
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_rope(w, cfg.num_heads)
-        elif cfg.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute_rope(w, cfg.num_kv_heads)
         if name.endswith("shared_expert_gate.weight"):  # a vector in the file, a one-row layer in the model
             w = w.reshape(1, -1)
@@ -122,8 +125,7 @@ def parameter_sources(cfg: ModelConfig, available: Collection[str]) -> dict[str,
     }
     for i in range(cfg.num_layers):
         p, a, o = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"layers.{i}."
-        own[o + "attn_norm.weight"] = [p + "input_layernorm.weight"]
-        own[o + "mlp_norm.weight"] = [p + "post_attention_layernorm.weight"]
+        own.update(_norm_sources(cfg, p, o))
         own[o + "attn.wqkv.weight"] = [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
         if cfg.qkv_bias:
             own[o + "attn.wqkv.bias"] = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
@@ -136,6 +138,21 @@ def parameter_sources(cfg: ModelConfig, available: Collection[str]) -> dict[str,
         else:
             own[o + "mlp.w13.weight"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
             own[o + "mlp.w2.weight"] = [p + "mlp.down_proj.weight"]
+    return own
+
+
+def _norm_sources(cfg: ModelConfig, p: str, o: str) -> dict[str, list[str]]:
+    """A block's norms (`Block`'s) from the checkpoint's names, which say where a norm sits only
+    together: Llama's `post_attention_layernorm` is the MLP's input norm, OLMo 2's is attention's
+    output norm."""
+    own = {}
+    if cfg.pre_norms:
+        own[o + "attn_norm.weight"] = [p + "input_layernorm.weight"]
+        mlp_input = "pre_feedforward_layernorm" if cfg.post_norms else "post_attention_layernorm"
+        own[o + "mlp_norm.weight"] = [p + mlp_input + ".weight"]
+    if cfg.post_norms:
+        own[o + "attn_out_norm.weight"] = [p + "post_attention_layernorm.weight"]
+        own[o + "mlp_out_norm.weight"] = [p + "post_feedforward_layernorm.weight"]
     return own
 
 
