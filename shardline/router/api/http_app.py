@@ -46,6 +46,7 @@ from shardline.router.api.openai.errors import ApiError, invalid_body
 from shardline.router.api.openai.response_store import ResponseStore
 from shardline.router.api.openai.schema import ChatCompletionRequest, CompletionRequest, Model, ModelList
 from shardline.router.api.openai.tools import declares_calls
+from shardline.router.api.reasoning import reasoning_format
 from shardline.router.core.replica import Replica
 from shardline.router.observers.tracing import Tracing, request_attributes
 from shardline.router.requests.admission import Admission
@@ -98,6 +99,7 @@ class HttpApi:
         self.served_names, self.metrics = list(served_names or []), metrics
         self.created = int(time.time())
         blocks = self.tool_blocks = declares_calls(replica.codec.template_source)  # calls in <tool_call> blocks
+        reasoning = reasoning_format(replica.codec)  # reasoning in <think> blocks
         app = self.app = FastAPI(title="Shardline", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(ApiError, self._error)
         app.add_exception_handler(HTTPException, self._http_error)
@@ -111,7 +113,7 @@ class HttpApi:
                 "chat",
                 ChatCompletionRequest,
                 lambda body: chat_requests(body, blocks),
-                lambda body, choices, model, codec: ChatAnswer(body, choices, model, codec, blocks),
+                lambda body, choices, model, codec: ChatAnswer(body, choices, model, codec, blocks, reasoning),
             ),
         )
         self._route(

@@ -85,6 +85,7 @@ def _tool_use(call: ToolCall) -> dict:
 
 class MessagesAnswer(ChatAnswer):
     id_prefix = "msg_"
+    shows_reasoning = False  # thinking blocks are still to come: the reasoning stays in the text
 
     def __init__(self, request: MessagesRequest, choices: Choices, model: str, codec: TextCodec, tool_blocks: bool):
         super().__init__(as_chat(request, request.max_tokens), choices, model, codec, tool_blocks)
@@ -94,8 +95,8 @@ class MessagesAnswer(ChatAnswer):
         self._blocks = 0  # content blocks started in the stream
         self._text_open = False
 
-    def _take(self, index: int, out: Output) -> tuple[str, list[ToolCall]]:
-        text, calls = super()._take(index, out)
+    def _take(self, index: int, out: Output) -> tuple[str, str, list[ToolCall]]:
+        reasoning, text, calls = super()._take(index, out)
         if out.finish_reason is not None:
             self.stop_sequence = out.stop
             self.stop_reason = (
@@ -110,7 +111,7 @@ class MessagesAnswer(ChatAnswer):
                 if out.finish_reason is FinishReason.LENGTH
                 else "end_turn"
             )
-        return text, calls
+        return reasoning, text, calls
 
     def _usage(self) -> Usage:
         seq = self.choices.seqs[0]

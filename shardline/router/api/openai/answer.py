@@ -59,14 +59,16 @@ class Answer:
         self.created = int(time.time())
         n = len(choices.reqs)
         self.text = [""] * n
+        self.reasoning = [""] * n  # each choice's reasoning, where the API shows it apart (reasoning.py)
         self.finish: list[str | None] = [None] * n
         self.logprobs: list[list] = [[] for _ in range(n)]  # each choice's, as the API writes them
         self._closed = False
 
     # -- what each API writes ----------------------------------------------------------------------
-    def _read(self, index: int, text: str, final: bool) -> tuple[str, list[ToolCall]]:
-        """A choice's text delta as the API shows it, and the tool calls it completed."""
-        return text, []
+    def _read(self, index: int, text: str, final: bool) -> tuple[str, str, list[ToolCall]]:
+        """A choice's text delta as the API shows it: its reasoning, its answer, and the tool calls
+        it completed."""
+        return "", text, []
 
     def _finish_reason(self, index: int, reason: str) -> str:
         return reason
@@ -82,6 +84,10 @@ class Answer:
     def _chunk(self, index: int, delta: str, calls: list[ToolCall], logprobs: list) -> BaseModel:
         raise NotImplementedError
 
+    def _reasoning_chunks(self, index: int, delta: str) -> list:
+        """The events of a reasoning delta (an API that shows reasoning apart writes them)."""
+        return []
+
     def _usage_chunk(self) -> BaseModel:
         raise NotImplementedError
 
@@ -93,15 +99,16 @@ class Answer:
     def wants_logprobs(self) -> bool:
         return self.choices.reqs[0].HasField("logprobs")
 
-    def _take(self, index: int, out: Output) -> tuple[str, list[ToolCall]]:
-        """Records an output; returns its delta and the tool calls it completed."""
+    def _take(self, index: int, out: Output) -> tuple[str, str, list[ToolCall]]:
+        """Records an output; returns its reasoning and answer deltas and the tool calls it completed."""
         for entry in out.logprobs:
             self.logprobs[index].append(self._logprob(index, entry))
-        text, calls = self._read(index, out.text, out.finish_reason is not None)
+        reasoning, text, calls = self._read(index, out.text, out.finish_reason is not None)
         if out.finish_reason:
             self.finish[index] = self._finish_reason(index, FINISH[out.finish_reason])
+        self.reasoning[index] += reasoning
         self.text[index] += text
-        return text, calls
+        return reasoning, text, calls
 
     def _usage(self) -> Usage:
         seqs = self.choices.seqs
@@ -181,9 +188,11 @@ class Answer:
             async with contextlib.aclosing(self._outputs()) as outputs:
                 async for index, out in outputs:
                     seen = len(self.logprobs[index])
-                    delta, calls = self._take(index, out)
+                    reasoning, delta, calls = self._take(index, out)
+                    for event in self._reasoning_chunks(index, reasoning) if reasoning else ():
+                        yield self._event(event)
                     if not (delta or calls or out.finish_reason or out.logprobs):
-                        continue  # withheld text (half a character, a possible stop string, a call)
+                        continue  # withheld text (half a character, a possible stop string, a call, a tag)
                     for event in self._chunks(index, delta, calls, self.logprobs[index][seen:]):
                         yield self._event(event)
             for event in self._closing():

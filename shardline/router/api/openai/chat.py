@@ -1,5 +1,6 @@
-"""`/v1/chat/completions`: messages in (with tools), a message or its deltas out, tool calls
-read back from the text (tools.py), log-probabilities as `logprobs.content[]`."""
+"""`/v1/chat/completions`: messages in (with tools), a message or its deltas out, reasoning read
+apart from the answer (`reasoning_content`: reasoning.py), tool calls read back from the answer
+(tools.py), log-probabilities as `logprobs.content[]`."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from shardline.router.api.openai.schema import (
     TopLogprob,
 )
 from shardline.router.api.openai.tools import ToolCallReader
+from shardline.router.api.reasoning import ReasoningFormat, ReasoningReader
 
 
 def chat_requests(body: ChatCompletionRequest, tool_blocks: bool) -> list[pb.GenerateRequest]:
@@ -57,19 +59,33 @@ def chat_messages(messages: list[Message], tool_list: list[Tool] | None) -> pb.C
 
 class ChatAnswer(Answer):
     id_prefix = "chatcmpl-"
+    shows_reasoning = True  # an API built on this one that does not yet leaves the reasoning in its text
 
-    def __init__(self, body: ChatCompletionRequest, choices: Choices, model: str, codec: TextCodec, tool_blocks: bool):
+    def __init__(
+        self,
+        body: ChatCompletionRequest,
+        choices: Choices,
+        model: str,
+        codec: TextCodec,
+        tool_blocks: bool,
+        reasoning: ReasoningFormat | None = None,
+    ):
         super().__init__(body, choices, model, codec)
         kind = tools.mode(body, tool_blocks)
         self.readers = [ToolCallReader(kind, tool_blocks) for _ in self.text]
+        self.reasoners = [ReasoningReader(reasoning if self.shows_reasoning else None) for _ in self.text]
 
-    def _read(self, index: int, text: str, final: bool) -> tuple[str, list[ToolCall]]:
-        reader = self.readers[index]
+    def _read(self, index: int, text: str, final: bool) -> tuple[str, str, list[ToolCall]]:
+        reasoner, reader = self.reasoners[index], self.readers[index]
+        reasoning, text = reasoner.feed(text)
+        if final:
+            more_reasoning, rest = reasoner.end()
+            reasoning, text = reasoning + more_reasoning, text + rest
         text, calls = reader.feed(text)
         if final:
             rest, more = reader.end()
             text, calls = text + rest, calls + more
-        return text, calls
+        return reasoning, text, calls
 
     def _finish_reason(self, index: int, reason: str) -> str:
         return "tool_calls" if self.readers[index].calls and reason == "stop" else reason
@@ -91,7 +107,8 @@ class ChatAnswer(Answer):
 
     def _message(self, index: int) -> ChatMessage:
         calls = self.readers[index].calls
-        return ChatMessage(content=self.text[index] or None if calls else self.text[index], tool_calls=calls or None)
+        content = self.text[index] or None if calls else self.text[index]
+        return ChatMessage(content=content, reasoning_content=self.reasoning[index] or None, tool_calls=calls or None)
 
     def _whole(self) -> ChatCompletion:
         return ChatCompletion(
@@ -131,6 +148,9 @@ class ChatAnswer(Answer):
                 )
             ]
         )
+
+    def _reasoning_chunks(self, index: int, delta: str) -> list[ChatCompletionChunk]:
+        return [self._chunk_of([ChatChunkChoice(index=index, delta=Delta(reasoning_content=delta))])]
 
     def _usage_chunk(self) -> ChatCompletionChunk:
         return self._chunk_of([], self._usage())

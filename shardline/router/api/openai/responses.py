@@ -112,6 +112,7 @@ def _delta_logprob(entry: TokenLogprob) -> dict:
 
 class ResponsesAnswer(ChatAnswer):
     id_prefix = "resp_"
+    shows_reasoning = False  # reasoning items are still to come: the reasoning stays in the text
 
     def __init__(
         self,

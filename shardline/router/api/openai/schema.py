@@ -292,6 +292,7 @@ class CompletionLogprobs(BaseModel):
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # what the model reasoned before answering, as vLLM names it
     tool_calls: list[ToolCall] | None = None
 
 
@@ -328,6 +329,7 @@ class Delta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")

@@ -1,0 +1,119 @@
+"""The reading of reasoning apart from the answer (router/api/reasoning.py): what a whole text
+splits into, that a text streamed in any pieces splits into the same, what a chat template says,
+and chat completions' `reasoning_content` through the official client."""
+
+import re
+import shutil
+
+import openai
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shardline.common.tokenizer import TextCodec
+from shardline.protos import generation_pb2 as pb
+from shardline.router.api.reasoning import ReasoningFormat, ReasoningReader, reasoning_format
+from tests.support import Server
+
+THINKS, OPENED = ReasoningFormat(), ReasoningFormat(opened=True)
+
+
+def _split(fmt, pieces: list[str]) -> tuple[str, str]:
+    reader, reasoning, answer = ReasoningReader(fmt), "", ""
+    for piece in pieces:
+        r, a = reader.feed(piece)
+        reasoning, answer = reasoning + r, answer + a
+    r, a = reader.end()
+    assert reader.reasoning == reasoning + r
+    return reasoning + r, answer + a
+
+
+def test_a_whole_text_splits_at_its_think_block():
+    cases = [
+        (THINKS, "<think>\nPlan: add.\n</think>\n\n4", ("\nPlan: add.\n", "4")),
+        (THINKS, "  <think>x</think>y", ("x", "y")),  # leading whitespace before the block
+        (THINKS, "4, no reasoning", ("", "4, no reasoning")),
+        (THINKS, "the <think> later is text", ("", "the <think> later is text")),
+        (THINKS, "<think>never closed", ("never closed", "")),  # cut off while reasoning
+        (THINKS, "<think></think>\n\n\nanswer\n", ("", "answer\n")),  # only the leading newlines go
+        (THINKS, "<thin", ("", "<thin")),  # ended on what only began to look like the tag
+        (OPENED, "step one</think>\n\ndone", ("step one", "done")),  # the prompt opened the block
+        (OPENED, "all reasoning", ("all reasoning", "")),
+        (None, "<think>x</think>y", ("", "<think>x</think>y")),  # a template without <think>
+    ]
+    for fmt, text, want in cases:
+        assert _split(fmt, [text]) == want, (fmt, text)
+
+
+words = st.lists(st.sampled_from(["<think>", "</think>", "<", "</th", "think", ">", "\n", " ", "a", "b4"]), max_size=6)
+# texts shaped as a model writes them (a block, then newlines and an answer), with noise in each part
+texts = st.tuples(
+    st.sampled_from(["", " ", "\n"]),
+    st.sampled_from(["<think>", "", "<thi"]),
+    words.map("".join),
+    st.sampled_from(["</think>", "", "</thi"]),
+    st.sampled_from(["", "\n", "\n\n"]),
+    words.map("".join),
+).map("".join)
+
+
+@given(st.sampled_from([THINKS, OPENED, None]), texts, st.lists(st.integers(0, 40), max_size=6))
+def test_any_pieces_of_a_stream_split_as_the_whole_text_does(fmt, text, cuts):
+    bounds = sorted({0, len(text), *(c for c in cuts if c < len(text))})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    assert _split(fmt, pieces) == _split(fmt, [text])
+
+
+# Qwen3's shape: ChatML turns, and <think> blocks, which its template strips from earlier turns
+THINKING_TEMPLATE = (
+    "{#- an assistant turn may hold <think> reasoning -#}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+OPENING_TEMPLATE = THINKING_TEMPLATE.replace("assistant\n{% endif %}", "assistant\n<think>\n{% endif %}")
+assert OPENING_TEMPLATE != THINKING_TEMPLATE
+
+
+def _model_with(template: str, tiny_models, folder):
+    shutil.copytree(tiny_models["llama"], folder)
+    (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
+def test_a_template_says_whether_its_model_reasons_and_whether_its_prompt_opens_the_block(tiny_models, tmp_path):
+    found = {
+        name: reasoning_format(TextCodec(_model_with(template, tiny_models, tmp_path / name)))
+        for name, template in [("thinks", THINKING_TEMPLATE), ("opens", OPENING_TEMPLATE)]
+    }
+    assert found == {"thinks": ReasoningFormat(opened=False), "opens": ReasoningFormat(opened=True)}
+    assert reasoning_format(TextCodec(tiny_models["llama"])) is None  # SmolLM2's template
+
+
+@pytest.mark.processes
+def test_chat_completions_answer_reasoning_as_reasoning_content_whole_and_streamed(tiny_models, tmp_path):
+    """The tiny model, constrained to write a <think> block and then an answer, through the
+    official client: the block's text is `reasoning_content` (message and stream deltas), the rest
+    the content, the same whole and streamed."""
+    server = Server(
+        "--model", str(_model_with(THINKING_TEMPLATE, tiny_models, tmp_path / "thinks")), "--page-size", "16"
+    )
+    client = openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0, timeout=120)
+    shape = r"<think>\n[a-z]{3,8} [a-z]{3,8}\n</think>\n\n[a-z]{2,6}"
+    request = dict(
+        model=server.stub.Info(pb.InfoRequest()).model,
+        messages=[{"role": "user", "content": "What is two and two?"}],
+        temperature=0,
+        max_tokens=40,
+        extra_body={"structured_outputs": {"regex": shape}},
+    )
+    try:
+        message = client.chat.completions.create(**request).choices[0].message
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(**request, stream=True) if c.choices]
+    finally:
+        assert server.stop() == 0
+    reasoning, answer = message.model_extra["reasoning_content"], message.content
+    assert re.fullmatch(r"\n[a-z]{3,8} [a-z]{3,8}\n", reasoning) and re.fullmatch(r"[a-z]{2,6}", answer), message
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == answer
+    first_answer = next(i for i, d in enumerate(deltas) if d.content)
+    assert not any((d.model_extra or {}).get("reasoning_content") for d in deltas[first_answer:])
