@@ -5,6 +5,7 @@ and chat completions' `reasoning_content` through the official client."""
 import re
 import shutil
 
+import anthropic
 import openai
 import pytest
 from hypothesis import given
@@ -117,3 +118,38 @@ def test_chat_completions_answer_reasoning_as_reasoning_content_whole_and_stream
     assert "".join(d.content or "" for d in deltas) == answer
     first_answer = next(i for i, d in enumerate(deltas) if d.content)
     assert not any((d.model_extra or {}).get("reasoning_content") for d in deltas[first_answer:])
+
+
+@pytest.mark.processes
+def test_every_api_answers_the_reasoning_of_a_prompt_that_opens_its_block(tiny_models, tmp_path):
+    """A template whose prompt opens the <think> block, and an answer cut off inside it: all of
+    the text is reasoning, the same in chat completions' `reasoning_content`, an Anthropic
+    `thinking` block and a Responses `reasoning` item, whole and through each client's stream."""
+    server = Server("--model", str(_model_with(OPENING_TEMPLATE, tiny_models, tmp_path / "opens")), "--page-size", "16")
+    model = server.stub.Info(pb.InfoRequest()).model
+    chat = openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0, timeout=120)
+    claude = anthropic.Anthropic(base_url=server.http_url.removesuffix("/v1"), api_key="unused", max_retries=0)
+    ask = [{"role": "user", "content": "What is two and two?"}]
+    try:
+        message = (
+            chat.chat.completions.create(model=model, messages=ask, max_tokens=12, temperature=0).choices[0].message
+        )
+        greedy = {"temperature": 0}  # no longer a named argument of Anthropic's client: sent as older ones send it
+        answer = claude.messages.create(model=model, messages=ask, max_tokens=12, extra_body=greedy)
+        with claude.messages.stream(model=model, messages=ask, max_tokens=12, extra_body=greedy) as stream:
+            streamed = stream.get_final_message()
+        response = chat.responses.create(model=model, input=ask, max_output_tokens=12, temperature=0)
+        # cut off: the stream ends with `response.incomplete` (the client's helper waits for `.completed`)
+        events = list(chat.responses.create(model=model, input=ask, max_output_tokens=12, temperature=0, stream=True))
+    finally:
+        assert server.stop() == 0
+    reasoning = message.model_extra["reasoning_content"]
+    assert reasoning and message.content == ""
+    for whole in (answer, streamed):
+        assert [(b.type, b.thinking, b.signature) for b in whole.content] == [("thinking", reasoning, "")]
+    assert events[-1].type == "response.incomplete"
+    for whole in (response, events[-1].response):
+        assert [item.type for item in whole.output] == ["reasoning", "message"]
+        assert [part.text for part in whole.output[0].content] == [reasoning] and whole.output_text == ""
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == reasoning and events[2].type == "response.output_item.added"

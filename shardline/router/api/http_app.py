@@ -122,10 +122,10 @@ class HttpApi:
         )
         context_length = lambda: replica.served.head.context_length
         self.responses = ResponseStore()
-        self._route("/v1/responses", responses.endpoint(self.responses, blocks, context_length))
+        self._route("/v1/responses", responses.endpoint(self.responses, blocks, context_length, reasoning))
         app.get("/v1/responses/{response_id}")(self.retrieve)
         app.delete("/v1/responses/{response_id}")(self.delete)
-        self._route("/v1/messages", messages.endpoint(blocks, context_length))
+        self._route("/v1/messages", messages.endpoint(blocks, context_length, reasoning))
         app.post("/v1/messages/count_tokens")(self.count_tokens)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)

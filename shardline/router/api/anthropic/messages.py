@@ -6,12 +6,15 @@ generation (common/chat_bodies.py), answered in Anthropic's shape.
   `model_context_window_exceeded` where the context ran out first.
 - `stop_reason`: `end_turn` (the model's end of turn, or a constraint complete), `max_tokens`,
   `stop_sequence` (with the `stop_sequence` met), `tool_use` (the answer holds calls).
+- Reasoning is read apart as chat completions read it (router/api/reasoning.py) and answered as
+  a `thinking` block before the text (its `signature` empty: nothing here signs it).
 - Tool calls are read back as chat completions read them (openai/tools.py) and answered as
   `tool_use` blocks, their `input` the call's arguments; their ids are `toolu_` ids.
 - usage: `input_tokens` counts the prompt tokens not read from the prefix cache,
   `cache_read_input_tokens` those that were.
 - Streams are Anthropic's events (`event: <type>` and its JSON): `message_start`, `ping`, each
-  content block's `content_block_start`, `_delta` (`text_delta`, `input_json_delta`) and
+  content block's `content_block_start`, `_delta` (`thinking_delta`, `text_delta`,
+  `input_json_delta`) and
   `_stop`, then `message_delta` (stop reason, and the whole usage: what the prefix cache held is
   known only once the request is scheduled, after `message_start`) and `message_stop`; a
   failure after the start is an `error` event.
@@ -32,6 +35,7 @@ from shardline.router.api.openai.chat import ChatAnswer, chat_requests
 from shardline.router.api.openai.choices import Choices
 from shardline.router.api.openai.errors import ApiError, invalid_body
 from shardline.router.api.openai.schema import ChatCompletionRequest, ToolCall
+from shardline.router.api.reasoning import ReasoningFormat
 from shardline.router.core.sequence import FinishReason, Output
 
 PREFIX = "/v1/messages"
@@ -57,7 +61,7 @@ def prompt_request(body: CountTokensRequest, tool_blocks: bool) -> pb.GenerateRe
     return chat_requests(as_chat(body), tool_blocks)[0]
 
 
-def endpoint(tool_blocks: bool, context_length: Callable[[], int]):
+def endpoint(tool_blocks: bool, context_length: Callable[[], int], reasoning: ReasoningFormat | None = None):
     """`/v1/messages` (http_app.py's Endpoint). `context_length`: the served model's."""
 
     def requests(body: MessagesRequest) -> list[pb.GenerateRequest]:
@@ -65,9 +69,13 @@ def endpoint(tool_blocks: bool, context_length: Callable[[], int]):
         return chat_requests(as_chat(body, body.max_tokens if fits else None), tool_blocks)
 
     def answer(body: MessagesRequest, choices: Choices, model: str, codec: TextCodec) -> MessagesAnswer:
-        return MessagesAnswer(body, choices, model, codec, tool_blocks)
+        return MessagesAnswer(body, choices, model, codec, tool_blocks, reasoning)
 
     return Endpoint("chat", MessagesRequest, requests, answer)
+
+
+def _thinking(text: str) -> dict:
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def _tool_use(call: ToolCall) -> dict:
@@ -85,15 +93,22 @@ def _tool_use(call: ToolCall) -> dict:
 
 class MessagesAnswer(ChatAnswer):
     id_prefix = "msg_"
-    shows_reasoning = False  # thinking blocks are still to come: the reasoning stays in the text
 
-    def __init__(self, request: MessagesRequest, choices: Choices, model: str, codec: TextCodec, tool_blocks: bool):
-        super().__init__(as_chat(request, request.max_tokens), choices, model, codec, tool_blocks)
+    def __init__(
+        self,
+        request: MessagesRequest,
+        choices: Choices,
+        model: str,
+        codec: TextCodec,
+        tool_blocks: bool,
+        reasoning: ReasoningFormat | None = None,
+    ):
+        super().__init__(as_chat(request, request.max_tokens), choices, model, codec, tool_blocks, reasoning)
         self.request = request
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
         self._blocks = 0  # content blocks started in the stream
-        self._text_open = False
+        self._open: str | None = None  # the kind of the block the stream writes into: thinking, text
 
     def _take(self, index: int, out: Output) -> tuple[str, str, list[ToolCall]]:
         reasoning, text, calls = super()._take(index, out)
@@ -121,8 +136,9 @@ class MessagesAnswer(ChatAnswer):
         )
 
     def _content(self) -> list[dict]:
+        thinking = [_thinking(self.reasoning[0])] if self.reasoning[0] else []
         text = [{"type": "text", "text": self.text[0]}] if self.text[0] else []
-        return text + [_tool_use(c) for c in self.readers[0].calls]
+        return thinking + text + [_tool_use(c) for c in self.readers[0].calls]
 
     def _whole(self) -> MessageAnswer:
         return MessageAnswer(
@@ -150,30 +166,30 @@ class MessagesAnswer(ChatAnswer):
         )
         return [{"type": "message_start", "message": start.model_dump()}, {"type": "ping"}]
 
-    def _close_text(self) -> list[dict]:
-        if not self._text_open:
+    def _close_block(self) -> list[dict]:
+        if self._open is None:
             return []
-        self._text_open = False
+        self._open = None
         self._blocks += 1
         return [{"type": "content_block_stop", "index": self._blocks - 1}]
 
-    def _chunks(self, index: int, delta: str, calls: list[ToolCall], logprobs: list) -> list[dict]:
+    def _write(self, kind: str, delta: dict) -> list[dict]:
+        """A delta into the open block of `kind` (thinking, text), started here where it is not."""
         events = []
-        if delta:
-            if not self._text_open:
-                self._text_open = True
-                events.append(
-                    {
-                        "type": "content_block_start",
-                        "index": self._blocks,
-                        "content_block": {"type": "text", "text": ""},
-                    }
-                )
-            events.append(
-                {"type": "content_block_delta", "index": self._blocks, "delta": {"type": "text_delta", "text": delta}}
-            )
+        if self._open != kind:
+            events += self._close_block()
+            self._open = kind
+            start = _thinking("") if kind == "thinking" else {"type": "text", "text": ""}
+            events.append({"type": "content_block_start", "index": self._blocks, "content_block": start})
+        return [*events, {"type": "content_block_delta", "index": self._blocks, "delta": delta}]
+
+    def _reasoning_chunks(self, index: int, delta: str) -> list[dict]:
+        return self._write("thinking", {"type": "thinking_delta", "thinking": delta})
+
+    def _chunks(self, index: int, delta: str, calls: list[ToolCall], logprobs: list) -> list[dict]:
+        events = self._write("text", {"type": "text_delta", "text": delta}) if delta else []
         for call in calls:
-            events += self._close_text()
+            events += self._close_block()
             use = _tool_use(call)
             i = self._blocks
             self._blocks += 1
@@ -190,7 +206,7 @@ class MessagesAnswer(ChatAnswer):
 
     def _closing(self) -> list[dict]:
         return [
-            *self._close_text(),
+            *self._close_block(),
             {
                 "type": "message_delta",
                 "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},

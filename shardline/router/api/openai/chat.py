@@ -59,7 +59,6 @@ def chat_messages(messages: list[Message], tool_list: list[Tool] | None) -> pb.C
 
 class ChatAnswer(Answer):
     id_prefix = "chatcmpl-"
-    shows_reasoning = True  # an API built on this one that does not yet leaves the reasoning in its text
 
     def __init__(
         self,
@@ -73,7 +72,7 @@ class ChatAnswer(Answer):
         super().__init__(body, choices, model, codec)
         kind = tools.mode(body, tool_blocks)
         self.readers = [ToolCallReader(kind, tool_blocks) for _ in self.text]
-        self.reasoners = [ReasoningReader(reasoning if self.shows_reasoning else None) for _ in self.text]
+        self.reasoners = [ReasoningReader(reasoning) for _ in self.text]
 
     def _read(self, index: int, text: str, final: bool) -> tuple[str, str, list[ToolCall]]:
         reasoner, reader = self.reasoners[index], self.readers[index]

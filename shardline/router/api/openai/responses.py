@@ -7,13 +7,16 @@ generation (common/chat_bodies.py), answered in the Responses API's shape.
 - `max_output_tokens` is a ceiling, as OpenAI states it: one the context cannot hold runs
   open-ended up to the context. A response that ran out of tokens is `incomplete`, reason
   `max_output_tokens`.
-- `output`: the text as a `message` item of one `output_text` part, and/or the tool calls read
-  back as chat completions read them (openai/tools.py) as `function_call` items.
+- `output`: the reasoning read apart as chat completions read it (router/api/reasoning.py) as a
+  `reasoning` item of one `reasoning_text` part, the text as a `message` item of one
+  `output_text` part, and/or the tool calls read back as chat completions read them
+  (openai/tools.py) as `function_call` items.
 - usage: `input_tokens` counts the whole prompt, `input_tokens_details.cached_tokens` what the
   prefix cache held; no reasoning tokens.
 - Streams are the Responses API's events (`event: <type>` and its JSON, numbered by
   `sequence_number`): `response.created`, `response.in_progress`, then per output item
-  `response.output_item.added`, for text `response.content_part.added`,
+  `response.output_item.added`, for reasoning `response.reasoning_text.delta`s and `.done`, for
+  text `response.content_part.added`,
   `response.output_text.delta`s, `response.output_text.done`, `response.content_part.done`, for
   a call one `response.function_call_arguments.delta` (a call is sent once it is whole) and
   `.done`, then `response.output_item.done`; last `response.completed` (or
@@ -42,6 +45,7 @@ from shardline.router.api.openai.responses_schema import (
     Usage,
 )
 from shardline.router.api.openai.schema import TEMPERATURE, TOP_P, ChatCompletionRequest, TokenLogprob, ToolCall
+from shardline.router.api.reasoning import ReasoningFormat
 
 ERROR_CODES = {400: "invalid_prompt", 429: "rate_limit_exceeded"}  # the Response's error.code; else server_error
 
@@ -73,7 +77,9 @@ def as_chat(body: ResponsesRequest, history: list[dict], ceiling_fits: bool = Tr
         raise invalid_body(e) from None
 
 
-def endpoint(store: ResponseStore, tool_blocks: bool, context_length: Callable[[], int]) -> Endpoint:
+def endpoint(
+    store: ResponseStore, tool_blocks: bool, context_length: Callable[[], int], reasoning: ReasoningFormat | None = None
+) -> Endpoint:
     """`/v1/responses` (http_app.py's Endpoint). `context_length`: the served model's."""
 
     def prepare(body: ResponsesRequest, tenant: str) -> None:
@@ -88,7 +94,7 @@ def endpoint(store: ResponseStore, tool_blocks: bool, context_length: Callable[[
         return chat_requests(as_chat(body, body.history, fits), tool_blocks)
 
     def answer(body: ResponsesRequest, choices: Choices, model: str, codec: TextCodec) -> ResponsesAnswer:
-        return ResponsesAnswer(body, choices, model, codec, tool_blocks, store)
+        return ResponsesAnswer(body, choices, model, codec, tool_blocks, store, reasoning)
 
     return Endpoint("chat", ResponsesRequest, requests, answer, prepare)
 
@@ -112,7 +118,6 @@ def _delta_logprob(entry: TokenLogprob) -> dict:
 
 class ResponsesAnswer(ChatAnswer):
     id_prefix = "resp_"
-    shows_reasoning = False  # reasoning items are still to come: the reasoning stays in the text
 
     def __init__(
         self,
@@ -122,13 +127,17 @@ class ResponsesAnswer(ChatAnswer):
         codec: TextCodec,
         tool_blocks: bool,
         store: ResponseStore,
+        reasoning: ReasoningFormat | None = None,
     ):
-        super().__init__(as_chat(request, request.history), choices, model, codec, tool_blocks)
+        super().__init__(as_chat(request, request.history), choices, model, codec, tool_blocks, reasoning)
         self.request, self.store = request, store
         self.message_id = "msg_" + self.id.removeprefix(self.id_prefix)
+        self.reasoning_id = "rs_" + self.id.removeprefix(self.id_prefix)
         self._sequence = 0  # the next event's sequence_number
         self._items = 0  # output items the stream has closed
         self._open: int | None = None  # the output index of the message the stream has open
+        self._thinking: int | None = None  # the output index of the reasoning item it has open
+        self._answered = False  # a message or a call has been opened
 
     # -- the Response -------------------------------------------------------------------------------
     def _usage(self) -> Usage:
@@ -149,10 +158,15 @@ class ResponsesAnswer(ChatAnswer):
         part = {"type": "output_text", "text": self.text[0], "annotations": [], "logprobs": logprobs}
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": [part]}
 
+    def _reasoning_item(self, status: str) -> dict:
+        content = [{"type": "reasoning_text", "text": self.reasoning[0]}]
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "content": content, "status": status}
+
     def _output(self) -> list[dict]:
         calls = self.readers[0].calls
+        reasoning = [self._reasoning_item(self._status())] if self.reasoning[0] else []
         message = [self._message(self._status())] if self.text[0] or not calls else []
-        return message + [_function_call(c) for c in calls]
+        return reasoning + message + [_function_call(c) for c in calls]
 
     def _response(self, status: str, output: list[dict], usage: Usage | None, error: dict | None = None) -> Response:
         r = self.request
@@ -216,7 +230,28 @@ class ResponsesAnswer(ChatAnswer):
         start = self._response("in_progress", [], None).model_dump()
         return [{"type": "response.created", "response": start}, {"type": "response.in_progress", "response": start}]
 
+    def _reasoning_chunks(self, index: int, delta: str) -> list[dict]:
+        events = []
+        if self._thinking is None:
+            self._thinking = self._items
+            item = {**self._reasoning_item("in_progress"), "content": []}
+            events.append({"type": "response.output_item.added", "output_index": self._thinking, "item": item})
+        at = {"item_id": self.reasoning_id, "output_index": self._thinking, "content_index": 0}
+        return [*events, {"type": "response.reasoning_text.delta", **at, "delta": delta}]
+
+    def _close_reasoning(self) -> list[dict]:
+        if self._thinking is None:
+            return []
+        index, self._thinking = self._thinking, None
+        self._items += 1
+        at = {"item_id": self.reasoning_id, "output_index": index, "content_index": 0}
+        return [
+            {"type": "response.reasoning_text.done", **at, "text": self.reasoning[0]},
+            {"type": "response.output_item.done", "output_index": index, "item": self._reasoning_item("completed")},
+        ]
+
     def _open_message(self) -> list[dict]:
+        self._answered = True
         self._open = self._items
         item = {"type": "message", "id": self.message_id, "status": "in_progress", "role": "assistant", "content": []}
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
@@ -242,7 +277,8 @@ class ResponsesAnswer(ChatAnswer):
         ]
 
     def _chunks(self, index: int, delta: str, calls: list[ToolCall], logprobs: list) -> list[dict]:
-        events = []
+        events = self._close_reasoning() if delta or calls else []
+        self._answered = self._answered or bool(calls)
         if delta:
             if self._open is None:
                 events += self._open_message()
@@ -283,7 +319,8 @@ class ResponsesAnswer(ChatAnswer):
 
     def _closing(self) -> list[dict]:
         # An answer of no text and no call is an empty message, as the whole answer has it.
-        events = self._open_message() if self._items == 0 and self._open is None else []
+        events = self._close_reasoning()
+        events += self._open_message() if not self._answered else []
         events += self._close_message()
         response = self._finished()
         return [*events, {"type": f"response.{response.status}", "response": response.model_dump()}]
