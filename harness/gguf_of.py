@@ -18,6 +18,7 @@ import numpy as np
 ARCHITECTURES = {
     "llama": "llama",
     "mixtral": "llama",
+    "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen2_moe": "qwen2moe",

@@ -38,6 +38,17 @@ TINY_CONFIGS = {
         head_dim=32,
         tie_word_embeddings=False,
     ),
+    # Mistral: Llama's block with a head_dim of its own; its window off (v0.3 onwards)
+    "mistral": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    ),
     # SmolLM3: layer 3 of 4 without rotary embedding, tied embeddings
     "smollm3": dict(
         hidden_size=64,
@@ -140,6 +151,7 @@ def make_tiny_model(arch: str, path: Path, seed: int = 0, context: int = 2048) -
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
         "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
         "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),

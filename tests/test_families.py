@@ -1,4 +1,5 @@
-"""Families beyond Llama and Qwen: SmolLM3 (no rotary embedding in every 4th layer), Granite 3
+"""Families beyond Llama and Qwen: Mistral (Llama's block, its own head size, GGUF'd as llama),
+SmolLM3 (no rotary embedding in every 4th layer), Granite 3
 (embedding, residual, attention and logit multipliers) and OLMo 2 (norms after each sublayer
 rather than before, q/k norms across all heads).
 
@@ -9,7 +10,9 @@ A quantized SmolLM3 decodes a layer as one operator (kernels/decode_layer.cpp), 
 rotates: its unrotated layer's decode steps must see what its prefill computes. A layout a family
 cannot be split into is refused at start."""
 
+import json
 import random
+import shutil
 import subprocess
 import sys
 
@@ -18,8 +21,9 @@ import pytest
 from harness.gguf_of import write_gguf_of
 from harness.quality import compare
 from harness.serve import ROOT
+from shardline.common.model_source import resolve_model
 from shardline.protos import generation_pb2 as pb
-from shardline.shard.footprint import REFUSED
+from shardline.shard.footprint import REFUSED, Unservable, describe
 from tests.support import Server, assert_serves_like_reference, hf_greedy, hf_model
 
 pytestmark = pytest.mark.processes  # every test here starts processes
@@ -28,12 +32,15 @@ pytestmark = pytest.mark.processes  # every test here starts processes
 @pytest.fixture(scope="module")
 def ggufs(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    return {arch: write_gguf_of(tiny_models[arch], root / f"{arch}.gguf") for arch in ("smollm3", "granite", "olmo2")}
+    archs = ("mistral", "smollm3", "granite", "olmo2")
+    return {arch: write_gguf_of(tiny_models[arch], root / f"{arch}.gguf") for arch in archs}
 
 
 @pytest.mark.parametrize(
     "arch, source, flags",
     [
+        ("mistral", "hf", ["--tp", "2"]),
+        ("mistral", "gguf", ["--chunk-size", "7"]),  # as llama, its head size from the file's key_length
         ("smollm3", "hf", ["--chunk-size", "7"]),
         ("smollm3", "gguf", ["--tp", "2"]),  # Q/K rows permuted in the file, as llama's
         ("granite", "hf", ["--pp", "2"]),  # the embedding's scale on the first stage, the logits' on the last
@@ -98,3 +105,14 @@ def test_olmo2_over_tp_ranks_is_refused_at_start_with_the_reason(tiny_models):
     )
     assert done.returncode == REFUSED, done.stderr
     assert "q/k norms span all attention heads" in done.stderr and "--tp 1" in done.stderr
+
+
+def test_a_sliding_window_shorter_than_the_context_is_refused_as_not_served_yet(tiny_models, tmp_path):
+    folder = tmp_path / "mistral-v0.1-like"
+    shutil.copytree(tiny_models["mistral"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": 64}))
+    with pytest.raises(Unservable, match=r"sliding-window attention \(64 tokens\) is not served yet"):
+        describe(resolve_model(str(folder)))
+    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": config["max_position_embeddings"]}))
+    assert describe(resolve_model(str(folder))).cfg.architecture == "mistral"  # a window as long as the context

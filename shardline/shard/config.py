@@ -13,8 +13,9 @@ from shardline.common.gguf_header import GgufHeader
 class ModelConfig:
     """Llama-family decoder: Llama 2/3, SmolLM2, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm), and their
     mixtures of experts: Mixtral (`llama` with experts), Qwen2-MoE (shared expert) and Qwen3-MoE;
-    SmolLM3 (no rotary embedding in `nope_layers`), Granite 3 (the four scales) and OLMo 2 (norms
-    after each sublayer rather than before, q/k norms across all heads).
+    Mistral (Llama's block; served where its sliding window is off or spans the context), SmolLM3
+    (no rotary embedding in `nope_layers`), Granite 3 (the four scales) and OLMo 2 (norms after
+    each sublayer rather than before, q/k norms across all heads).
 
     A mixture's layers are sparse (`num_experts` MLPs of `expert_intermediate_size`, a token's
     `experts_per_token` picked by a router) but for `dense_layers` (an MLP of `intermediate_size`)."""
@@ -84,8 +85,10 @@ class ModelConfig:
         layers = raw["num_hidden_layers"]
         step = raw.get("decoder_sparse_step") or 1
         dense = [i for i in range(layers) if i in (raw.get("mlp_only_layers") or []) or (i + 1) % step]
-        if raw.get("use_sliding_window") and raw.get("sliding_window"):
-            raise ValueError("sliding-window attention is not served yet")
+        # Mistral's window applies unless a config turns it off (Qwen2's and SmolLM3's do)
+        window = raw.get("sliding_window") if raw.get("use_sliding_window", arch == "mistral") else None
+        if window and window < raw.get("max_position_embeddings", 4096):
+            raise ValueError(f"sliding-window attention ({window} tokens) is not served yet")
         rotates = raw.get("no_rope_layers") or [1] * layers  # SmolLM3's: 1 where the layer rotates
         return cls(
             architecture=arch,

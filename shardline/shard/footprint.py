@@ -32,7 +32,7 @@ from shardline.shard.config import ModelConfig
 from shardline.shard.layout import layer_range
 
 # architectures: Hugging Face model_type, GGUF general.architecture (Mixtral's is llama's)
-SERVED = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3", "granite", "olmo2")
+SERVED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3", "granite", "olmo2")
 SERVED_GGUF = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "smollm3", "granite", "olmo2")
 # GGUF architectures whose Q and K rows llama.cpp's converter interleaves for its RoPE (its
 # LlamaModel and the converters built on it): the loaders undo it
