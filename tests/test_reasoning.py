@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shardline.common.tokenizer import TextCodec
+from shardline.common.tokenizer import TemplateError, TextCodec
 from shardline.protos import generation_pb2 as pb
 from shardline.router.api.reasoning import ReasoningFormat, ReasoningReader, reasoning_format
-from tests.support import Server
+from tests.support import Server, smollm2_codec
 
 THINKS, OPENED = ReasoningFormat(), ReasoningFormat(opened=True)
 
@@ -65,14 +65,14 @@ def test_any_pieces_of_a_stream_split_as_the_whole_text_does(fmt, text, cuts):
     assert _split(fmt, pieces) == _split(fmt, [text])
 
 
-# Qwen3's shape: ChatML turns, and <think> blocks, which its template strips from earlier turns
+# Qwen3's shape: ChatML turns, and <think> blocks, skipped where `enable_thinking` is false
+TURNS = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 THINKING_TEMPLATE = (
-    "{#- an assistant turn may hold <think> reasoning -#}"
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    TURNS + "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
-OPENING_TEMPLATE = THINKING_TEMPLATE.replace("assistant\n{% endif %}", "assistant\n<think>\n{% endif %}")
-assert OPENING_TEMPLATE != THINKING_TEMPLATE
+# the thinking variants of Qwen3-2507 and DeepSeek-R1: the prompt opens the block
+OPENING_TEMPLATE = TURNS + "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
 
 
 def _model_with(template: str, tiny_models, folder):
@@ -88,6 +88,15 @@ def test_a_template_says_whether_its_model_reasons_and_whether_its_prompt_opens_
     }
     assert found == {"thinks": ReasoningFormat(opened=False), "opens": ReasoningFormat(opened=True)}
     assert reasoning_format(TextCodec(tiny_models["llama"])) is None  # SmolLM2's template
+
+
+def test_chat_template_kwargs_reach_the_template_and_may_not_set_its_own_variables(tiny_models, tmp_path):
+    codec = TextCodec(_model_with(THINKING_TEMPLATE, tiny_models, tmp_path / "thinks"))
+    ask = [{"role": "user", "content": "Hi"}]
+    assert codec.render_chat(ask).endswith("<|im_start|>assistant\n")
+    assert codec.render_chat(ask, None, {"enable_thinking": False}).endswith("assistant\n<think>\n\n</think>\n\n")
+    with pytest.raises(TemplateError, match="may not set the template's own add_generation_prompt"):
+        codec.render_chat(ask, None, {"add_generation_prompt": False})
 
 
 @pytest.mark.processes
@@ -110,8 +119,20 @@ def test_chat_completions_answer_reasoning_as_reasoning_content_whole_and_stream
     try:
         message = client.chat.completions.create(**request).choices[0].message
         deltas = [c.choices[0].delta for c in client.chat.completions.create(**request, stream=True) if c.choices]
+        # Asked to skip the reasoning (vLLM's chat_template_kwargs; Anthropic's thinking disabled),
+        # the template closes an empty block in the prompt, its tokens more of it
+        brief = dict(model=request["model"], messages=request["messages"], max_tokens=1)
+        plain = client.chat.completions.create(**brief).usage.prompt_tokens
+        off = {"chat_template_kwargs": {"enable_thinking": False}}
+        skipped = client.chat.completions.create(**brief, extra_body=off).usage.prompt_tokens
+        claude = anthropic.Anthropic(base_url=server.http_url.removesuffix("/v1"), api_key="unused", max_retries=0)
+        usage = claude.messages.create(**brief, extra_body={"thinking": {"type": "disabled"}}).usage
+        with pytest.raises(openai.BadRequestError, match="template's own messages"):
+            client.chat.completions.create(**brief, extra_body={"chat_template_kwargs": {"messages": []}})
     finally:
         assert server.stop() == 0
+    empty_block = len(smollm2_codec().encode("<think>\n\n</think>\n\n"))
+    assert skipped == plain + empty_block and usage.input_tokens + usage.cache_read_input_tokens == skipped
     reasoning, answer = message.model_extra["reasoning_content"], message.content
     assert re.fullmatch(r"\n[a-z]{3,8} [a-z]{3,8}\n", reasoning) and re.fullmatch(r"[a-z]{2,6}", answer), message
     assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == reasoning

@@ -10,7 +10,8 @@ Anthropic's Messages API (`/v1/messages`):
   message's `tool_result` blocks are tool messages answering them, in block order, its text a
   user message after them.
 - `thinking` blocks of earlier turns are left out (the prompt is what the model would have read);
-  `cache_control` is moot (every prefix is cached).
+  `cache_control` is moot (every prefix is cached). `thinking` `{"type": "disabled"}` asks the
+  chat template for no reasoning (`enable_thinking` false, Qwen3's variable), `enabled` for it.
 - tools: `input_schema` is the function's parameters; tool_choice `auto`, `any` (a call is
   required), `tool` (that one), `none`; `disable_parallel_tool_use` is `parallel_tool_calls`
   false; `output_config.format` is `response_format`.
@@ -92,6 +93,9 @@ def messages_as_chat(body: dict) -> dict:
             chat[to] = body[name]
     if (body.get("metadata") or {}).get("user_id"):
         chat["user"] = body["metadata"]["user_id"]
+    thinking = (body.get("thinking") or {}).get("type")
+    if thinking in ("enabled", "disabled"):
+        chat["chat_template_kwargs"] = {"enable_thinking": thinking == "enabled"}
     if body.get("tools"):
         chat["tools"] = [
             {

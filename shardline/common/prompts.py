@@ -37,4 +37,5 @@ def prompt_ids(codec: TextCodec, req: pb.GenerateRequest) -> list[int]:
         return codec.encode(req.prompt)
     chat = [template_message(m) for m in req.messages.messages]
     tools = json.loads(req.messages.tools_json) if req.messages.tools_json else None
-    return codec.encode(codec.render_chat(chat, tools))
+    variables = json.loads(req.messages.template_kwargs_json) if req.messages.template_kwargs_json else None
+    return codec.encode(codec.render_chat(chat, tools, variables))

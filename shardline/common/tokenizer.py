@@ -94,13 +94,19 @@ class TextCodec:
         # prompt tokenized on a worker thread does not stall the event loop.
         return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, variables: dict | None = None) -> str:
         """The conversation as the model reads it; `tools` (OpenAI's definitions) go to the
-        template as transformers hands them over."""
+        template as transformers hands them over, and `variables` beside them (chat template
+        kwargs: Qwen3's `enable_thinking`)."""
         if self._template is None:
             raise TemplateError("the model has no chat template; send a prompt or token ids instead")
+        own = {"messages", "tools", "add_generation_prompt", *self.special}
+        if taken := sorted(own & set(variables or {})):
+            raise TemplateError(f"chat template kwargs may not set the template's own {', '.join(taken)}")
         try:
-            return self._template.render(messages=messages, tools=tools, add_generation_prompt=True, **self.special)
+            return self._template.render(
+                messages=messages, tools=tools, add_generation_prompt=True, **self.special, **(variables or {})
+            )
         except jinja2.exceptions.TemplateError as e:
             raise TemplateError(f"the chat template refused the messages: {e}") from e
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:

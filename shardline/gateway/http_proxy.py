@@ -86,6 +86,8 @@ def routing_request(path: str, body: bytes) -> pb.GenerateRequest | None:
                 )
             if data.get("tools"):
                 req.messages.tools_json = json.dumps(data["tools"])
+            if data.get("chat_template_kwargs"):
+                req.messages.template_kwargs_json = json.dumps(data["chat_template_kwargs"])
         else:
             return None
         return req

@@ -120,6 +120,18 @@ def _json_list(name: str, text: str) -> None:
         raise invalid(f"{name} must be a JSON array of objects")
 
 
+def _json_object(name: str, text: str) -> None:
+    """An optional JSON object, given as text."""
+    if not text:
+        return
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise invalid(f"{name} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise invalid(f"{name} must be a JSON object")
+
+
 def _input(req: pb.GenerateRequest, limits: Limits) -> None:
     kind = req.WhichOneof("input")
     if kind == "prompt_token_ids":
@@ -143,6 +155,7 @@ def _input(req: pb.GenerateRequest, limits: Limits) -> None:
                 raise invalid(f"unknown chat role {m.role[:40]!r}; expected one of {sorted(CHAT_ROLES)}")
             _json_list("tool_calls_json", m.tool_calls_json)
         _json_list("tools_json", req.messages.tools_json)
+        _json_object("template_kwargs_json", req.messages.template_kwargs_json)
         chars = sum(len(m.content) + len(m.tool_calls_json) for m in messages) + len(req.messages.tools_json)
     else:
         raise invalid("no input: set prompt, prompt_token_ids or messages")

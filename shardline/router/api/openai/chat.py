@@ -38,6 +38,8 @@ def chat_requests(body: ChatCompletionRequest, tool_blocks: bool) -> list[pb.Gen
     if body.logprobs:
         req.logprobs = body.top_logprobs or 0
     req.messages.CopyFrom(chat_messages(body.messages, body.tools))
+    if body.chat_template_kwargs:
+        req.messages.template_kwargs_json = json.dumps(body.chat_template_kwargs)
     return per_choice(req, body)
 
 

@@ -10,7 +10,7 @@ tool expects it to apply. Extensions follow vLLM's names: `top_k`, `ignore_eos`,
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -207,6 +207,7 @@ class ChatCompletionRequest(BaseRequest):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
 
     @model_validator(mode="after")
     def _top_logprobs_with_logprobs(self):
