@@ -73,11 +73,11 @@ DecodeLayer::DecodeLayer(at::Tensor attn_norm, at::Tensor mlp_norm, double eps, 
                          std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> q_norm,
                          std::optional<at::Tensor> k_norm, double qk_eps, int64_t heads, double scale,
                          std::optional<at::Tensor> router, int64_t top_k, bool norm_topk,
-                         std::optional<at::Tensor> shared_gate)
+                         std::optional<at::Tensor> shared_gate, double residual_scale)
     : attn_norm_(std::move(attn_norm)), mlp_norm_(std::move(mlp_norm)), eps_(eps), bf16_gemm_(bf16_gemm),
       qkv_bias_(std::move(qkv_bias)), q_norm_(std::move(q_norm)), k_norm_(std::move(k_norm)), qk_eps_(qk_eps),
       heads_(heads), scale_(scale), router_(std::move(router)), shared_gate_(std::move(shared_gate)), top_k_(top_k),
-      norm_topk_(norm_topk) {
+      norm_topk_(norm_topk), residual_scale_(residual_scale) {
   const size_t mlps = router_ ? router_->size(0) + (shared_gate_ ? 1 : 0) : 1;
   TORCH_CHECK(parts.size() == 2 + 2 * mlps, "parts per linear layer: qkv, wo, then w13 and w2 per MLP");
   TORCH_CHECK(!router_ || (router_->dim() == 2 && router_->scalar_type() == at::kFloat && top_k_ > 0 &&
@@ -117,9 +117,13 @@ at::Tensor DecodeLayer::forward(const at::Tensor& x_in, const at::Tensor& cos, c
   if (qkv_bias_) qkv.add_(*qkv_bias_);
   const at::Tensor attended = paged_decode(qkv, cos, sin, q_norm_, k_norm_, qk_eps_, k_pages, v_pages, slots,
                                            block_tables, context_lens, heads_, scale_);
-  at::Tensor h = linear(attended, 1).add_(x);
+  // x + out * residual_scale, as the Block computes it (a scale of 1 multiplies nothing)
+  const auto residual = [this](at::Tensor out, const at::Tensor& x) {
+    return (residual_scale_ == 1.0 ? out : out.mul_(residual_scale_)).add_(x);
+  };
+  const at::Tensor h = residual(linear(attended, 1), x);
   const at::Tensor n = normed(h, mlp_norm_, eps_);
-  return (router_ ? experts(n) : mlp(n, 2)).add_(h);
+  return residual(router_ ? experts(n) : mlp(n, 2), h);
 }
 
 const DecodeLayer::Part* DecodeLayer::direct(const std::vector<Part>& parts, int64_t rows) {

@@ -19,12 +19,13 @@ class DecodeLayer : public torch::CustomClassHolder {
   // its kind, direct_rows, torch_rows and how many of `operands` are its own (decode_layer.cpp).
   // A mixture of experts (`router` [experts, hidden] fp32) has w13 and w2 per expert in place of
   // the MLP's, then the shared expert's where `shared_gate` [hidden] is given; each row takes its
-  // `top_k` experts, their softmax weights renormalized where `norm_topk`.
+  // `top_k` experts, their softmax weights renormalized where `norm_topk`. Attention's and the
+  // MLP's outputs are scaled by `residual_scale` before each residual add (Granite's multiplier).
   DecodeLayer(at::Tensor attn_norm, at::Tensor mlp_norm, double eps, std::vector<at::Tensor> operands,
               std::vector<int64_t> part_info, std::vector<int64_t> parts, bool bf16_gemm,
               std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
               double qk_eps, int64_t heads, double scale, std::optional<at::Tensor> router, int64_t top_k,
-              bool norm_topk, std::optional<at::Tensor> shared_gate);
+              bool norm_topk, std::optional<at::Tensor> shared_gate, double residual_scale);
   // x [rows, hidden] -> the layer's output [rows, hidden]; writes each row's K/V at its slot.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_pages,
                      at::Tensor v_pages, const at::Tensor& slots, const at::Tensor& block_tables,
@@ -53,6 +54,7 @@ class DecodeLayer : public torch::CustomClassHolder {
   std::optional<at::Tensor> router_, shared_gate_;
   int64_t top_k_;
   bool norm_topk_;
+  double residual_scale_;
 };
 
 }  // namespace shardline

@@ -59,7 +59,7 @@ TORCH_LIBRARY(shardline_native, m) {
       .def(torch::init<at::Tensor, at::Tensor, double, std::vector<at::Tensor>, std::vector<int64_t>,
                        std::vector<int64_t>, bool, std::optional<at::Tensor>, std::optional<at::Tensor>,
                        std::optional<at::Tensor>, double, int64_t, double, std::optional<at::Tensor>, int64_t, bool,
-                       std::optional<at::Tensor>>())
+                       std::optional<at::Tensor>, double>())
       .def("forward", &shardline::DecodeLayer::forward);
 }
 

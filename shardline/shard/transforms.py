@@ -237,6 +237,7 @@ class FusedDecodeBlock(nn.Module):
             attn.num_heads,
             attn.scale,
             *routing,
+            block.residual_scale,
         )
 
     def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):
@@ -248,9 +249,9 @@ class FusedDecodeBlock(nn.Module):
 
 def fusable(block: nn.Module) -> bool:
     """Whether a block's decode step can be one `DecodeLayer`: Llama's block (its norms before each
-    sublayer, q/k norms per head, no residual scale), every linear part quantized (a mixture's
-    routers are dense fp32 layers beside them) and untouched by TP."""
-    if block.attn_norm is None or block.attn_out_norm is not None or block.residual_scale != 1:
+    sublayer, q/k norms per head; a residual scale it takes), every linear part quantized (a
+    mixture's routers are dense fp32 layers beside them) and untouched by TP."""
+    if block.attn_norm is None or block.attn_out_norm is not None:
         return False
     if block.attn.qk_norm_across_heads:
         return False
