@@ -26,6 +26,7 @@ from shardline.common.model_source import resolve_model
 from shardline.protos import generation_pb2 as pb
 from shardline.shard.footprint import REFUSED, Unservable, describe
 from tests.support import Server, assert_serves_like_reference, hf_greedy, hf_model
+from tests.test_native_weights import MEAN_KL
 
 pytestmark = pytest.mark.processes  # every test here starts processes
 
@@ -93,11 +94,13 @@ def test_quantized_layers_decode_as_one_operator_as_their_prefill_computes_them(
     # scores at entry len(prompt) + i - 1 (its entries score the tokens after the first)
     result = compare(prefill, steps[1:])
     print(result)
-    # The two paths' kernels round apart by little (mean KLs of 1e-15 to 1e-5 seen, perplexities
-    # within 0.1%); SmolLM3's unrotated layer rotated by mistake put them at 0.015 and 0.73x,
-    # Granite's residual scale left out at 0.0014 and 0.54x (this random model's distributions
-    # are flat: the perplexity tells more than the KL).
-    assert result["mean_kl"] <= 1e-3 and abs(result["perplexity_ratio"] - 1) <= 0.01, result
+    # The two paths round apart by as much as the machine's kernel choices make them (decode's
+    # direct kernel may take int8 activations where the prompt's GEMM path does not: mean KLs of
+    # 1e-15 to 0.0012 and perplexities up to 1.8% apart seen), so the gate is the quantized paths'
+    # (test_native_weights.py) and a perplexity within 5%. SmolLM3's unrotated layer rotated by
+    # mistake put them at 0.015 and 0.73x, Granite's residual scale left out at 0.0014 and 0.54x
+    # (this random model's distributions are flat: its perplexity tells more than its KL).
+    assert result["mean_kl"] <= MEAN_KL and abs(result["perplexity_ratio"] - 1) <= 0.05, result
 
 
 def test_olmo2_over_tp_ranks_is_refused_at_start_with_the_reason(tiny_models):
