@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from pathlib import Path
 
@@ -26,6 +27,7 @@ ARCHITECTURES = {
     "smollm3": "smollm3",
     "granite": "granite",
     "olmo2": "olmo2",
+    "phi3": "phi3",
 }
 # Architectures whose Q/K rows the converter permutes: its LlamaModel and those built on it
 _PERMUTED = ("llama", "smollm3", "granite")
@@ -35,6 +37,8 @@ _LAYER = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused projections, fused in its GGUF too
+    "mlp.gate_up_proj": "ffn_up",
     "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
@@ -119,6 +123,24 @@ def _smollm2_tokenizer_fields() -> tuple[list, int]:
     return fields, len(smollm2.fields["tokenizer.ggml.tokens"].data)
 
 
+def _add_phi3_rotary(writer, raw: dict, head_dim: int) -> None:
+    """Phi-3's keys and tensors as the converter's Phi3MiniModel writes them: the turning
+    dimensions, the window (0: none), and LongRoPE's factors as two F32 tensors with the
+    attention factor it derives from the context's growth."""
+    rope = raw.get("rope_parameters") or {}
+    turned = int(head_dim * rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    original = rope.get("original_max_position_embeddings") or raw["original_max_position_embeddings"]
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_rope_dimension_count(turned)
+    writer.add_sliding_window(raw.get("sliding_window") or 0)
+    if not rope.get("long_factor"):
+        return
+    scale = raw["max_position_embeddings"] / original
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+
 def write_gguf_of(folder: Path, path: Path) -> Path:
     """`folder`'s checkpoint as an F32 GGUF at `path`."""
     from gguf import GGUFWriter
@@ -156,6 +178,8 @@ def write_gguf_of(folder: Path, path: Path) -> Path:
     ]:  # Granite's, as the converter writes them
         if raw.get(key):
             add(raw[key])
+    if arch == "phi3":
+        _add_phi3_rotary(writer, raw, head_dim)
     add_smollm2_tokenizer(writer)
     for name, w in gguf_tensors(folder).items():
         writer.add_tensor(name, np.ascontiguousarray(w))

@@ -81,6 +81,25 @@ TINY_CONFIGS = {
         num_key_value_heads=2,
         tie_word_embeddings=False,
     ),
+    # Phi-3 / Phi-4-mini: fused projections, 12 of a head's 16 dimensions turning, LongRoPE's
+    # factors short below position 128 and long from there on, a tied head
+    "phi3": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        partial_rotary_factor=0.75,
+        original_max_position_embeddings=128,
+        rope_scaling=dict(
+            rope_type="longrope",
+            short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+            long_factor=[1.5, 3.0, 6.0, 12.0, 24.0, 48.0],
+        ),
+        sliding_window=None,
+        tie_word_embeddings=True,
+        pad_token_id=None,  # its default, 32000, is past the tiny vocabulary
+    ),
     # Mixtures of experts: 8 experts of 32 units (16 per TP rank), 2 per token; Qwen3-MoE with a
     # dense layer among its sparse ones, Qwen2-MoE with a shared expert and unnormalized weights.
     "qwen3_moe": dict(
@@ -155,6 +174,7 @@ def make_tiny_model(arch: str, path: Path, seed: int = 0, context: int = 2048) -
         "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
         "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
         "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[arch]
     tok = smollm2_tokenizer()
     config = cls[0](

@@ -1,14 +1,15 @@
 """Families beyond Llama and Qwen: Mistral (Llama's block, its own head size, GGUF'd as llama),
 SmolLM3 (no rotary embedding in every 4th layer), Granite 3
-(embedding, residual, attention and logit multipliers) and OLMo 2 (norms after each sublayer
-rather than before, q/k norms across all heads).
+(embedding, residual, attention and logit multipliers), OLMo 2 (norms after each sublayer
+rather than before, q/k norms across all heads) and Phi-3 (fused projections, a partial rotary
+embedding with LongRoPE's factors).
 
 Tiny random ones made with transformers' own classes, served from their Hugging Face folders and
 from GGUFs written as llama.cpp's converter writes them (harness/gguf_of.py; F32, the exact
 weights), give transformers' greedy tokens through chunked prefill, the prefix cache, TP2 and PP2.
-Quantized, a layer decodes as one operator (kernels/decode_layer.cpp), which always rotates and
-scales its residual adds as Granite's block: SmolLM3's and Granite's decode steps must see what
-their prefill computes. A layout a family
+Quantized, a layer decodes as one operator (kernels/decode_layer.cpp), which always rotates whole
+heads and scales its residual adds as Granite's block: SmolLM3's, Granite's and Phi-3's (a
+partial rotary embedding) decode steps must see what their prefill computes. A layout a family
 cannot be split into is refused at start."""
 
 import json
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.processes  # every test here starts processes
 @pytest.fixture(scope="module")
 def ggufs(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    archs = ("mistral", "smollm3", "granite", "olmo2")
+    archs = ("mistral", "smollm3", "granite", "olmo2", "phi3")
     return {arch: write_gguf_of(tiny_models[arch], root / f"{arch}.gguf") for arch in archs}
 
 
@@ -49,6 +50,9 @@ def ggufs(tiny_models, tmp_path_factory):
         ("granite", "gguf", ["--chunk-size", "7"]),  # the four scales from the file's own keys
         ("olmo2", "hf", []),
         ("olmo2", "gguf", ["--pp", "2", "--chunk-size", "7"]),  # norms named after their sublayers
+        ("phi3", "hf", ["--tp", "2"]),  # each rank's heads in the order they turn in
+        ("phi3", "gguf", ["--chunk-size", "7"]),  # LongRoPE's factors from the file's two tensors
+        ("phi3", "gguf", ["--weights", "dequantized", "--pp", "2"]),  # its fused tensors under their checkpoint's names
     ],
 )
 def test_tiny_families_match_transformers(tiny_models, ggufs, arch, source, flags):
@@ -56,6 +60,10 @@ def test_tiny_families_match_transformers(tiny_models, ggufs, arch, source, flag
     ref = hf_model(folder)
     rng = random.Random(len(arch) * 10 + len(flags))
     prompts = [[rng.randrange(ref.config.vocab_size) for _ in range(n)] for n in (5, 70, 300)]
+    if arch == "phi3":
+        # Past 128 tokens, Phi-3's tiny model turns every position by its long factors. The long
+        # prompt begins with the short one, whose cached pages (short factors) must not serve it.
+        prompts[2][:70] = prompts[1]
     wants = [hf_greedy(ref, p, 10) for p in prompts]
     model = str(folder if source == "hf" else ggufs[arch])
     server = Server("--model", model, "--page-size", "16", "--threads", "1", "--weights", "native", *flags)
@@ -66,7 +74,7 @@ def test_tiny_families_match_transformers(tiny_models, ggufs, arch, source, flag
         assert server.stop() == 0
 
 
-@pytest.mark.parametrize("arch, layers", [("smollm3", 4), ("granite", 2)])
+@pytest.mark.parametrize("arch, layers", [("smollm3", 4), ("granite", 2), ("phi3", 2)])
 def test_quantized_layers_decode_as_one_operator_as_their_prefill_computes_them(tiny_models, arch, layers):
     """Each decode step's distribution (one operator per layer: SmolLM3's unrotated layer through
     the tables of no rotation, Granite's residual scale inside it) against the prompt run's at the

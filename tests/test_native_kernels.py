@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from shardline.kernels import native
 from shardline.kernels.attention import AttentionBatch, paged_attention
+from shardline.shard.config import ModelConfig
 from shardline.shard.model import RMSNorm, Rotary
 
 
@@ -75,7 +76,7 @@ def test_paged_decode_matches_the_torch_path(heads, kv_heads, qk_norm, kv_dtype,
     lens = torch.tensor(lens)
     B = len(lens)
     tables = torch.randperm(num_pages - 1)[: B * 8].view(B, 8)  # scattered pages, wider than needed
-    rotary = Rotary(d, 10000.0, 64)
+    rotary = Rotary(ModelConfig("llama", 1, 1, 1, 1, 1, 1, head_dim=d, max_position=64))
     cos_sin = rotary.at(lens - 1, torch.float32)
     norms = None
     if qk_norm:

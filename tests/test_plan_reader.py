@@ -22,6 +22,7 @@ AT = Context(
     num_pages=16,
     held=1,
     has_room=True,
+    long_rope=True,
 )
 MASK = bytes(mask_bytes(VOCAB))
 
@@ -67,6 +68,8 @@ CASES = [  # (entry, what the shard holds, context changes, phrase)
     (_new(new_pages=[16]), NEW, {}, "outside the pool of 16 pages"),
     (_next(token_ids=[VOCAB]), HELD, {}, f"token id {VOCAB} outside"),
     (_next(prompt_logprobs=21), HELD, {}, "at most 20 alternatives"),
+    (_new(long_rope=True), NEW, dict(long_rope=False), "which the model has none of"),
+    (_next(long_rope=True), HELD, {}, "long rotary factors after its first step"),
     (_new(sampling=shard_pb2.Sampling(temperature=-1)), NEW, {}, "invalid sampling parameters"),
     (_new(), NEW, dict(has_room=False), "holds 1 sequences, its maximum"),
 ]

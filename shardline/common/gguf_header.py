@@ -70,9 +70,23 @@ class TensorEntry:
 class GgufHeader:
     metadata: dict[str, object]
     tensors: list[TensorEntry]
+    path: Path | None = None
 
     def get(self, key: str, default=None):
         return self.metadata.get(key, default)
+
+    def floats(self, name: str) -> list[float] | None:
+        """The values of the F32 tensor `name` (a vector of the model's hyper-parameters, such as
+        Phi-3's rope factors), None where the file has none."""
+        entry = next((t for t in self.tensors if t.name == name), None)
+        if entry is None:
+            return None
+        if entry.kind != "F32":
+            raise ValueError(f"{self.path.name}: {name} is {entry.kind}, not F32")
+        with open(self.path, "rb") as f:
+            f.seek(entry.offset)
+            raw = f.read(4 * entry.n_elements)
+        return list(struct.unpack(f"<{entry.n_elements}f", raw))
 
 
 def read_header(path: Path, strings: Container[str] = ()) -> GgufHeader:
@@ -136,4 +150,4 @@ class _Cursor:
             table.append((name, shape, *self.take("IQ")))
         alignment = int(metadata.get("general.alignment", 32))
         data = -(-self.pos // alignment) * alignment
-        return GgufHeader(metadata, [TensorEntry(n, s, t, data + o) for n, s, t, o in table])
+        return GgufHeader(metadata, [TensorEntry(n, s, t, data + o) for n, s, t, o in table], self.path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -15,7 +16,8 @@ class ModelConfig:
     mixtures of experts: Mixtral (`llama` with experts), Qwen2-MoE (shared expert) and Qwen3-MoE;
     Mistral (Llama's block; served where its sliding window is off or spans the context), SmolLM3
     (no rotary embedding in `nope_layers`), Granite 3 (the four scales) and OLMo 2 (norms after
-    each sublayer rather than before, q/k norms across all heads).
+    each sublayer rather than before, q/k norms across all heads), Phi-3/Phi-4-mini (fused
+    projections in its files; a partial rotary embedding with LongRoPE's per-frequency factors).
 
     A mixture's layers are sparse (`num_experts` MLPs of `expert_intermediate_size`, a token's
     `experts_per_token` picked by a router) but for `dense_layers` (an MLP of `intermediate_size`)."""
@@ -52,6 +54,15 @@ class ModelConfig:
     residual_scale: float = 1.0
     attention_scale: float = 0.0
     logit_scale: float = 1.0
+    # The rotary embedding (shard/model.py's Rotary): it turns the first `rotary_dim` of a head's
+    # dimensions (0: all), its frequencies divided by `rope_factors` (none: by 1) and, from
+    # position `rope_long_from` on (0: never), by `rope_long_factors` (LongRoPE's), its cos and
+    # sin scaled by `rope_attention_factor`.
+    rotary_dim: int = 0
+    rope_factors: list[float] = field(default_factory=list)
+    rope_long_factors: list[float] = field(default_factory=list)
+    rope_long_from: int = 0
+    rope_attention_factor: float = 1.0
 
     def is_sparse(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -76,17 +87,16 @@ class ModelConfig:
         raw = json.loads((path / "config.json").read_text())
         arch = raw.get("model_type", "llama")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"rope scaling {rope} is not supported")
         heads = raw["num_attention_heads"]
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
         eos = raw.get("eos_token_id")
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
         layers = raw["num_hidden_layers"]
         step = raw.get("decoder_sparse_step") or 1
         dense = [i for i in range(layers) if i in (raw.get("mlp_only_layers") or []) or (i + 1) % step]
-        # Mistral's window applies unless a config turns it off (Qwen2's and SmolLM3's do)
-        window = raw.get("sliding_window") if raw.get("use_sliding_window", arch == "mistral") else None
+        # Mistral's and Phi-3's windows apply unless a config turns them off (Qwen2's and SmolLM3's do)
+        window = raw.get("sliding_window") if raw.get("use_sliding_window", arch in ("mistral", "phi3")) else None
         if window and window < raw.get("max_position_embeddings", 4096):
             raise ValueError(f"sliding-window attention ({window} tokens) is not served yet")
         rotates = raw.get("no_rope_layers") or [1] * layers  # SmolLM3's: 1 where the layer rotates
@@ -98,7 +108,7 @@ class ModelConfig:
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads", heads),
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            head_dim=head_dim,
             rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0)),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position=raw.get("max_position_embeddings", 4096),
@@ -121,14 +131,16 @@ class ModelConfig:
             residual_scale=raw.get("residual_multiplier", 1.0),
             attention_scale=raw.get("attention_multiplier", 0.0),
             logit_scale=raw.get("logits_scaling", 1.0),
+            **_rotary_from_hf(raw, rope, head_dim),
         )
 
     @classmethod
     def from_gguf(cls, header: GgufHeader, name: str) -> ModelConfig:
         field_value = header.get
         arch = field_value("general.architecture")
-        if field_value(f"{arch}.attention.sliding_window"):
-            raise ValueError("sliding-window attention is not served yet")
+        window = field_value(f"{arch}.attention.sliding_window")
+        if window and window < field_value(f"{arch}.context_length", 4096):
+            raise ValueError(f"sliding-window attention ({window} tokens) is not served yet")
         tensors = {t.name for t in header.tensors}
         hidden = field_value(f"{arch}.embedding_length")
         heads = field_value(f"{arch}.attention.head_count")
@@ -173,6 +185,7 @@ class ModelConfig:
             residual_scale=float(field_value(f"{arch}.residual_scale", 1.0)),
             attention_scale=float(field_value(f"{arch}.attention.scale", 0.0)),
             logit_scale=float(field_value(f"{arch}.logit_scale", 1.0)),
+            **_rotary_from_gguf(header, arch),
         )
 
     def to_json(self) -> str:
@@ -181,3 +194,48 @@ class ModelConfig:
     @classmethod
     def from_json(cls, text: str) -> ModelConfig:
         return cls(**json.loads(text))
+
+
+def _rotary_from_hf(raw: dict, rope: dict, head_dim: int) -> dict:
+    """The rotary fields from a config.json: plain, or LongRoPE's (Phi-3's "longrope", once "su").
+    LongRoPE's factors are short below `original_max_position_embeddings` and long from there on,
+    position by position: transformers' generation, which switches to the long factors once the
+    sequence outgrows that length, gives these tables to every prompt within it and to every
+    token generated past it (a longer prompt it turns with the long factors throughout)."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "longrope", "su"):
+        raise ValueError(f"rope scaling {rope} is not supported")
+    partial = rope.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0
+    fields = dict(rotary_dim=int(head_dim * partial) if partial != 1 else 0)
+    if kind == "default":
+        return fields
+    original = rope.get("original_max_position_embeddings") or raw["original_max_position_embeddings"]
+    factor = rope.get("factor") or raw["max_position_embeddings"] / original
+    attention = rope.get("attention_factor")
+    if attention is None:  # the paper's, as transformers computes it
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return fields | dict(
+        rope_factors=list(rope["short_factor"]),
+        rope_long_factors=list(rope["long_factor"]),
+        rope_long_from=original,
+        rope_attention_factor=attention,
+    )
+
+
+def _rotary_from_gguf(header: GgufHeader, arch: str) -> dict:
+    """The rotary fields as llama.cpp's converter writes them: a dimension count where not all
+    of a head turns, LongRoPE's factors as two F32 tensors and its attention factor as a key."""
+    head_dim = header.get(f"{arch}.attention.key_length") or (
+        header.get(f"{arch}.embedding_length") // header.get(f"{arch}.attention.head_count")
+    )
+    rotary_dim = header.get(f"{arch}.rope.dimension_count", head_dim)
+    fields = dict(rotary_dim=rotary_dim if rotary_dim != head_dim else 0)
+    short, long = header.floats("rope_factors_short.weight"), header.floats("rope_factors_long.weight")
+    if long is None:
+        return fields
+    return fields | dict(
+        rope_factors=short or [1.0] * len(long),
+        rope_long_factors=long,
+        rope_long_from=header.get(f"{arch}.rope.scaling.original_context_length"),
+        rope_attention_factor=float(header.get(f"{arch}.rope.scaling.attn_factor", 1.0)),
+    )

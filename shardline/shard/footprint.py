@@ -32,8 +32,11 @@ from shardline.shard.config import ModelConfig
 from shardline.shard.layout import layer_range
 
 # architectures: Hugging Face model_type, GGUF general.architecture (Mixtral's is llama's)
-SERVED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "smollm3", "granite", "olmo2")
-SERVED_GGUF = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "smollm3", "granite", "olmo2")
+SERVED = (
+    *("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"),
+    *("smollm3", "granite", "olmo2", "phi3"),
+)
+SERVED_GGUF = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "smollm3", "granite", "olmo2", "phi3")
 # GGUF architectures whose Q and K rows llama.cpp's converter interleaves for its RoPE (its
 # LlamaModel and the converters built on it): the loaders undo it
 QK_PERMUTED = ("llama", "smollm3", "granite")
@@ -55,8 +58,9 @@ LOADER_BYTES = 64 << 20  # and what reading brings in besides: the gguf package'
 # a layer shape new to the machine is timed once (kernels/choice.py) on copies of its operands
 # beyond the caches (kernels/quantized.py's COLD_BYTES, ours and torch's) and torch's of the layer
 MEASURING_BYTES = 2 * (16 << 20)
-LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-_AS_GGUF = dict(zip(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), LINEARS))
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "attn_qkv")
+_AS_GGUF = dict(zip(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj"), LINEARS))
+_AS_GGUF |= {"gate_up_proj": "ffn_up"}  # Phi-3's, fused (as its GGUF's ffn_up)
 _AS_GGUF |= {"w1": "ffn_gate", "w3": "ffn_up", "w2": "ffn_down"}  # Mixtral's experts
 # a mixture's experts (3-D: every expert's in one) and shared expert, held as the dense MLP's are
 EXPERT_LINEARS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
@@ -176,7 +180,7 @@ def _gguf_name(hf: str) -> str:
 
 
 # The linears a layer serves fused: their tensors are held at one width, that of the widest.
-FUSED = {"attn_q": "wqkv", "attn_k": "wqkv", "attn_v": "wqkv", "ffn_gate": "w13", "ffn_up": "w13"}
+FUSED = {"attn_q": "wqkv", "attn_k": "wqkv", "attn_v": "wqkv", "attn_qkv": "wqkv", "ffn_gate": "w13", "ffn_up": "w13"}
 FUSED |= {f"ffn_{p}_{x}": f"w13_{x}" for p in ("gate", "up") for x in ("exps", "shexp")}
 
 

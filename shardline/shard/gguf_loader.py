@@ -300,6 +300,10 @@ class GgufLoader:
         permuted = cfg.architecture in QK_PERMUTED
         q_order = _unpermuted(cfg.num_heads * hd, cfg.num_heads) if permuted else np.arange(cfg.num_heads * hd)
         k_order = _unpermuted(cfg.num_kv_heads * hd, cfg.num_kv_heads) if permuted else np.arange(cfg.num_kv_heads * hd)
+        head_order = Rotary.head_order(cfg)
+        if head_order is not None:  # a partial rotary embedding's dimensions, as the model turns them
+            q_order = q_order.reshape(cfg.num_heads, hd)[:, head_order].reshape(-1)
+            k_order = k_order.reshape(cfg.num_kv_heads, hd)[:, head_order].reshape(-1)
         for i, block in zip(layer_range(cfg.num_layers, layout.pp_stage, layout.pp), model.layers):
             self._read_ahead(f"blk.{i + 1}.")
             p = f"blk.{i}."
@@ -310,11 +314,19 @@ class GgufLoader:
             if cfg.qk_norm:
                 attn.q_norm.weight = nn.Parameter(self._dense(p + "attn_q_norm.weight"), requires_grad=False)
                 attn.k_norm.weight = nn.Parameter(self._dense(p + "attn_k_norm.weight"), requires_grad=False)
-            qkv = [
-                self._part(p + "attn_q.weight", q_order[q_rows]),
-                self._part(p + "attn_k.weight", k_order[kv_rows]),
-                self._part(p + "attn_v.weight", kv_rows),
-            ]
+            if p + "attn_qkv.weight" in self.tensors:  # Phi-3's, fused: q's rows, then k's, then v's
+                k_at, v_at = cfg.num_heads * hd, (cfg.num_heads + cfg.num_kv_heads) * hd
+                qkv = [
+                    self._part(p + "attn_qkv.weight", q_order[q_rows]),
+                    self._part(p + "attn_qkv.weight", k_at + k_order[kv_rows]),
+                    self._part(p + "attn_qkv.weight", v_at + kv_rows),
+                ]
+            else:
+                qkv = [
+                    self._part(p + "attn_q.weight", q_order[q_rows]),
+                    self._part(p + "attn_k.weight", k_order[kv_rows]),
+                    self._part(p + "attn_v.weight", kv_rows),
+                ]
             bias = None
             if cfg.qkv_bias:
                 bias = torch.cat(
@@ -340,7 +352,7 @@ class GgufLoader:
             model.embed = self._embedding(model, tied)
         self._release()
         with torch.device("cpu"):
-            model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position)
+            model.rotary = Rotary(cfg)
         missing = [n for n, x in (*model.named_parameters(), *model.named_buffers()) if x.is_meta]
         if missing:
             raise Unservable(f"{self.name}: nothing in the file fills {', '.join(missing[:5])}")
@@ -352,7 +364,11 @@ class GgufLoader:
         """An MLP from the tensors `names`.format(gate|up|down): this rank's `units` (gate's and up's
         rows, down's columns); of 3-D tensors, `expert`'s (its rows follow the experts' before it)."""
         rows = np.arange(units.start, units.stop) + expert * self.cfg.expert_intermediate_size
-        mlp.w13 = self._linear([self._part(names.format(kind), rows) for kind in ("gate", "up")])
+        if self.cfg.architecture != "phi3":
+            mlp.w13 = self._linear([self._part(names.format(kind), rows) for kind in ("gate", "up")])
+        else:  # Phi-3's up holds gate's rows, then up's
+            up = names.format("up")
+            mlp.w13 = self._linear([self._part(up, rows), self._part(up, rows + self.cfg.intermediate_size)])
         out = expert * self.cfg.hidden_size
         mlp.w2 = self._linear([self._part(names.format("down"), np.arange(out, out + self.cfg.hidden_size), units)])
 

@@ -161,6 +161,10 @@ def load_shard(args) -> LoadedShard:
         # which experts a step runs is known only once its router has run: no graph to replay
         log.info("a mixture of experts decodes without decode graphs")
         decode_graphs = False
+    if decode_graphs and full.rope_long_factors:
+        # a graph's rotary rows are its positions: LongRoPE's long rows lie elsewhere
+        log.info("a model of long rotary factors decodes without decode graphs")
+        decode_graphs = False
     # The group is joined with the weights laid out: every rank of a replica loads at once, slices
     # alike, so they come together, and none holds a half-joined group while it reads.
     tp_group = init_distributed(layout, args.dist_init, device)
@@ -198,6 +202,7 @@ def load_shard(args) -> LoadedShard:
         group_id=group_id(layout),
         attention_pair_cost=full.attention_pair_cost,
         num_layers=full.num_layers,
+        rope_long_from=full.rope_long_from if full.rope_long_factors else 0,
     )
     log.info("weights: %s", ", ".join(f"{k} {v}" for k, v in info.weight_formats.items()))
     return LoadedShard(model, layout, device, dtype, kv_dtype, decode_graphs, info, keep)

@@ -39,24 +39,62 @@ class Rotary(nn.Module):
 
     rotate_half(x) * sin is computed as roll(x, half) * sin', where sin' is sin with its first
     half negated: the same products, exactly (negation is exact), in two operators instead of
-    four."""
+    four.
 
-    def __init__(self, head_dim: int, theta: float, max_position: int):
+    A partial rotary embedding (Phi-4-mini turns 96 of a head's 128 dimensions) is the whole
+    head's with a table of no rotation (cos 1, sin 0: exact) on the dimensions that do not turn,
+    once q's and k's dimensions are laid out so that the turning pairs are the head's rotate-half
+    pairs (`head_order`, applied to their weights' rows at load; a dot product of q and k does
+    not see an order both share). So every kernel that rotates a whole head serves it.
+
+    LongRoPE's tables (Phi-3's) are two: the short factors' rows for every position, then the
+    long factors' (from row `long_rows`), which a sequence turns by throughout where its prompt
+    is longer than the model's original context (shard.proto's SequenceStep.long_rope)."""
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
+        head_dim, positions = cfg.head_dim, cfg.max_position
+        self.long_rows = positions if cfg.rope_long_factors else 0
+        rows = positions + self.long_rows
         if torch.get_default_device().type == "meta":
             # a model built to be loaded: its tables are made where it is loaded (computing them
             # on meta tensors would import torch's symbolic machinery, sympy and all: 75 MB)
             for name in ("cos", "sin"):
-                self.register_buffer(name, torch.empty(max_position, head_dim), persistent=False)
+                self.register_buffer(name, torch.empty(rows, head_dim), persistent=False)
             return
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
+        turned = cfg.rotary_dim or head_dim
+        # as transformers computes them: 1 / (factor * theta ** (2i / d)), in fp32
+        base = cfg.rope_theta ** (torch.arange(0, turned, 2, dtype=torch.int64).float() / turned)
+
+        def inverse(factors: list[float]) -> torch.Tensor:
+            return 1.0 / (torch.tensor(factors) * base) if factors else 1.0 / base
+
+        inv_freqs = [inverse(cfg.rope_factors)] + ([inverse(cfg.rope_long_factors)] if self.long_rows else [])
+        at = torch.arange(positions, dtype=torch.float32)[:, None]
+        emb = torch.cat([torch.cat((at * f[None, :], at * f[None, :]), dim=-1) for f in inv_freqs])
+        cos, sin = emb.cos() * cfg.rope_attention_factor, emb.sin() * cfg.rope_attention_factor
+        n, still = turned // 2, (head_dim - turned) // 2
+        ones, zeros = torch.ones(rows, still), torch.zeros(rows, still)
+        self.register_buffer("cos", torch.cat((cos[:, :n], ones, cos[:, n:], ones), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((-sin[:, :n], zeros, sin[:, n:], zeros), dim=-1), persistent=False)
+
+    @staticmethod
+    def head_order(cfg: ModelConfig) -> list[int] | None:
+        """Where each of q's and k's head dimensions comes from in a checkpoint whose heads turn
+        only their first `rotary_dim` (rotate-half pairs i, i + rotary_dim/2): the turning pairs
+        become the head's pairs (i, i + head_dim/2), the dimensions that stay fill the rest. None:
+        every dimension turns, in the checkpoint's order."""
+        turned, head_dim = cfg.rotary_dim, cfg.head_dim
+        if not turned or turned == head_dim:
+            return None
+        n, still = turned // 2, list(range(turned, head_dim))
+        half = len(still) // 2
+        return [*range(n), *still[:half], *range(n, turned), *still[half:]]
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's (cos, sin') [T, 1, head_dim], looked up once and shared by every layer."""
+        """The step's (cos, sin') [T, 1, head_dim] of the tables' rows `positions` (a position,
+        or for a sequence of long factors `long_rows` past it), looked up once and shared by
+        every layer."""
         return (
             self.cos.index_select(0, positions).to(dtype)[:, None, :],
             self.sin.index_select(0, positions).to(dtype)[:, None, :],
@@ -202,7 +240,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position)
+        self.rotary = Rotary(cfg)
 
     def forward(
         self,
@@ -213,9 +251,10 @@ class Transformer(nn.Module):
         hidden: torch.Tensor | None = None,
         layers: slice = slice(None),
     ) -> torch.Tensor:
-        """tokens, positions [T] -> hidden states [T, hidden] (before the final norm).
-        A later pipeline stage, or a step that starts past the first layer (`layers`, of this
-        module's), passes the hidden states going into its first layer instead of embedding tokens."""
+        """tokens, positions [T] -> hidden states [T, hidden] (before the final norm). The
+        positions index the rotary tables (Rotary.at); where K/V go, `batch` says. A later
+        pipeline stage, or a step that starts past the first layer (`layers`, of this module's),
+        passes the hidden states going into its first layer instead of embedding tokens."""
         x = self.embed(tokens) if hidden is None else hidden
         if hidden is None and self.cfg.embedding_scale != 1:
             x = x * self.cfg.embedding_scale

@@ -35,6 +35,7 @@ class Entry:
     next_token: int | None  # the prompt token after the last input, scored against it
     allowed_tokens: bytes  # the first sampled row's mask (b"": any token)
     proposal_masks: tuple[bytes, ...]  # the mask of each proposal's row
+    long_rope: bool  # on its first step: its positions turn by the long rotary factors
 
     @functools.cached_property
     def tokens(self) -> tuple[int, ...]:
@@ -59,6 +60,7 @@ class Context:
     num_pages: int  # in the pool
     held: int  # sequences this shard holds
     has_room: bool  # for one more
+    long_rope: bool  # whether the model has long rotary factors
 
 
 Rule = Callable[[shard_pb2.SequenceStep, SequenceState | None, Context], str | None]
@@ -156,6 +158,13 @@ def _alternatives_within_bounds(s, state, at):
         return f"at most {MAX_TOP} alternatives per position can be scored"
 
 
+def _long_rope_where_the_model_has_it(s, state, at):
+    if s.long_rope and not at.long_rope:
+        return "the plan turns the sequence by long rotary factors, which the model has none of"
+    if s.long_rope and not s.first:
+        return "the plan turns a sequence by long rotary factors after its first step"
+
+
 def _a_new_sequence_fits(s, state, at):
     sp = s.sampling
     if s.first and not (math.isfinite(sp.temperature) and sp.temperature >= 0 and 0 <= sp.top_p <= 1):
@@ -178,6 +187,7 @@ RULES: tuple[Rule, ...] = (
     _positions_in_its_pages,
     _tokens_in_the_vocabulary,
     _alternatives_within_bounds,
+    _long_rope_where_the_model_has_it,
     _a_new_sequence_fits,
 )
 
@@ -217,4 +227,5 @@ def read(s: shard_pb2.SequenceStep, state: SequenceState | None, at: Context) ->
         next_token=s.next_token if s.HasField("next_token") else None,
         allowed_tokens=s.allowed_tokens,
         proposal_masks=tuple(s.proposal_masks),
+        long_rope=s.long_rope,
     )

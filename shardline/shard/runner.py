@@ -145,17 +145,27 @@ class ModelRunner:
     def _accept(self, e: Entry) -> SequenceState:
         state = self.table.get(e.seq_id)
         if state is None:
-            state = self.table.admit(e.seq_id, e.start_pos, e.sampling)
+            state = self.table.admit(e.seq_id, e.start_pos, e.sampling, self.model.rotary.long_rows * e.long_rope)
         elif state.verified is not None:  # the positions of the last verification it keeps
             state.next_pos, state.verified = e.start_pos, None
         self.table.append_pages(state, list(e.new_pages))
         return state
 
     def _decode_batch(self, tokens: list[int], states: list[SequenceState]):
+        """(tokens, rotary rows, attention batch) of a decode step: the model's inputs."""
         positions = self._tensor([st.next_pos for st in states])
         width = max(len(st.pages) for st in states)
         tables = self.table.tables[self._tensor([st.row for st in states]), :width]
-        return self._tensor(tokens), positions, AttentionBatch.decode(tables, positions, self.page_size)
+        batch = AttentionBatch.decode(tables, positions, self.page_size)
+        return self._tensor(tokens), self._rotary_rows(positions, [st.rotary_base for st in states]), batch
+
+    def _rotary_rows(self, positions: torch.Tensor, bases: list[int], counts: list[int] | None = None) -> torch.Tensor:
+        """Each position's row of the rotary tables: itself, past `bases` (per sequence, of
+        `counts` positions each) where a sequence turns by long factors."""
+        if not any(bases):
+            return positions
+        offsets = self._tensor(bases)
+        return positions + (offsets if counts is None else offsets.repeat_interleave(self._tensor(counts)))
 
     def _prefill_batch(self, spans: list[Span], as_rows: bool = False):
         ps = self.page_size
@@ -163,6 +173,7 @@ class ModelRunner:
         positions = torch.cat(
             [torch.arange(s.start_pos, s.start_pos + len(s.token_ids), device=self.device) for s in spans]
         )
+        counts = [len(s.token_ids) for s in spans]
         pairs = sum(len(s.token_ids) * (s.start_pos + len(s.token_ids)) for s in spans)
         if self.device.type == "cpu" and (as_rows or pairs <= ROWS_ATTENTION_PAIRS):  # as decode rows
             width = max(len(s.block_table) for s in spans)
@@ -174,7 +185,8 @@ class ModelRunner:
                     for s in spans
                 ]
             )
-            return tokens, positions, AttentionBatch.decode(tables, positions, ps)
+            batch = AttentionBatch.decode(tables, positions, ps)
+            return tokens, self._rotary_rows(positions, [s.rotary_base for s in spans], counts), batch
         slots = torch.cat(
             [
                 s.block_table[pos // ps] * ps + pos % ps
@@ -188,7 +200,7 @@ class ModelRunner:
             start_positions=[s.start_pos for s in spans],
             block_tables_list=[s.block_table for s in spans],
         )
-        return tokens, positions, batch
+        return tokens, self._rotary_rows(positions, [s.rotary_base for s in spans], counts), batch
 
     def _forward(self, tokens, positions, batch, hidden_in=None, layers: slice = slice(None)) -> torch.Tensor | None:
         """Runs this shard's layers (`layers` of them, from `hidden_in` when they start past the
@@ -216,6 +228,7 @@ class ModelRunner:
             self.kv.padding_page,  # the pool's pages come before it
             held,
             self.table.has_room(),
+            self.model.rotary.long_rows > 0,
         )
 
     @torch.inference_mode()
@@ -287,7 +300,8 @@ class ModelRunner:
         `kept_for` (for prompt log-probabilities, or a layer group's partial chunks); (None, {})
         off the last stage. `as_rows`: every token as a decode row, however long its context."""
         spans = [
-            Span(e.tokens, e.start_pos, self.table.tables[st.row, : len(st.pages)]) for e, st in zip(entries, states)
+            Span(e.tokens, e.start_pos, self.table.tables[st.row, : len(st.pages)], st.rotary_base)
+            for e, st in zip(entries, states)
         ]
         rows = [None] * len(spans)
         kept: dict[int, list[torch.Tensor]] = {i: [] for i in kept_for}

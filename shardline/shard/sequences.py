@@ -30,6 +30,7 @@ class SequenceState:
     pages: list[int]  # its block table, as the router sent it
     sampling: SamplingParams
     next_pos: int  # positions whose K/V this shard holds
+    rotary_base: int = 0  # the rotary tables' row of its position 0 (Rotary: the long factors' rows)
     sampled: int | None = None  # the token it sampled in its last step, if that step emitted
     # A prompt chunk part way through the layers (StepPlan.layer_start): the hidden states of
     # its tokens after `partial_layers` layers. Its positions are not in `next_pos` until the
@@ -66,8 +67,8 @@ class SequenceTable:
     def get(self, seq_id: int) -> SequenceState | None:
         return self.held.get(seq_id)
 
-    def admit(self, seq_id: int, start_pos: int, sampling: SamplingParams) -> SequenceState:
-        state = SequenceState(self._free_rows.pop(), [], sampling, start_pos)
+    def admit(self, seq_id: int, start_pos: int, sampling: SamplingParams, rotary_base: int = 0) -> SequenceState:
+        state = SequenceState(self._free_rows.pop(), [], sampling, start_pos, rotary_base)
         self.held[seq_id] = state
         return state
 

@@ -156,7 +156,7 @@ def load(cfg: ModelConfig, layout: Layout, dtype: torch.dtype, path: Path) -> Tr
             embed.weight = model.lm_head.weight
             _set(model, name, embed)
     with torch.device("cpu"):
-        model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position)
+        model.rotary = Rotary(cfg)
     return model.eval().requires_grad_(False)
 
 

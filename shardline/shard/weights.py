@@ -33,6 +33,7 @@ _GGUF_BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3's, fused
     "attn_output": "self_attn.o_proj",
     "post_attention_norm": "post_attention_layernorm",  # OLMo 2's, after attention
     "post_ffw_norm": "post_feedforward_layernorm",
@@ -74,12 +75,16 @@ def read_gguf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]
     cfg = ModelConfig.from_gguf(read_header(source.path), source.name)
     sd = {}
     for t in tqdm(reader.tensors, desc=f"dequantizing {source.path.name}", unit="tensor"):
+        if t.name.startswith("rope_factors_"):  # hyper-parameters, in the config
+            continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32)
         if len(t.shape) == 3:  # experts: one tensor each
             for e, rows in enumerate(w.reshape(tuple(int(d) for d in reversed(t.shape)))):
                 sd[hf_name(t.name, e)] = torch.from_numpy(np.ascontiguousarray(rows))
             continue
         name = hf_name(t.name)
+        if cfg.architecture == "phi3" and name.endswith("mlp.up_proj.weight"):  # gate and up, fused
+            name = name.replace("up_proj", "gate_up_proj")
         permuted = cfg.architecture in QK_PERMUTED
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_rope(w, cfg.num_heads)
@@ -126,7 +131,10 @@ def parameter_sources(cfg: ModelConfig, available: Collection[str]) -> dict[str,
     for i in range(cfg.num_layers):
         p, a, o = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"layers.{i}."
         own.update(_norm_sources(cfg, p, o))
-        own[o + "attn.wqkv.weight"] = [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
+        if a + "qkv_proj.weight" in available:  # Phi-3's, fused
+            own[o + "attn.wqkv.weight"] = [a + "qkv_proj.weight"]
+        else:
+            own[o + "attn.wqkv.weight"] = [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
         if cfg.qkv_bias:
             own[o + "attn.wqkv.bias"] = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
         if cfg.qk_norm:
@@ -135,6 +143,9 @@ def parameter_sources(cfg: ModelConfig, available: Collection[str]) -> dict[str,
         own[o + "attn.wo.weight"] = [a + "o_proj.weight"]
         if cfg.is_sparse(i):
             own.update(_moe_sources(cfg, p, o + "mlp.", available))
+        elif p + "mlp.gate_up_proj.weight" in available:  # Phi-3's, fused
+            own[o + "mlp.w13.weight"] = [p + "mlp.gate_up_proj.weight"]
+            own[o + "mlp.w2.weight"] = [p + "mlp.down_proj.weight"]
         else:
             own[o + "mlp.w13.weight"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
             own[o + "mlp.w2.weight"] = [p + "mlp.down_proj.weight"]
@@ -178,6 +189,17 @@ def _moe_sources(cfg: ModelConfig, p: str, o: str, available: Collection[str]) -
     return own
 
 
+def qkv_rows(cfg: ModelConfig) -> torch.Tensor | None:
+    """The rows of a whole `wqkv` in the serving order: each q and k head's as Rotary.head_order
+    lays them out, v's as they are. None: as the checkpoint holds them."""
+    order = Rotary.head_order(cfg)
+    if order is None:
+        return None
+    hd, heads = cfg.head_dim, cfg.num_heads + cfg.num_kv_heads
+    turned = [h * hd + o for h in range(heads) for o in order]
+    return torch.tensor(turned + list(range(heads * hd, (heads + cfg.num_kv_heads) * hd)))
+
+
 def load_hf_state_dict(model: Transformer, sd: dict[str, torch.Tensor]) -> None:
     """Fills `model` from Hugging Face-named tensors (what safetensors checkpoints and our GGUF
     loader produce), fusing them as `parameter_sources` says."""
@@ -189,6 +211,11 @@ def load_hf_state_dict(model: Transformer, sd: dict[str, torch.Tensor]) -> None:
         # Own every tensor: weights read from an mmap'd checkpoint would otherwise keep the whole
         # file mapped, and the pages already copied into fused matrices resident twice.
         own[name] = torch.cat([sd[t] for t in parts]) if len(parts) > 1 else sd[parts[0]].clone()
+    rows = qkv_rows(model.cfg)
+    if rows is not None:
+        for name in own:
+            if name.endswith(("attn.wqkv.weight", "attn.wqkv.bias")):
+                own[name] = own[name].index_select(0, rows)
     model.load_state_dict(own, strict=True, assign=True)
     if model.cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
@@ -200,7 +227,7 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device) -
         model = Transformer(cfg)
     load_hf_state_dict(model, {k: v.to(device=device, dtype=dtype) for k, v in sd.items()})
     with torch.device(device):  # computed where it is used, as the reference computes it
-        model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position)
+        model.rotary = Rotary(cfg)
     return model.eval().requires_grad_(False)
 
 

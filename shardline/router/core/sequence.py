@@ -108,6 +108,7 @@ class Sequence:
     cancelled: bool = False
     cached_prompt_tokens: int = 0
     cache_namespace: str = ""  # cached pages are shared only within one (common/auth.py)
+    long_rope: bool = False  # its positions turn by the model's long rotary factors (shard.proto)
     tenant: str = ""
     priority: int = 0
     prompt_logprobs: int | None = None  # alternatives per prompt token; the prompt is then computed whole

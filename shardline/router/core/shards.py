@@ -42,6 +42,7 @@ class ShardInfo:
     group_id: str
     attention_pair_cost: float
     num_layers: int
+    rope_long_from: int  # prompts longer turn by the long rotary factors (0: none)
 
 
 @dataclass(frozen=True)

@@ -128,13 +128,19 @@ class Admission:
         if error := self.unavailable():  # the group may have failed while we tokenized
             raise error
         self._check_room(len(ids) + max_new, tenant, req.request_id)
+        # LongRoPE's long factors turn every position of a long prompt, so its pages hold other
+        # K/V than a short prompt's of the same tokens: cached apart, under a namespace that
+        # starts with a NUL (as no salt does by accident).
+        long_rope = 0 < self.replica.served.head.rope_long_from < len(ids)
+        namespace = cache_namespace(None if self.share_cache else tenant, req.cache_salt)
         seq = Sequence(
             seq_id=next(self._ids),
             request_id=req.request_id or uuid.uuid4().hex,
             prompt_ids=ids,
             max_new_tokens=max_new,
             sampling=sampling_of(req, random.getrandbits(63)),
-            cache_namespace=cache_namespace(None if self.share_cache else tenant, req.cache_salt),
+            cache_namespace="\0long-rope\0" + namespace if long_rope else namespace,
+            long_rope=long_rope,
             tenant=tenant,
             priority=req.priority,
             prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,

@@ -63,6 +63,7 @@ def _entry(s: Scheduled, step: Step, told: Told) -> shard_pb2.SequenceStep:
         new_pages=block_table[held or 0 :],
         proposals=s.proposals,
         sampling=_sampling(seq.sampling) if held is None else None,
+        long_rope=seq.long_rope and held is None,
     )
     if seq.prompt_logprobs is not None and seq.num_computed < len(seq.prompt_ids):
         entry.prompt_logprobs = seq.prompt_logprobs
