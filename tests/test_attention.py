@@ -1,4 +1,5 @@
-"""Paged attention against a dense causal reference, and KV writes that touch only their slots."""
+"""Paged attention against a dense causal reference (within a sliding window too), and KV writes
+that touch only their slots."""
 
 import pytest
 import torch
@@ -9,10 +10,14 @@ from shardline.kernels.attention import AttentionBatch, paged_attention
 PAGE, KVH, HEADS, HD, PAGES = 4, 2, 4, 8, 32
 
 
-def _dense(q, k, v, start):
-    """q [n, H, D] at positions start.., k/v [start+n, KVH, D]."""
+def _dense(q, k, v, start, window=0):
+    """q [n, H, D] at positions start.., k/v [start+n, KVH, D]; each query sees the keys before
+    it, within the last `window` positions where that is not 0 (transformers' q - k < window)."""
     ctx = k.shape[0]
-    mask = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]
+    q_pos, k_pos = torch.arange(start, ctx)[:, None], torch.arange(ctx)[None, :]
+    mask = k_pos <= q_pos
+    if window:
+        mask &= q_pos - k_pos < window
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
     )
@@ -23,8 +28,9 @@ def _slots(table, positions):
     return table[positions // PAGE] * PAGE + positions % PAGE
 
 
+@pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("kernel", ["fused", "plain"])
-def test_prefill_chunks_and_decode_match_dense(monkeypatch, kernel):
+def test_prefill_chunks_and_decode_match_dense(monkeypatch, kernel, window):
     import shardline.kernels.attention as attention
 
     if kernel == "plain":  # the path other devices take, checked here on the CPU
@@ -34,7 +40,7 @@ def test_prefill_chunks_and_decode_match_dense(monkeypatch, kernel):
     total = 23
     table = torch.randperm(PAGES)[: -(-total // PAGE)]  # scattered, out-of-order pages
     q, k, v = torch.randn(total, HEADS, HD), torch.randn(total, KVH, HD), torch.randn(total, KVH, HD)
-    want = _dense(q, k, v, 0)
+    want = _dense(q, k, v, 0, window)
     outs, pos = [], 0
     for n in (9, 6, 1, 7):  # a first chunk, a chunk over cached context, a single token, the rest
         positions = torch.arange(pos, pos + n)
@@ -45,15 +51,23 @@ def test_prefill_chunks_and_decode_match_dense(monkeypatch, kernel):
             start_positions=[pos],
             block_tables_list=[table],
         )
-        outs.append(paged_attention(q[pos : pos + n], k[pos : pos + n], v[pos : pos + n], kp, vp, batch, HD**-0.5))
+        outs.append(
+            paged_attention(q[pos : pos + n], k[pos : pos + n], v[pos : pos + n], kp, vp, batch, HD**-0.5, window)
+        )
         pos += n
     torch.testing.assert_close(torch.cat(outs), want)
 
 
-def test_batched_decode_matches_dense_per_sequence():
+@pytest.mark.parametrize("window", [0, 3, 9])
+def test_batched_decode_matches_dense_per_sequence(monkeypatch, window):
+    """Contexts of several split-KV blocks (of 8 tokens here), windows that start past the first
+    block for some sequences and not for others."""
+    import shardline.kernels.attention as attention
+
+    monkeypatch.setattr(attention, "DECODE_BLOCK_TOKENS", 8)
     torch.manual_seed(1)
     kp, vp = torch.zeros(PAGES + 1, PAGE, KVH, HD), torch.zeros(PAGES + 1, PAGE, KVH, HD)
-    lens = [1, 5, 12, 8]
+    lens = [1, 5, 12, 8, 30]
     pages = torch.randperm(PAGES)
     tables, offset, seqs = [], 0, []
     for n in lens:
@@ -77,9 +91,10 @@ def test_batched_decode_matches_dense_per_sequence():
         vp,
         batch,
         HD**-0.5,
+        window,
     )
     for i, (q, k, v) in enumerate(seqs):
-        torch.testing.assert_close(got[i], _dense(q, k, v, 0)[-1])
+        torch.testing.assert_close(got[i], _dense(q, k, v, 0, window)[-1])
 
 
 def test_kv_write_touches_only_scheduled_slots():

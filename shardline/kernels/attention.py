@@ -3,13 +3,16 @@
 The pages may hold a narrower dtype than the model computes in (`--kv-dtype`): new K/V are
 rounded to it as they are written, and cached K/V widened back as they are read.
 
+A sliding-window layer (`window` > 0: Gemma 3's local layers, Mistral's) lets a query at position
+p see the keys at p - window + 1 .. p only, as transformers masks them (q - k < window).
+
 The portable path is plain torch (runs on CPU and CUDA). On CUDA with flash-attn installed, the
 paged-KV entry points of flash-attn are used instead. A slot is `page * page_size + offset`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +40,8 @@ class AttentionBatch:
     start_positions: list[int] | None = None  # prefill
     block_tables_list: list[torch.Tensor] | None = None  # prefill
     opaque: bool = False  # decode inside a compiled graph: attention as one operator
-    blocks: list | None = None  # decode: the split-KV blocks, worked out by the first layer
+    # decode: the split-KV blocks per window (0: none), worked out by the first layer of each
+    blocks: dict[int, list] = field(default_factory=dict)
 
     @classmethod
     def decode(
@@ -90,19 +94,23 @@ def paged_attention(
     v_pages: torch.Tensor,
     batch: AttentionBatch,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] of this step's tokens -> [T, heads, head_dim].
 
-    Writes k/v into the pages first, then attends each query over its sequence's cached context.
+    Writes k/v into the pages first, then attends each query over its sequence's cached context
+    (its last `window` positions, where that is not 0).
     """
     if batch.opaque:
-        return decode_attention(q, k, v, k_pages, v_pages, batch.slots, batch.block_tables, batch.context_lens, scale)
+        return decode_attention(
+            q, k, v, k_pages, v_pages, batch.slots, batch.block_tables, batch.context_lens, scale, window
+        )
     write_kv(k_pages, v_pages, k, v, batch.slots)
     if uses_flash(q.device, q.dtype, k_pages.shape[1], k_pages.dtype):
-        return _flash(q, k_pages, v_pages, batch, scale)
+        return _flash(q, k_pages, v_pages, batch, scale, window)
     if batch.is_decode:
-        return _decode_torch(q, k_pages, v_pages, batch, scale)
-    return _prefill_torch(q, k, v, k_pages, v_pages, batch, scale)
+        return _decode_torch(q, k_pages, v_pages, batch, scale, window)
+    return _prefill_torch(q, k, v, k_pages, v_pages, batch, scale, window)
 
 
 # Decode attends in blocks of this many context tokens: a batch's temporary K/V copies are at
@@ -149,41 +157,55 @@ def _gathered(pages, table, tokens: int, dtype: torch.dtype):
     return pages.index_select(0, used).view(-1, kv_heads, head_dim)[:tokens].transpose(0, 1)[None].to(dtype)
 
 
-def _decode_blocks(batch: AttentionBatch, page_size: int, dtype: torch.dtype) -> list:
+def _decode_blocks(batch: AttentionBatch, page_size: int, dtype: torch.dtype, window: int) -> list:
     """[(rows or None for all, block tables [n, width], additive mask [n, 1, 1, width * page_size])]
-    per block of the context: the same for every layer of a step, so worked out once."""
-    if batch.blocks is not None:
-        return batch.blocks
+    per block of the context: the same for every layer of a step with this window, so worked out
+    once. A block that no row's window reaches is left out."""
+    if window in batch.blocks:
+        return batch.blocks[window]
     bsz = batch.block_tables.shape[0]
     max_pages = min(batch.block_tables.shape[1], -(-int(batch.context_lens.max()) // page_size))
     block_pages = max(1, DECODE_BLOCK_TOKENS // page_size)
-    batch.blocks = []
+    blocks = batch.blocks[window] = []
+    lens = batch.context_lens
     for first in range(0, max_pages, block_pages):
         start, last = first * page_size, min(first + block_pages, max_pages)
-        rows = (batch.context_lens > start).nonzero().squeeze(1)  # sequences with tokens here
-        if first and len(rows) < bsz:
-            tables, lens = batch.block_tables[rows, first:last], batch.context_lens[rows]
+        seen = lens > start  # sequences with tokens here
+        if window:  # and whose window reaches it
+            seen &= lens - window < (last * page_size)
+        rows = seen.nonzero().squeeze(1)
+        if not len(rows):
+            continue
+        if len(rows) < bsz:
+            tables, ends = batch.block_tables[rows, first:last], lens[rows]
         else:
-            rows, tables, lens = None, batch.block_tables[:, first:last], batch.context_lens
+            rows, tables, ends = None, batch.block_tables[:, first:last], lens
         n, width = tables.shape
-        positions = torch.arange(start, start + width * page_size, device=tables.device)
+        positions = torch.arange(start, start + width * page_size, device=tables.device)[None, :]
+        unseen = positions >= ends[:, None]
+        if window:
+            unseen |= positions < (ends - window)[:, None]
         bias = torch.zeros(n, 1, 1, width * page_size, dtype=dtype, device=tables.device)
-        bias.masked_fill_((positions[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
-        batch.blocks.append((rows, tables, bias))
-    return batch.blocks
+        bias.masked_fill_(unseen[:, None, None, :], float("-inf"))
+        blocks.append((rows, tables, bias))
+    return blocks
 
 
-def _decode_torch(q, k_pages, v_pages, batch: AttentionBatch, scale):
+def _decode_torch(q, k_pages, v_pages, batch: AttentionBatch, scale, window: int = 0):
     """Split-KV decode: the context is read in blocks of DECODE_BLOCK_TOKENS, each block only for
-    the sequences that reach into it, and the blocks' partial results are merged by their
-    log-sum-exp (as flash-decoding does). A batch of short sequences is one block. Block tables
-    may be wider than the longest context (a captured graph's static ones are): the blocks stop
-    at the longest context."""
+    the sequences that reach into it (with a window: whose window does), and the blocks' partial
+    results are merged by their log-sum-exp (as flash-decoding does). A batch of short sequences
+    is one block. Block tables may be wider than the longest context (a captured graph's static
+    ones are): the blocks stop at the longest context."""
     bsz, heads = q.shape[:2]
     page_size, kv_heads, head_dim = k_pages.shape[1:]
     qg = q.view(bsz, kv_heads, heads // kv_heads, head_dim)
     out = lse = None
-    for rows, tables, bias in _decode_blocks(batch, page_size, q.dtype):
+    blocks = _decode_blocks(batch, page_size, q.dtype, window)
+    if blocks[0][0] is not None:  # some windows start past the first block: nothing seen yet (merged exactly)
+        out = torch.zeros(bsz, kv_heads, heads // kv_heads, head_dim, device=q.device)
+        lse = torch.full((bsz, kv_heads, heads // kv_heads), float("-inf"), device=q.device)
+    for rows, tables, bias in blocks:
         n, width = tables.shape
         # index_select, not k_pages[tables]: the same rows, gathered 5x faster on CPU (45 vs 229 us
         # for 64 pages of SmolLM2's K)
@@ -200,17 +222,20 @@ def _decode_torch(q, k_pages, v_pages, batch: AttentionBatch, scale):
     return out.to(q.dtype).reshape(bsz, heads, head_dim)
 
 
-def _prefill_torch(q, k_new, v_new, k_pages, v_pages, batch: AttentionBatch, scale):
+def _prefill_torch(q, k_new, v_new, k_pages, v_pages, batch: AttentionBatch, scale, window: int = 0):
     """Per sequence: causal attention over its new tokens and, for a chunk after the first, plain
     attention over its cached context, merged by log-sum-exp. Neither needs a mask, so both run
-    in torch's fused kernel (on 4-D inputs; 3-D ones take a slow path) in O(tokens) memory."""
+    in torch's fused kernel (on 4-D inputs; 3-D ones take a slow path) in O(tokens) memory. A
+    chunk whose tokens' window leaves keys out attends through a mask (`_windowed`)."""
     kv_heads, head_dim = k_pages.shape[2:]
     if k_pages.dtype != q.dtype:  # as the cache will hold them, so that chunked and whole prompts agree
         k_new, v_new = k_new.to(k_pages.dtype).to(q.dtype), v_new.to(v_pages.dtype).to(q.dtype)
     outs, offset = [], 0
     for n, start, table in zip(batch.query_lens, batch.start_positions, batch.block_tables_list):
         qs, ks, vs = (t[offset : offset + n].transpose(0, 1)[None] for t in (q, k_new, v_new))
-        if start == 0:
+        if window and start + n > window:
+            out = _windowed(qs, ks, vs, k_pages, v_pages, table, start, window, scale)
+        elif start == 0:
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)[0]
         else:
             heads = qs.shape[1]
@@ -230,7 +255,24 @@ def _prefill_torch(q, k_new, v_new, k_pages, v_pages, batch: AttentionBatch, sca
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def _flash(q, k_pages, v_pages, batch: AttentionBatch, scale):  # pragma: no cover - CUDA only
+def _windowed(qs, ks, vs, k_pages, v_pages, table, start: int, window: int, scale):
+    """One chunk's attention within its window: its new tokens' keys and the cached ones the
+    first of them still sees, under a mask of what each token sees (q - k < window, k <= q)."""
+    n, heads = qs.shape[2], qs.shape[1]
+    group = heads // k_pages.shape[2]
+    lo = max(0, start - window + 1)  # the first position any of the tokens sees
+    if start > lo:
+        ks = torch.cat([_gathered(k_pages, table, start, qs.dtype)[:, :, lo:], ks], 2)
+        vs = torch.cat([_gathered(v_pages, table, start, qs.dtype)[:, :, lo:], vs], 2)
+    q_pos = torch.arange(start, start + n, device=qs.device)[:, None]
+    k_pos = torch.arange(lo, start + n, device=qs.device)[None, :]
+    seen = (k_pos <= q_pos) & (q_pos - k_pos < window)
+    bias = torch.zeros(seen.shape, dtype=qs.dtype, device=qs.device).masked_fill_(~seen, float("-inf"))
+    out, _ = _attend(qs, ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1), scale, bias)
+    return out[0]
+
+
+def _flash(q, k_pages, v_pages, batch: AttentionBatch, scale, window: int = 0):  # pragma: no cover - CUDA only
     if batch.is_decode:
         out = flash_attn_with_kvcache(
             q.unsqueeze(1),
@@ -240,6 +282,7 @@ def _flash(q, k_pages, v_pages, batch: AttentionBatch, scale):  # pragma: no cov
             block_table=batch.block_tables.to(torch.int32),
             softmax_scale=scale,
             causal=True,
+            window_size=(window - 1 if window else -1, 0 if window else -1),
         )
         return out.squeeze(1)
     outs, offset = [], 0
@@ -252,6 +295,7 @@ def _flash(q, k_pages, v_pages, batch: AttentionBatch, scale):  # pragma: no cov
             block_table=table[None].to(torch.int32),
             softmax_scale=scale,
             causal=True,
+            window_size=(window - 1 if window else -1, 0 if window else -1),
         )
         outs.append(out.squeeze(0))
         offset += n
@@ -275,11 +319,12 @@ def decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int,
 ) -> torch.Tensor:
     batch = AttentionBatch(slots=slots, is_decode=True, block_tables=block_tables, context_lens=context_lens)
-    return paged_attention(q, k, v, k_pages, v_pages, batch, scale)
+    return paged_attention(q, k, v, k_pages, v_pages, batch, scale, window)
 
 
 @decode_attention.register_fake
-def _(q, k, v, k_pages, v_pages, slots, block_tables, context_lens, scale):
+def _(q, k, v, k_pages, v_pages, slots, block_tables, context_lens, scale, window):
     return torch.empty_like(q)
