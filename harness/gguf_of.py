@@ -28,6 +28,7 @@ ARCHITECTURES = {
     "granite": "granite",
     "olmo2": "olmo2",
     "phi3": "phi3",
+    "gemma3_text": "gemma3",
 }
 # Architectures whose Q/K rows the converter permutes: its LlamaModel and those built on it
 _PERMUTED = ("llama", "smollm3", "granite")
@@ -54,6 +55,7 @@ _LAYER = {
 }
 # OLMo 2's norms follow its sublayers: its `post_attention_layernorm` is no MLP input norm
 _OLMO2_LAYER = {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+_GEMMA3_LAYER = _OLMO2_LAYER | {"pre_feedforward_layernorm": "ffn_norm"}  # and norms before them too
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _EXPERT_KINDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
@@ -69,7 +71,7 @@ def gguf_tensors(folder: Path) -> dict[str, np.ndarray]:
 
     raw = json.loads((folder / "config.json").read_text())
     arch = ARCHITECTURES[raw["model_type"]]
-    names = {**_LAYER, **_OLMO2_LAYER} if arch == "olmo2" else _LAYER
+    names = _LAYER | {"olmo2": _OLMO2_LAYER, "gemma3": _GEMMA3_LAYER}.get(arch, {})
     heads, kv_heads = raw["num_attention_heads"], raw.get("num_key_value_heads", raw["num_attention_heads"])
     sd = {}
     for f in sorted(folder.glob("*.safetensors")):
@@ -77,6 +79,8 @@ def gguf_tensors(folder: Path) -> dict[str, np.ndarray]:
     out, experts = {}, {}
     for name, w in sd.items():
         w = w.astype(np.float32)
+        if arch == "gemma3" and name.endswith("norm.weight"):  # Gemma3RMSNorm's 1 + w, as the converter adds it
+            w = w + 1
         if m := _EXPERT.fullmatch(name):
             layer, expert, kind = int(m[1]), int(m[2]), _EXPERT_KINDS[m[3]]
             experts.setdefault((layer, kind), {})[expert] = w
@@ -141,6 +145,22 @@ def _add_phi3_rotary(writer, raw: dict, head_dim: int) -> None:
     writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
 
+def _add_gemma3_keys(writer, raw: dict) -> None:
+    """Gemma 3's keys as the converter's Gemma3Model writes them: the local layers' rotary base,
+    the global layers' linear scaling (their base is the file's), the window and the logit cap
+    (the 5:1 pattern is llama.cpp's default, the attention scale it derives from the size)."""
+    rope = raw["rope_parameters"].get("full_attention", raw["rope_parameters"])
+    writer.add_rope_freq_base_swa(raw["rope_parameters"]["sliding_attention"]["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        from gguf import RopeScalingType
+
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if raw.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(raw["final_logit_softcapping"])
+    writer.add_sliding_window(raw["sliding_window"])
+
+
 def write_gguf_of(folder: Path, path: Path) -> Path:
     """`folder`'s checkpoint as an F32 GGUF at `path`."""
     from gguf import GGUFWriter
@@ -150,6 +170,7 @@ def write_gguf_of(folder: Path, path: Path) -> Path:
     heads = raw["num_attention_heads"]
     head_dim = (raw.get("head_dim") if arch != "granite" else None) or raw["hidden_size"] // heads
     rope = raw.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3's: per layer type, the file's base the global layers'
     writer = GGUFWriter(str(path), arch)
     writer.add_name(folder.name)
     writer.add_context_length(raw["max_position_embeddings"])
@@ -180,6 +201,8 @@ def write_gguf_of(folder: Path, path: Path) -> Path:
             add(raw[key])
     if arch == "phi3":
         _add_phi3_rotary(writer, raw, head_dim)
+    if arch == "gemma3":
+        _add_gemma3_keys(writer, raw)
     add_smollm2_tokenizer(writer)
     for name, w in gguf_tensors(folder).items():
         writer.add_tensor(name, np.ascontiguousarray(w))

@@ -100,6 +100,26 @@ TINY_CONFIGS = {
         tie_word_embeddings=True,
         pad_token_id=None,  # its default, 32000, is past the tiny vocabulary
     ),
+    # Gemma 3: five local layers of a 16-token window (their own rotary base) to one global layer
+    # (linear rope scaling, as the 4B's), q/k norms, pre and post norms of 1 + w, GELU, embedding
+    # and attention scales, and Gemma 2's final logit cap
+    "gemma3_text": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=16,
+        query_pre_attn_scalar=16,  # the head size, as in all but the 27B (whose a GGUF does not say)
+        rope_parameters=dict(
+            full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+            sliding_attention=dict(rope_type="default", rope_theta=1e4),
+        ),
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+        pad_token_id=None,
+    ),
     # Mixtures of experts: 8 experts of 32 units (16 per TP rank), 2 per token; Qwen3-MoE with a
     # dense layer among its sparse ones, Qwen2-MoE with a shared expert and unnormalized weights.
     "qwen3_moe": dict(
@@ -175,6 +195,7 @@ def make_tiny_model(arch: str, path: Path, seed: int = 0, context: int = 2048) -
         "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
         "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     tok = smollm2_tokenizer()
     config = cls[0](

@@ -1,8 +1,9 @@
 """Families beyond Llama and Qwen: Mistral (Llama's block, its own head size, GGUF'd as llama),
 SmolLM3 (no rotary embedding in every 4th layer), Granite 3
 (embedding, residual, attention and logit multipliers), OLMo 2 (norms after each sublayer
-rather than before, q/k norms across all heads) and Phi-3 (fused projections, a partial rotary
-embedding with LongRoPE's factors).
+rather than before, q/k norms across all heads), Phi-3 (fused projections, a partial rotary
+embedding with LongRoPE's factors) and Gemma 3 (local sliding-window layers with their own rotary
+base, GELU, pre and post norms of 1 + w, scales, a logit cap); Mistral with a window.
 
 Tiny random ones made with transformers' own classes, served from their Hugging Face folders and
 from GGUFs written as llama.cpp's converter writes them (harness/gguf_of.py; F32, the exact
@@ -35,7 +36,7 @@ pytestmark = pytest.mark.processes  # every test here starts processes
 @pytest.fixture(scope="module")
 def ggufs(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    archs = ("mistral", "smollm3", "granite", "olmo2", "phi3")
+    archs = ("mistral", "smollm3", "granite", "olmo2", "phi3", "gemma3_text")
     return {arch: write_gguf_of(tiny_models[arch], root / f"{arch}.gguf") for arch in archs}
 
 
@@ -53,6 +54,8 @@ def ggufs(tiny_models, tmp_path_factory):
         ("phi3", "hf", ["--tp", "2"]),  # each rank's heads in the order they turn in
         ("phi3", "gguf", ["--chunk-size", "7"]),  # LongRoPE's factors from the file's two tensors
         ("phi3", "gguf", ["--weights", "dequantized", "--pp", "2"]),  # its fused tensors under their checkpoint's names
+        ("gemma3_text", "hf", ["--pp", "2"]),  # local layers on both stages (and test_sliding_window...)
+        ("gemma3_text", "gguf", ["--weights", "dequantized"]),  # norms of 1 + w in the file, under HF names
     ],
 )
 def test_tiny_families_match_transformers(tiny_models, ggufs, arch, source, flags):
@@ -123,12 +126,77 @@ def test_olmo2_over_tp_ranks_is_refused_at_start_with_the_reason(tiny_models):
     assert "q/k norms span all attention heads" in done.stderr and "--tp 1" in done.stderr
 
 
-def test_a_sliding_window_shorter_than_the_context_is_refused_as_not_served_yet(tiny_models, tmp_path):
-    folder = tmp_path / "mistral-v0.1-like"
+@pytest.fixture(scope="module")
+def windowed_mistral(tiny_models, tmp_path_factory):
+    """Mistral 7B v0.1's shape of attention: every layer within a window (of 16 tokens here)."""
+    folder = tmp_path_factory.mktemp("windowed") / "mistral-v0.1-like"
     shutil.copytree(tiny_models["mistral"], folder)
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": 64}))
-    with pytest.raises(Unservable, match=r"sliding-window attention \(64 tokens\) is not served yet"):
+    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "arch, flags",
+    [
+        ("gemma3_text", ["--chunk-size", "7"]),  # chunks whose window reaches into cached pages
+        ("gemma3_text", ["--tp", "2"]),
+        ("gemma3_text-gguf", []),  # as llama.cpp reads the file: its pattern, bases, scales
+        ("mistral-windowed", ["--pp", "2"]),
+    ],
+)
+def test_sliding_window_layers_score_every_position_as_transformers(tiny_models, windowed_mistral, ggufs, arch, flags):
+    """Log-probabilities, not only greedy tokens (a random model's greedy choice hardly turns on
+    what its attention sees past a window): every prompt position scored (prefill) and every
+    decoded token's (decode steps) within 1e-3 of transformers', 100 positions past a 16-token
+    window, asked twice (the second time from the prefix cache)."""
+    import torch
+
+    folder = windowed_mistral if arch == "mistral-windowed" else tiny_models[arch.removesuffix("-gguf")]
+    ref = hf_model(folder)
+    rng = random.Random(7)
+    prompt = [rng.randrange(ref.config.vocab_size) for _ in range(100)]
+    with torch.no_grad():
+        want_prompt = torch.log_softmax(ref(torch.tensor([prompt])).logits[0].float(), -1)
+        out = ref.generate(
+            torch.tensor([prompt]), max_new_tokens=8, do_sample=False, output_scores=True,
+            return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    want_decoded = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, tokens)]
+    model = ggufs["gemma3_text"] if arch.endswith("-gguf") else folder
+    server = Server("--model", str(model), "--page-size", "16", "--threads", "1", *flags)
+    try:
+        for _ in range(2):
+            replies = list(
+                server.stub.Generate(
+                    pb.GenerateRequest(
+                        prompt_token_ids=pb.PromptTokens(ids=prompt),
+                        max_new_tokens=8,
+                        ignore_eos=True,
+                        logprobs=0,
+                        prompt_logprobs=0,
+                    )
+                )
+            )
+            scored = [lp for r in replies for lp in r.prompt_logprobs]
+            decoded = [lp for r in replies for lp in r.logprobs]
+            got = [lp.logprob for lp in scored]
+            want = [float(want_prompt[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+            assert [lp.token_id for lp in scored] == prompt[1:]
+            assert max(abs(a - b) for a, b in zip(got, want)) < 1e-3
+            assert [lp.token_id for lp in decoded] == tokens
+            assert max(abs(lp.logprob - w) for lp, w in zip(decoded, want_decoded)) < 1e-3
+    finally:
+        assert server.stop() == 0
+
+
+def test_qwen2s_sliding_windows_are_refused_as_not_served_yet(tiny_models, tmp_path):
+    folder = tmp_path / "qwen2-windowed"
+    shutil.copytree(tiny_models["qwen2"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "use_sliding_window": True, "sliding_window": 64}))
+    with pytest.raises(Unservable, match=r"sliding-window attention \(64 tokens\) of qwen2 is not served yet"):
         describe(resolve_model(str(folder)))
-    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": config["max_position_embeddings"]}))
-    assert describe(resolve_model(str(folder))).cfg.architecture == "mistral"  # a window as long as the context
+    (folder / "config.json").write_text(json.dumps({**config, "use_sliding_window": True, "sliding_window": 2048}))
+    assert describe(resolve_model(str(folder))).cfg.sliding_window == 0  # a window as long as the context

@@ -17,7 +17,8 @@ class ModelConfig:
     Mistral (Llama's block; served where its sliding window is off or spans the context), SmolLM3
     (no rotary embedding in `nope_layers`), Granite 3 (the four scales) and OLMo 2 (norms after
     each sublayer rather than before, q/k norms across all heads), Phi-3/Phi-4-mini (fused
-    projections in its files; a partial rotary embedding with LongRoPE's per-frequency factors).
+    projections in its files; a partial rotary embedding with LongRoPE's per-frequency factors)
+    and Gemma 3 (local sliding-window layers, GELU, norms before and after each sublayer).
 
     A mixture's layers are sparse (`num_experts` MLPs of `expert_intermediate_size`, a token's
     `experts_per_token` picked by a router) but for `dense_layers` (an MLP of `intermediate_size`)."""
@@ -63,6 +64,20 @@ class ModelConfig:
     rope_long_factors: list[float] = field(default_factory=list)
     rope_long_from: int = 0
     rope_attention_factor: float = 1.0
+    rope_scale: float = 1.0  # linear scaling (Gemma 3's global layers): frequencies divided by it
+    # Sliding-window attention (Gemma 3's local layers, Mistral's and Phi-3's where configured):
+    # in `sliding_layers` a token sees the last `sliding_window` positions only (0: every layer
+    # sees the whole context), turned by the rotary tables of base `local_rope_theta` where that
+    # is set (Gemma 3's local layers; else the global tables).
+    sliding_window: int = 0
+    sliding_layers: list[int] = field(default_factory=list)
+    local_rope_theta: float = 0.0
+    # Gemma's: GELU (tanh approximation) in the MLP, norms that scale by 1 + w (`norm_offset`,
+    # added to a checkpoint's norm weights at load; llama.cpp's converter adds it to a GGUF's),
+    # and a soft cap on the logits (cap * tanh(logits / cap); 0: none).
+    mlp_activation: str = "silu"  # silu | gelu_tanh
+    norm_offset: float = 0.0
+    final_logit_softcap: float = 0.0
 
     def is_sparse(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -87,6 +102,9 @@ class ModelConfig:
         raw = json.loads((path / "config.json").read_text())
         arch = raw.get("model_type", "llama")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        local_rope = {}
+        if "full_attention" in rope:  # per layer type (Gemma 3's)
+            rope, local_rope = rope["full_attention"], rope.get("sliding_attention", {})
         heads = raw["num_attention_heads"]
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
         eos = raw.get("eos_token_id")
@@ -95,12 +113,8 @@ class ModelConfig:
         layers = raw["num_hidden_layers"]
         step = raw.get("decoder_sparse_step") or 1
         dense = [i for i in range(layers) if i in (raw.get("mlp_only_layers") or []) or (i + 1) % step]
-        # Mistral's and Phi-3's windows apply unless a config turns them off (Qwen2's and SmolLM3's do)
-        window = raw.get("sliding_window") if raw.get("use_sliding_window", arch in ("mistral", "phi3")) else None
-        if window and window < raw.get("max_position_embeddings", 4096):
-            raise ValueError(f"sliding-window attention ({window} tokens) is not served yet")
         rotates = raw.get("no_rope_layers") or [1] * layers  # SmolLM3's: 1 where the layer rotates
-        return cls(
+        fields = dict(
             architecture=arch,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -114,7 +128,7 @@ class ModelConfig:
             max_position=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             qkv_bias=arch in ("qwen2", "qwen2_moe") or raw.get("attention_bias", False),
-            qk_norm=arch in ("qwen3", "qwen3_moe", "olmo2"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text"),
             eos_token_ids=eos,
             name=raw.get("_name_or_path") or path.name,
             num_experts=experts,
@@ -126,20 +140,21 @@ class ModelConfig:
             nope_layers=[i for i in range(layers) if not rotates[i]],
             qk_norm_across_heads=arch == "olmo2",
             pre_norms=arch != "olmo2",
-            post_norms=arch == "olmo2",
+            post_norms=arch in ("olmo2", "gemma3_text"),
             embedding_scale=raw.get("embedding_multiplier", 1.0),
             residual_scale=raw.get("residual_multiplier", 1.0),
             attention_scale=raw.get("attention_multiplier", 0.0),
             logit_scale=raw.get("logits_scaling", 1.0),
-            **_rotary_from_hf(raw, rope, head_dim),
         )
+        fields |= _rotary_from_hf(raw, rope, head_dim) | _windows_from_hf(raw, arch, layers, local_rope)
+        return cls(**fields | (_gemma_from_hf(raw) if arch == "gemma3_text" else {}))
 
     @classmethod
     def from_gguf(cls, header: GgufHeader, name: str) -> ModelConfig:
         field_value = header.get
         arch = field_value("general.architecture")
         window = field_value(f"{arch}.attention.sliding_window")
-        if window and window < field_value(f"{arch}.context_length", 4096):
+        if window and window < field_value(f"{arch}.context_length", 4096) and arch != "gemma3":
             raise ValueError(f"sliding-window attention ({window} tokens) is not served yet")
         tensors = {t.name for t in header.tensors}
         hidden = field_value(f"{arch}.embedding_length")
@@ -147,7 +162,7 @@ class ModelConfig:
         eos = field_value("tokenizer.ggml.eos_token_id")
         layers = field_value(f"{arch}.block_count")
         experts = field_value(f"{arch}.expert_count", 0)
-        return cls(
+        fields = dict(
             architecture=arch,
             vocab_size=len(header.metadata["tokenizer.ggml.tokens"]),
             hidden_size=hidden,
@@ -185,8 +200,8 @@ class ModelConfig:
             residual_scale=float(field_value(f"{arch}.residual_scale", 1.0)),
             attention_scale=float(field_value(f"{arch}.attention.scale", 0.0)),
             logit_scale=float(field_value(f"{arch}.logit_scale", 1.0)),
-            **_rotary_from_gguf(header, arch),
-        )
+        ) | _rotary_from_gguf(header, arch)
+        return cls(**fields | (_gemma_from_gguf(header, arch) if arch == "gemma3" else {}))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -203,12 +218,14 @@ def _rotary_from_hf(raw: dict, rope: dict, head_dim: int) -> dict:
     sequence outgrows that length, gives these tables to every prompt within it and to every
     token generated past it (a longer prompt it turns with the long factors throughout)."""
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "longrope", "su"):
+    if kind not in ("default", "linear", "longrope", "su"):
         raise ValueError(f"rope scaling {rope} is not supported")
     partial = rope.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0
     fields = dict(rotary_dim=int(head_dim * partial) if partial != 1 else 0)
     if kind == "default":
         return fields
+    if kind == "linear":
+        return fields | dict(rope_scale=float(rope["factor"]))
     original = rope.get("original_max_position_embeddings") or raw["original_max_position_embeddings"]
     factor = rope.get("factor") or raw["max_position_embeddings"] / original
     attention = rope.get("attention_factor")
@@ -230,6 +247,11 @@ def _rotary_from_gguf(header: GgufHeader, arch: str) -> dict:
     )
     rotary_dim = header.get(f"{arch}.rope.dimension_count", head_dim)
     fields = dict(rotary_dim=rotary_dim if rotary_dim != head_dim else 0)
+    scaling = header.get(f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        fields["rope_scale"] = float(header.get(f"{arch}.rope.scaling.factor", 1.0))
+    elif scaling != "none":
+        raise ValueError(f"rope scaling {scaling!r} is not supported")
     short, long = header.floats("rope_factors_short.weight"), header.floats("rope_factors_long.weight")
     if long is None:
         return fields
@@ -238,4 +260,65 @@ def _rotary_from_gguf(header: GgufHeader, arch: str) -> dict:
         rope_long_factors=long,
         rope_long_from=header.get(f"{arch}.rope.scaling.original_context_length"),
         rope_attention_factor=float(header.get(f"{arch}.rope.scaling.attn_factor", 1.0)),
+    )
+
+
+def _windows_from_hf(raw: dict, arch: str, layers: int, local_rope: dict) -> dict:
+    """The sliding-window fields: Gemma 3's local layers (`layer_types`, or every layer but each
+    `sliding_window_pattern`th), or every layer of a Mistral or Phi-3 whose config sets a window
+    (unless it turns it off). A window as long as the context leaves no key out: none."""
+    context = raw.get("max_position_embeddings", 4096)
+    if arch == "gemma3_text":
+        pattern = raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6
+        types = raw.get("layer_types") or [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+        ]
+        window, sliding = raw["sliding_window"], [i for i, t in enumerate(types) if t == "sliding_attention"]
+        local_theta = local_rope.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0
+        return dict(sliding_window=window, sliding_layers=sliding, local_rope_theta=float(local_theta))
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", arch in ("mistral", "phi3")) else None
+    if not window or window >= context:
+        return {}
+    if arch not in ("mistral", "phi3"):  # Qwen2's windows start at `max_window_layers`
+        raise ValueError(f"sliding-window attention ({window} tokens) of {arch} is not served yet")
+    return dict(sliding_window=window, sliding_layers=list(range(layers)))
+
+
+def _gemma_from_hf(raw: dict) -> dict:
+    """Gemma 3's scales, activation, norms and caps."""
+    if raw.get("attn_logit_softcapping"):
+        raise ValueError("attention logit soft-capping (Gemma 2's) is not served yet")
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError("bidirectional attention (an embedding model's) is not served")
+    return dict(
+        embedding_scale=raw["hidden_size"] ** 0.5,
+        attention_scale=raw.get("query_pre_attn_scalar", 256) ** -0.5,
+        mlp_activation="gelu_tanh",
+        norm_offset=1.0,
+        final_logit_softcap=raw.get("final_logit_softcapping") or 0.0,
+    )
+
+
+def _gemma_from_gguf(header: GgufHeader, arch: str) -> dict:
+    """Gemma 3's fields as llama.cpp reads them: every layer but each `sliding_window_pattern`th
+    (6 unless the file says) local, at base `rope.freq_base_swa` (10000 unless it says), the
+    attention scale by the model's size (not in the file: 27B's, of 62 layers, is the hidden
+    size's per head, the others' the head size's), its norms' 1 + w already in the file."""
+    layers, hidden = header.get(f"{arch}.block_count"), header.get(f"{arch}.embedding_length")
+    head_dim = header.get(f"{arch}.attention.key_length")
+    pattern = header.get(f"{arch}.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        sliding = [i for i, local in enumerate(pattern) if local]
+    else:
+        sliding = [i for i in range(layers) if pattern == 0 or i % pattern < pattern - 1]
+    window = header.get(f"{arch}.attention.sliding_window") or 0
+    per_head = hidden // header.get(f"{arch}.attention.head_count") if layers == 62 else head_dim
+    return dict(
+        sliding_window=window,
+        sliding_layers=sliding if window else [],
+        local_rope_theta=float(header.get(f"{arch}.rope.freq_base_swa", 10000.0)),
+        embedding_scale=hidden**0.5,
+        attention_scale=per_head**-0.5,
+        mlp_activation="gelu_tanh",
+        final_logit_softcap=float(header.get(f"{arch}.final_logit_softcapping", 0.0)),
     )

@@ -352,7 +352,7 @@ class GgufLoader:
             model.embed = self._embedding(model, tied)
         self._release()
         with torch.device("cpu"):
-            model.rotary = Rotary(cfg)
+            model.build_rotary()
         missing = [n for n, x in (*model.named_parameters(), *model.named_buffers()) if x.is_meta]
         if missing:
             raise Unservable(f"{self.name}: nothing in the file fills {', '.join(missing[:5])}")

@@ -1,5 +1,5 @@
 """A Llama-family decoder as a plain torch module (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, SmolLM3,
-Granite 3, OLMo 2, and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE).
+Granite 3, OLMo 2, Phi-3, Gemma 3, and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE).
 
 The forward pass takes a flat batch of tokens from any number of sequences; where their K/V lives
 is described by an `AttentionBatch`. It returns hidden states: the caller picks the positions it
@@ -51,10 +51,12 @@ class Rotary(nn.Module):
     long factors' (from row `long_rows`), which a sequence turns by throughout where its prompt
     is longer than the model's original context (shard.proto's SequenceStep.long_rope)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, local: bool = False):
+        """The tables of the model's global layers, or (`local`) those of its sliding-window
+        layers (Gemma 3's: their own base, no scaling)."""
         super().__init__()
         head_dim, positions = cfg.head_dim, cfg.max_position
-        self.long_rows = positions if cfg.rope_long_factors else 0
+        self.long_rows = positions if cfg.rope_long_factors and not local else 0
         rows = positions + self.long_rows
         if torch.get_default_device().type == "meta":
             # a model built to be loaded: its tables are made where it is loaded (computing them
@@ -63,11 +65,14 @@ class Rotary(nn.Module):
                 self.register_buffer(name, torch.empty(rows, head_dim), persistent=False)
             return
         turned = cfg.rotary_dim or head_dim
-        # as transformers computes them: 1 / (factor * theta ** (2i / d)), in fp32
-        base = cfg.rope_theta ** (torch.arange(0, turned, 2, dtype=torch.int64).float() / turned)
+        # as transformers computes them: 1 / (factor * theta ** (2i / d)), in fp32, then / scale
+        theta = cfg.local_rope_theta if local else cfg.rope_theta
+        base = theta ** (torch.arange(0, turned, 2, dtype=torch.int64).float() / turned)
 
         def inverse(factors: list[float]) -> torch.Tensor:
-            return 1.0 / (torch.tensor(factors) * base) if factors else 1.0 / base
+            if local or not factors:
+                return 1.0 / base if local or cfg.rope_scale == 1 else 1.0 / base / cfg.rope_scale
+            return 1.0 / (torch.tensor(factors) * base)
 
         inv_freqs = [inverse(cfg.rope_factors)] + ([inverse(cfg.rope_long_factors)] if self.long_rows else [])
         at = torch.arange(positions, dtype=torch.float32)[:, None]
@@ -127,6 +132,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.attention_scale or self.head_dim**-0.5
         self.rotates = layer not in cfg.nope_layers
+        self.window = cfg.sliding_window if layer in cfg.sliding_layers else 0  # 0: the whole context
 
     def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):
         qkv = self.wqkv(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
@@ -141,19 +147,23 @@ class Attention(nn.Module):
         if self.rotates:  # q and k rotate as one tensor: one set of operators per layer instead of two
             qk = Rotary.apply(qk, cos_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = paged_attention(q, k, v, k_pages, v_pages, batch, self.scale)
+        out = paged_attention(q, k, v, k_pages, v_pages, batch, self.scale, self.window)
         return self.wo(out.reshape(-1, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    """w2(act(gate) * up), act SiLU or (Gemma's) GELU's tanh approximation."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu"):
         super().__init__()
         self.w13 = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.activation = activation
 
     def forward(self, x):
         gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return self.w2(act * up)
 
 
 class MoE(nn.Module):
@@ -215,7 +225,7 @@ class Block(nn.Module):
         self.attn_norm, self.attn_out_norm = norm(cfg.pre_norms), norm(cfg.post_norms)
         self.attn = Attention(cfg, layer)
         self.mlp_norm, self.mlp_out_norm = norm(cfg.pre_norms), norm(cfg.post_norms)
-        self.mlp = MoE(cfg) if cfg.is_sparse(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MoE(cfg) if cfg.is_sparse(layer) else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_activation)
         self.residual_scale = cfg.residual_scale
 
     @staticmethod
@@ -240,7 +250,13 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = Rotary(cfg)
+        self.build_rotary()
+
+    def build_rotary(self) -> None:
+        """The rotary tables (on the default device): a loader builds them where the model runs,
+        once its weights are in."""
+        self.rotary = Rotary(self.cfg)
+        self.local_rotary = Rotary(self.cfg, local=True) if self.cfg.local_rope_theta else None
 
     def forward(
         self,
@@ -259,14 +275,19 @@ class Transformer(nn.Module):
         if hidden is None and self.cfg.embedding_scale != 1:
             x = x * self.cfg.embedding_scale
         cos_sin = self.rotary.at(positions, x.dtype)
+        local = cos_sin if self.local_rotary is None else self.local_rotary.at(positions, x.dtype)
         # islice, not self.layers[layers]: slicing a ModuleList builds a new one (70 us a step)
         for layer, (k_pages, v_pages) in islice(zip(self.layers, kv_pages), layers.start, layers.stop):
-            x = layer(x, cos_sin, k_pages, v_pages, batch)
+            x = layer(x, local if layer.attn.window else cos_sin, k_pages, v_pages, batch)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.norm(hidden)).float()
-        return logits if self.cfg.logit_scale == 1 else logits / self.cfg.logit_scale
+        if self.cfg.logit_scale != 1:
+            logits = logits / self.cfg.logit_scale
+        if cap := self.cfg.final_logit_softcap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
 
 @contextlib.contextmanager

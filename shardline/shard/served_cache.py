@@ -33,7 +33,7 @@ from shardline.kernels.stacked import StackedLinear
 from shardline.shard import gguf_loader
 from shardline.shard.config import ModelConfig
 from shardline.shard.layout import Layout
-from shardline.shard.model import RMSNorm, Rotary, Transformer, uninitialized
+from shardline.shard.model import RMSNorm, Transformer, uninitialized
 from shardline.shard.parallel import keep_stage
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ def load(cfg: ModelConfig, layout: Layout, dtype: torch.dtype, path: Path) -> Tr
             embed.weight = model.lm_head.weight
             _set(model, name, embed)
     with torch.device("cpu"):
-        model.rotary = Rotary(cfg)
+        model.build_rotary()
     return model.eval().requires_grad_(False)
 
 

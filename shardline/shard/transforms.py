@@ -127,7 +127,8 @@ class NativeAttention(Attention):
 
     def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):
         native_step = batch.is_decode and not batch.opaque and native.usable(k_pages)
-        if not native_step or self.qk_norm_across_heads:  # the kernel normalizes q and k per head
+        # the kernel normalizes q and k per head, and attends over the whole context
+        if not native_step or self.qk_norm_across_heads or self.window:
             return super().forward(x, cos_sin, k_pages, v_pages, batch)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else (None, None, 0.0)
         cos, sin = cos_sin if self.rotates else Rotary.unrotated(cos_sin)
@@ -151,7 +152,7 @@ class NativeMLP(MLP):
     """The MLP with SiLU(gate) * up as one operator."""
 
     def forward(self, x):
-        if not native.usable(x):
+        if not native.usable(x) or self.activation != "silu":
             return super().forward(x)
         return self.w2(native.ops().silu_mul(self.w13(x)))
 
@@ -240,6 +241,11 @@ class FusedDecodeBlock(nn.Module):
             block.residual_scale,
         )
 
+    @property
+    def attn(self) -> nn.Module:
+        """The block's attention, as the model reads a layer's (its window)."""
+        return self.block.attn
+
     def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):
         if not batch.is_decode or batch.opaque or x.shape[0] > self.max_rows or not native.usable(x):
             return self.block(x, cos_sin, k_pages, v_pages, batch)
@@ -252,6 +258,8 @@ def fusable(block: nn.Module) -> bool:
     sublayer, q/k norms per head; a residual scale it takes), every linear part quantized (a
     mixture's routers are dense fp32 layers beside them) and untouched by TP."""
     if block.attn_norm is None or block.attn_out_norm is not None or block.attn.qk_norm_across_heads:
+        return False
+    if block.attn.window or getattr(block.mlp, "activation", "silu") != "silu":  # the kernel's are SiLU's, unwindowed
         return False
     moe = block.mlp if isinstance(block.mlp, MoE) else None
     if moe is not None and (

@@ -85,6 +85,8 @@ def read_gguf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]
         name = hf_name(t.name)
         if cfg.architecture == "phi3" and name.endswith("mlp.up_proj.weight"):  # gate and up, fused
             name = name.replace("up_proj", "gate_up_proj")
+        if cfg.pre_norms and cfg.post_norms and t.name.endswith("ffn_norm.weight"):  # Gemma's MLP input norm
+            name = name.replace("post_attention_layernorm", "pre_feedforward_layernorm")
         permuted = cfg.architecture in QK_PERMUTED
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_rope(w, cfg.num_heads)
@@ -211,6 +213,10 @@ def load_hf_state_dict(model: Transformer, sd: dict[str, torch.Tensor]) -> None:
         # Own every tensor: weights read from an mmap'd checkpoint would otherwise keep the whole
         # file mapped, and the pages already copied into fused matrices resident twice.
         own[name] = torch.cat([sd[t] for t in parts]) if len(parts) > 1 else sd[parts[0]].clone()
+    if offset := model.cfg.norm_offset:  # Gemma's norms scale by 1 + w
+        for name in own:
+            if name.endswith("norm.weight"):
+                own[name] = own[name] + offset
     rows = qkv_rows(model.cfg)
     if rows is not None:
         for name in own:
@@ -227,7 +233,7 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device) -
         model = Transformer(cfg)
     load_hf_state_dict(model, {k: v.to(device=device, dtype=dtype) for k, v in sd.items()})
     with torch.device(device):  # computed where it is used, as the reference computes it
-        model.rotary = Rotary(cfg)
+        model.build_rotary()
     return model.eval().requires_grad_(False)
 
 
