@@ -203,6 +203,10 @@ def write_gguf_of(folder: Path, path: Path) -> Path:
         _add_phi3_rotary(writer, raw, head_dim)
     if arch == "gemma3":
         _add_gemma3_keys(writer, raw)
+    if rope.get("rope_type") == "llama3":  # the converter's LlamaModel: the divisors as a tensor
+        from shardline.shard.config import ModelConfig
+
+        writer.add_tensor("rope_freqs.weight", np.array(ModelConfig.from_hf(folder).rope_factors, dtype=np.float32))
     add_smollm2_tokenizer(writer)
     for name, w in gguf_tensors(folder).items():
         writer.add_tensor(name, np.ascontiguousarray(w))

@@ -54,7 +54,7 @@ def ggufs(tiny_models, tmp_path_factory):
         ("phi3", "hf", ["--tp", "2"]),  # each rank's heads in the order they turn in
         ("phi3", "gguf", ["--chunk-size", "7"]),  # LongRoPE's factors from the file's two tensors
         ("phi3", "gguf", ["--weights", "dequantized", "--pp", "2"]),  # its fused tensors under their checkpoint's names
-        ("gemma3_text", "hf", ["--pp", "2"]),  # local layers on both stages (and test_sliding_window...)
+        ("gemma3_text", "hf", ["--pp", "2"]),  # local layers on both stages (and test_position_dependent_...)
         ("gemma3_text", "gguf", ["--weights", "dequantized"]),  # norms of 1 + w in the file, under HF names
     ],
 )
@@ -127,13 +127,35 @@ def test_olmo2_over_tp_ranks_is_refused_at_start_with_the_reason(tiny_models):
 
 
 @pytest.fixture(scope="module")
-def windowed_mistral(tiny_models, tmp_path_factory):
-    """Mistral 7B v0.1's shape of attention: every layer within a window (of 16 tokens here)."""
-    folder = tmp_path_factory.mktemp("windowed") / "mistral-v0.1-like"
-    shutil.copytree(tiny_models["mistral"], folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
-    return folder
+def variants(tiny_models, tmp_path_factory):
+    """Tiny models' configs changed as real ones are: Mistral 7B v0.1's window (every layer within
+    16 tokens here), Llama 3.1's rope scaling (its original context 64 tokens here, so that most
+    frequencies are divided or blended), each also as a GGUF."""
+    root = tmp_path_factory.mktemp("variants")
+    changes = {
+        "mistral-windowed": ("mistral", {"sliding_window": 16}),
+        "llama31": (
+            "llama",
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                    "rope_theta": 10000.0,
+                }
+            },
+        ),
+    }
+    folders = {}
+    for name, (arch, change) in changes.items():
+        folder = folders[name] = root / name
+        shutil.copytree(tiny_models[arch], folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **change}))
+        folders[name + "-gguf"] = write_gguf_of(folder, root / f"{name}.gguf")
+    return folders
 
 
 @pytest.mark.parametrize(
@@ -143,16 +165,19 @@ def windowed_mistral(tiny_models, tmp_path_factory):
         ("gemma3_text", ["--tp", "2"]),
         ("gemma3_text-gguf", []),  # as llama.cpp reads the file: its pattern, bases, scales
         ("mistral-windowed", ["--pp", "2"]),
+        ("llama31", ["--chunk-size", "7"]),
+        ("llama31-gguf", ["--tp", "2"]),  # the divisors from the file's rope_freqs
     ],
 )
-def test_sliding_window_layers_score_every_position_as_transformers(tiny_models, windowed_mistral, ggufs, arch, flags):
+def test_position_dependent_features_score_every_position_as_transformers(tiny_models, variants, ggufs, arch, flags):
     """Log-probabilities, not only greedy tokens (a random model's greedy choice hardly turns on
-    what its attention sees past a window): every prompt position scored (prefill) and every
-    decoded token's (decode steps) within 1e-3 of transformers', 100 positions past a 16-token
-    window, asked twice (the second time from the prefix cache)."""
+    what its attention sees past a window, or on its slow frequencies): every prompt position
+    scored (prefill) and every decoded token's (decode steps) within 1e-3 of transformers', 100
+    positions past a 16-token window, asked twice (the second time from the prefix cache)."""
     import torch
 
-    folder = windowed_mistral if arch == "mistral-windowed" else tiny_models[arch.removesuffix("-gguf")]
+    name = arch.removesuffix("-gguf")
+    folder = variants[name] if name in variants else tiny_models[name]
     ref = hf_model(folder)
     rng = random.Random(7)
     prompt = [rng.randrange(ref.config.vocab_size) for _ in range(100)]
@@ -164,7 +189,7 @@ def test_sliding_window_layers_score_every_position_as_transformers(tiny_models,
         )  # fmt: skip
     tokens = out.sequences[0, len(prompt) :].tolist()
     want_decoded = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, tokens)]
-    model = ggufs["gemma3_text"] if arch.endswith("-gguf") else folder
+    model = (variants.get(arch) or ggufs[name]) if arch.endswith("-gguf") else folder
     server = Server("--model", str(model), "--page-size", "16", "--threads", "1", *flags)
     try:
         for _ in range(2):

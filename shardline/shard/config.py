@@ -218,7 +218,7 @@ def _rotary_from_hf(raw: dict, rope: dict, head_dim: int) -> dict:
     sequence outgrows that length, gives these tables to every prompt within it and to every
     token generated past it (a longer prompt it turns with the long factors throughout)."""
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "linear", "longrope", "su"):
+    if kind not in ("default", "linear", "llama3", "longrope", "su"):
         raise ValueError(f"rope scaling {rope} is not supported")
     partial = rope.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0
     fields = dict(rotary_dim=int(head_dim * partial) if partial != 1 else 0)
@@ -226,6 +226,9 @@ def _rotary_from_hf(raw: dict, rope: dict, head_dim: int) -> dict:
         return fields
     if kind == "linear":
         return fields | dict(rope_scale=float(rope["factor"]))
+    if kind == "llama3":
+        theta = float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0))
+        return fields | dict(rope_factors=_llama3_factors(rope, head_dim, theta))
     original = rope.get("original_max_position_embeddings") or raw["original_max_position_embeddings"]
     factor = rope.get("factor") or raw["max_position_embeddings"] / original
     attention = rope.get("attention_factor")
@@ -237,6 +240,26 @@ def _rotary_from_hf(raw: dict, rope: dict, head_dim: int) -> dict:
         rope_long_from=original,
         rope_attention_factor=attention,
     )
+
+
+def _llama3_factors(rope: dict, head_dim: int, theta: float) -> list[float]:
+    """Llama 3.1's rope scaling as per-frequency divisors (what llama.cpp's converter writes as
+    `rope_freqs`): wavelengths shorter than the original context / high_freq_factor keep their
+    frequency, those longer than it / low_freq_factor divide it by `factor`, those between
+    blend the two as transformers' "llama3" rope does."""
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(float(factor))
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return factors
 
 
 def _rotary_from_gguf(header: GgufHeader, arch: str) -> dict:
@@ -252,6 +275,8 @@ def _rotary_from_gguf(header: GgufHeader, arch: str) -> dict:
         fields["rope_scale"] = float(header.get(f"{arch}.rope.scaling.factor", 1.0))
     elif scaling != "none":
         raise ValueError(f"rope scaling {scaling!r} is not supported")
+    if divisors := header.floats("rope_freqs.weight"):  # Llama 3.1's scaling, per frequency
+        fields["rope_factors"] = divisors
     short, long = header.floats("rope_factors_short.weight"), header.floats("rope_factors_long.weight")
     if long is None:
         return fields

@@ -75,7 +75,7 @@ def read_gguf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]
     cfg = ModelConfig.from_gguf(read_header(source.path), source.name)
     sd = {}
     for t in tqdm(reader.tensors, desc=f"dequantizing {source.path.name}", unit="tensor"):
-        if t.name.startswith("rope_factors_"):  # hyper-parameters, in the config
+        if t.name.startswith(("rope_factors_", "rope_freqs")):  # hyper-parameters, in the config
             continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32)
         if len(t.shape) == 3:  # experts: one tensor each
