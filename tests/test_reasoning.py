@@ -117,14 +117,16 @@ def test_chat_completions_answer_reasoning_as_reasoning_content_whole_and_stream
         extra_body={"structured_outputs": {"regex": shape}},
     )
     try:
-        message = client.chat.completions.create(**request).choices[0].message
+        whole = client.chat.completions.create(**request)
+        message = whole.choices[0].message
         deltas = [c.choices[0].delta for c in client.chat.completions.create(**request, stream=True) if c.choices]
         # Asked to skip the reasoning (vLLM's chat_template_kwargs; Anthropic's thinking disabled),
         # the template closes an empty block in the prompt, its tokens more of it
         brief = dict(model=request["model"], messages=request["messages"], max_tokens=1)
         plain = client.chat.completions.create(**brief).usage.prompt_tokens
         off = {"chat_template_kwargs": {"enable_thinking": False}}
-        skipped = client.chat.completions.create(**brief, extra_body=off).usage.prompt_tokens
+        skipped_usage = client.chat.completions.create(**brief, extra_body=off).usage
+        skipped = skipped_usage.prompt_tokens
         claude = anthropic.Anthropic(base_url=server.http_url.removesuffix("/v1"), api_key="unused", max_retries=0)
         usage = claude.messages.create(**brief, extra_body={"thinking": {"type": "disabled"}}).usage
         with pytest.raises(openai.BadRequestError, match="template's own messages"):
@@ -139,6 +141,11 @@ def test_chat_completions_answer_reasoning_as_reasoning_content_whole_and_stream
     assert "".join(d.content or "" for d in deltas) == answer
     first_answer = next(i for i, d in enumerate(deltas) if d.content)
     assert not any((d.model_extra or {}).get("reasoning_content") for d in deltas[first_answer:])
+    # The block's tokens, its tags among them, counted apart (at least as many as its text
+    # encodes to: a constrained answer may spell it in more); an answer without one has none.
+    block = len(smollm2_codec().encode(f"<think>{reasoning}</think>"))
+    assert block <= whole.usage.completion_tokens_details.reasoning_tokens < whole.usage.completion_tokens
+    assert skipped_usage.completion_tokens_details.reasoning_tokens == 0
 
 
 @pytest.mark.processes
@@ -152,9 +159,8 @@ def test_every_api_answers_the_reasoning_of_a_prompt_that_opens_its_block(tiny_m
     claude = anthropic.Anthropic(base_url=server.http_url.removesuffix("/v1"), api_key="unused", max_retries=0)
     ask = [{"role": "user", "content": "What is two and two?"}]
     try:
-        message = (
-            chat.chat.completions.create(model=model, messages=ask, max_tokens=12, temperature=0).choices[0].message
-        )
+        whole_chat = chat.chat.completions.create(model=model, messages=ask, max_tokens=12, temperature=0)
+        message = whole_chat.choices[0].message
         greedy = {"temperature": 0}  # no longer a named argument of Anthropic's client: sent as older ones send it
         answer = claude.messages.create(model=model, messages=ask, max_tokens=12, extra_body=greedy)
         with claude.messages.stream(model=model, messages=ask, max_tokens=12, extra_body=greedy) as stream:
@@ -166,6 +172,8 @@ def test_every_api_answers_the_reasoning_of_a_prompt_that_opens_its_block(tiny_m
         assert server.stop() == 0
     reasoning = message.model_extra["reasoning_content"]
     assert reasoning and message.content == ""
+    assert whole_chat.usage.completion_tokens_details.reasoning_tokens == whole_chat.usage.completion_tokens == 12
+    assert response.usage.output_tokens_details.reasoning_tokens == response.usage.output_tokens == 12
     for whole in (answer, streamed):
         assert [(b.type, b.thinking, b.signature) for b in whole.content] == [("thinking", reasoning, "")]
     assert events[-1].type == "response.incomplete"

@@ -11,7 +11,9 @@ newlines dropped. An output that never closes its reasoning is all reasoning. A 
 `<think>` leaves every output as the answer.
 
 `ReasoningReader` splits a choice's text as it streams: `feed` returns what may be sent now of
-each part, withholding only what may still turn out to be a tag; `end` what is left.
+each part, withholding only what may still turn out to be a tag; `end` what is left. Usage
+counts the tokens of the outputs that fell in the reasoning, its tags among them (chat's
+`completion_tokens_details.reasoning_tokens`, the Responses API's `output_tokens_details`).
 """
 
 from __future__ import annotations

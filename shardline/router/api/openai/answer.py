@@ -27,7 +27,13 @@ from pydantic import BaseModel
 from shardline.common.tokenizer import TextCodec
 from shardline.router.api.openai.choices import Choices, running
 from shardline.router.api.openai.errors import ApiError
-from shardline.router.api.openai.schema import BaseRequest, PromptTokensDetails, ToolCall, Usage
+from shardline.router.api.openai.schema import (
+    BaseRequest,
+    CompletionTokensDetails,
+    PromptTokensDetails,
+    ToolCall,
+    Usage,
+)
 from shardline.router.core.sequence import FinishReason, Output
 
 log = logging.getLogger(__name__)
@@ -60,6 +66,8 @@ class Answer:
         n = len(choices.reqs)
         self.text = [""] * n
         self.reasoning = [""] * n  # each choice's reasoning, where the API shows it apart (reasoning.py)
+        self.reasoning_tokens = [0] * n  # the tokens of the outputs that fell in it
+        self._undecided = [0] * n  # tokens of a text that may still open the reasoning
         self.finish: list[str | None] = [None] * n
         self.logprobs: list[list] = [[] for _ in range(n)]  # each choice's, as the API writes them
         self._closed = False
@@ -84,6 +92,11 @@ class Answer:
     def _chunk(self, index: int, delta: str, calls: list[ToolCall], logprobs: list) -> BaseModel:
         raise NotImplementedError
 
+    def _reasoning_state(self, index: int) -> str:
+        """Where a choice's text is (ReasoningReader.state: start, reasoning, answer_start or
+        answer), for an API that shows reasoning apart."""
+        return "answer"
+
     def _reasoning_chunks(self, index: int, delta: str) -> list:
         """The events of a reasoning delta (an API that shows reasoning apart writes them)."""
         return []
@@ -103,12 +116,26 @@ class Answer:
         """Records an output; returns its reasoning and answer deltas and the tool calls it completed."""
         for entry in out.logprobs:
             self.logprobs[index].append(self._logprob(index, entry))
+        before = self._reasoning_state(index)
         reasoning, text, calls = self._read(index, out.text, out.finish_reason is not None)
+        self._count_reasoning(index, len(out.token_ids), before, answered=bool(text or calls))
         if out.finish_reason:
             self.finish[index] = self._finish_reason(index, FINISH[out.finish_reason])
         self.reasoning[index] += reasoning
         self.text[index] += text
         return reasoning, text, calls
+
+    def _count_reasoning(self, index: int, tokens: int, before: str, answered: bool) -> None:
+        """An output's tokens count as reasoning where they opened, continued or closed the block
+        and answered nothing; those of an opening tag's first pieces once it opens."""
+        after = self._reasoning_state(index)
+        if not answered and "reasoning" in (before, after):
+            self.reasoning_tokens[index] += self._undecided[index] + tokens
+            self._undecided[index] = 0
+        elif not answered and after == "start":  # held: perhaps the start of <think>
+            self._undecided[index] += tokens
+        else:
+            self._undecided[index] = 0
 
     def _usage(self) -> Usage:
         seqs = self.choices.seqs
@@ -118,6 +145,7 @@ class Answer:
             completion_tokens=completion,
             total_tokens=prompt + completion,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=seqs[0].cached_prompt_tokens),
+            completion_tokens_details=CompletionTokensDetails(reasoning_tokens=sum(self.reasoning_tokens)),
         )
 
     async def _outputs(self) -> AsyncIterator[tuple[int, Output]]:

@@ -88,6 +88,9 @@ class ChatAnswer(Answer):
             text, calls = text + rest, calls + more
         return reasoning, text, calls
 
+    def _reasoning_state(self, index: int) -> str:
+        return self.reasoners[index].state
+
     def _finish_reason(self, index: int, reason: str) -> str:
         return "tool_calls" if self.readers[index].calls and reason == "stop" else reason
 

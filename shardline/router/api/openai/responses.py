@@ -40,6 +40,7 @@ from shardline.router.api.openai.response_store import ResponseStore, Stored
 from shardline.router.api.openai.responses_schema import (
     InputTokensDetails,
     NamedFunction,
+    OutputTokensDetails,
     Response,
     ResponsesRequest,
     Usage,
@@ -147,6 +148,7 @@ class ResponsesAnswer(ChatAnswer):
             input_tokens=prompt,
             input_tokens_details=InputTokensDetails(cached_tokens=seq.cached_prompt_tokens),
             output_tokens=output,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=self.reasoning_tokens[0]),
             total_tokens=prompt + output,
         )
 
