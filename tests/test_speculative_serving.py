@@ -49,9 +49,10 @@ def test_copied_text_is_verified_several_tokens_a_step_and_matches_transformers(
     verifications, proposed, accepted = (a - b for a, b in zip(_spec(smollm2_server), before))
     assert_greedy_match(got, want, margins)
     assert last.usage.completion_tokens == NEW_TOKENS
-    # Most of the answer came from accepted proposals. (How many steps carried them is not asked:
-    # the policy cuts proposals by measured step times, so that count is the machine's load's.)
-    assert accepted > NEW_TOKENS // 2 and verifications > 0, (verifications, proposed, accepted)
+    # What was proposed (copied from the prompt) was accepted. How much was proposed is not
+    # asked: the policy proposes by the step times it measures, so that is the machine's load's
+    # (a loaded CI machine proposed a third of what a quiet one does).
+    assert verifications > 0 and accepted >= 0.75 * proposed, (verifications, proposed, accepted)
     # Opted out: a token a step, the same tokens, the same log-probabilities (the target's).
     before = _spec(smollm2_server)
     plain, _, _ = _generate(smollm2_server, ids, max_new_tokens=NEW_TOKENS, logprobs=2, speculative=False)
@@ -134,8 +135,10 @@ def test_a_constrained_answer_is_proposed_within_its_constraint_and_masked_per_r
     regex = "[A-Za-z ,.]{1,400}"
     before = _spec(smollm2_server)
     got, text, _ = _generate(smollm2_server, ids, max_new_tokens=NEW_TOKENS, regex=regex)
-    verifications, _, accepted = (a - b for a, b in zip(_spec(smollm2_server), before))
-    assert verifications > 0 and accepted > NEW_TOKENS // 3, (verifications, accepted)
+    verifications, proposed, accepted = (a - b for a, b in zip(_spec(smollm2_server), before))
+    # the copied sentence's proposals, cut to what the regex accepts, accepted (how many are sent
+    # is the measured step times', so the load's: see the test above)
+    assert verifications > 0 and accepted >= 0.75 * proposed, (verifications, proposed, accepted)
     plain, plain_text, _ = _generate(smollm2_server, ids, max_new_tokens=NEW_TOKENS, regex=regex, speculative=False)
     assert (
         got == plain
@@ -176,7 +179,8 @@ def test_suffix_decoding_proposes_an_earlier_answer_and_the_text_stays_greedy(su
     assert first == plain and again == plain
     first_accepted, again_accepted = middle[2] - before[2], after[2] - middle[2]
     again_proposed = after[1] - middle[1]
-    assert again_accepted > NEW_TOKENS // 2 > first_accepted, (first_accepted, again_accepted)
-    # What was proposed was the earlier answer, so it was accepted (steps are not counted: the
-    # policy cuts proposals by measured step times, and a loaded machine measures more steps).
-    assert again_accepted >= 0.9 * again_proposed, (again_proposed, again_accepted)
+    assert first_accepted < NEW_TOKENS // 2, first_accepted
+    # What was proposed was the earlier answer, so it was accepted. How much was proposed, and in
+    # how many steps, is not asked: the policy proposes by the step times it measures, so that is
+    # the machine's load's (a sequence's first proposal of each kind is always sent).
+    assert again_proposed > 0 and again_accepted >= 0.9 * again_proposed, (again_proposed, again_accepted)
