@@ -69,12 +69,15 @@ class Rotary(nn.Module):
         theta = cfg.local_rope_theta if local else cfg.rope_theta
         base = theta ** (torch.arange(0, turned, 2, dtype=torch.int64).float() / turned)
 
-        def inverse(factors: list[float]) -> torch.Tensor:
-            if local or not factors:
-                return 1.0 / base if local or cfg.rope_scale == 1 else 1.0 / base / cfg.rope_scale
-            return 1.0 / (torch.tensor(factors) * base)
+        def inverse(factors: list[float]) -> torch.Tensor:  # a global layer's: by its factors, or its scale
+            if factors:
+                return 1.0 / (torch.tensor(factors) * base)
+            return 1.0 / base if cfg.rope_scale == 1 else 1.0 / base / cfg.rope_scale
 
-        inv_freqs = [inverse(cfg.rope_factors)] + ([inverse(cfg.rope_long_factors)] if self.long_rows else [])
+        if local:  # Gemma 3's local layers: their base alone
+            inv_freqs = [1.0 / base]
+        else:
+            inv_freqs = [inverse(cfg.rope_factors)] + ([inverse(cfg.rope_long_factors)] if self.long_rows else [])
         at = torch.arange(positions, dtype=torch.float32)[:, None]
         emb = torch.cat([torch.cat((at * f[None, :], at * f[None, :]), dim=-1) for f in inv_freqs])
         cos, sin = emb.cos() * cfg.rope_attention_factor, emb.sin() * cfg.rope_attention_factor
