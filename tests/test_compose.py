@@ -313,7 +313,7 @@ def _served_metric_names() -> set[str]:
     from shardline.router.observers.metrics import Metrics
 
     metrics = Metrics()
-    metrics.watch(SimpleNamespace(failures=0, recoveries=0, load=lambda: None, pool=None))
+    metrics.watch(SimpleNamespace(failures=0, recoveries=0, load=lambda: None, pool=None, window_pool=None))
     names = set()
     for family in metrics.registry.collect():
         names |= {

@@ -18,6 +18,7 @@ import random
 import shutil
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -27,7 +28,7 @@ from harness.serve import ROOT
 from shardline.common.model_source import resolve_model
 from shardline.protos import generation_pb2 as pb
 from shardline.shard.footprint import REFUSED, Unservable, describe
-from tests.support import Server, assert_serves_like_reference, hf_greedy, hf_model
+from tests.support import Server, assert_greedy_match, assert_serves_like_reference, hf_greedy, hf_model
 from tests.test_native_weights import MEAN_KL
 
 pytestmark = pytest.mark.processes  # every test here starts processes
@@ -225,3 +226,54 @@ def test_qwen2s_sliding_windows_are_refused_as_not_served_yet(tiny_models, tmp_p
         describe(resolve_model(str(folder)))
     (folder / "config.json").write_text(json.dumps({**config, "use_sliding_window": True, "sliding_window": 2048}))
     assert describe(resolve_model(str(folder))).cfg.sliding_window == 0  # a window as long as the context
+
+
+def test_gemma3s_local_layers_hold_only_their_windows_pages_and_their_prefix_is_reused(tiny_models):
+    """A 300-token prompt of Gemma 3 (16-token windows, pages of 16): while it decodes, its local
+    layers hold the pages of their window and step alone (the window pool's referenced and
+    reserved pages), its global layers every page; greedy tokens are transformers'; asked again,
+    the prompt comes from the prefix cache with the same tokens, and nothing is left held."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from harness.serve import free_port
+    from shardline.router.core.kv_pools import window_span
+
+    def pages() -> dict[tuple[str, str], float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        families = text_string_to_metric_families(text)
+        return {
+            (s.name, s.labels["state"]): s.value
+            for f in families
+            if f.name in ("shardline:kv_window_pages", "shardline:kv_cache_pages")
+            for s in f.samples
+        }
+
+    folder = tiny_models["gemma3_text"]
+    rng = random.Random(3)
+    prompt = [rng.randrange(1, 400) for _ in range(300)]
+    want, margins = hf_greedy(hf_model(folder), prompt, 40)
+    metrics_port = free_port()
+    server = Server(
+        "--model", str(folder), "--page-size", "16", "--metrics-port", str(metrics_port), "--speculative", "off"
+    )
+    try:
+        for attempt in range(2):
+            request = pb.GenerateRequest(
+                prompt_token_ids=pb.PromptTokens(ids=prompt), max_new_tokens=40, ignore_eos=True
+            )
+            got, cached = [], 0
+            for reply in server.stub.Generate(request):
+                got += reply.token_ids
+                cached = max(cached, reply.usage.cached_prompt_tokens)
+                if len(got) == 20 and attempt == 0:  # mid-decode
+                    held = pages()
+                    window = held["shardline:kv_window_pages", "referenced"]
+                    window += held["shardline:kv_window_pages", "reserved"]
+                    assert 0 < window <= window_span(16, 16, 16)  # chunks of the window (whole prompts asked)
+                    assert held["shardline:kv_cache_pages", "referenced"] >= 320 // 16  # every page, in the page pool
+            assert_greedy_match(got, want, margins)
+            assert cached == (0 if attempt == 0 else (len(prompt) - 1) // 16 * 16)
+        held = pages()
+        assert held["shardline:kv_window_pages", "referenced"] == held["shardline:kv_window_pages", "reserved"] == 0
+    finally:
+        assert server.stop() == 0

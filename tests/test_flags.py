@@ -132,7 +132,7 @@ class FakeShards:
         self.sampler = group.sampler
         return infos
 
-    async def warmup(self, num_pages, max_batch):
+    async def warmup(self, num_pages, max_batch, window_pages=0):
         self.warmed = True
 
 

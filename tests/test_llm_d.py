@@ -251,7 +251,7 @@ def _shardline_metric_names() -> set[str]:
     """The metric families the router's /metrics carries, read from Shardline's own Metrics: the
     request counters and, at scrape time, the gauges of a replica (here one with no load yet)."""
     metrics = Metrics()
-    metrics.watch(SimpleNamespace(failures=0, recoveries=0, load=lambda: None, pool=None))
+    metrics.watch(SimpleNamespace(failures=0, recoveries=0, load=lambda: None, pool=None, window_pool=None))
     return {family.name for family in metrics.registry.collect()}
 
 

@@ -51,7 +51,7 @@ class Warming:
     def __init__(self, fails: bool):
         self.fails, self.open = fails, False
 
-    async def warmup(self, num_pages, max_batch):
+    async def warmup(self, num_pages, max_batch, window_pages=0):
         await asyncio.sleep(0.05 if self.fails else 0.01)  # one warms up before the other fails
         if self.fails:
             raise grpc.aio.AioRpcError(

@@ -26,7 +26,7 @@ class _SlowShard:
     async def answers(self, timeout: float) -> bool:
         return True
 
-    async def warmup(self, num_pages: int, max_batch: int):
+    async def warmup(self, num_pages: int, max_batch: int, window_pages: int = 0):
         return shard_pb2.WarmupResponse(prefill_ms_per_token=self.seconds * 1e3 / 20)  # a 20-token step's time
 
 

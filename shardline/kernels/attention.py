@@ -42,6 +42,9 @@ class AttentionBatch:
     opaque: bool = False  # decode inside a compiled graph: attention as one operator
     # decode: the split-KV blocks per window (0: none), worked out by the first layer of each
     blocks: dict[int, list] = field(default_factory=dict)
+    # The same step over the sliding-window layers' own pool of pages, where they have one (the
+    # shard's KV cache): those layers attend through it.
+    windowed: AttentionBatch | None = None
 
     @classmethod
     def decode(

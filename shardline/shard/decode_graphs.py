@@ -58,6 +58,7 @@ class DecodeGraphs:
         model,
         kv_layers,
         tables: torch.Tensor,
+        window_tables: torch.Tensor | None,
         padding_row: int,
         page_size: int,
         max_batch: int,
@@ -65,6 +66,7 @@ class DecodeGraphs:
         whole: bool = True,
     ):
         self.model, self.kv_layers, self.tables = model, kv_layers, tables
+        self.window_tables = window_tables  # of the window pool's pages, where there is one
         self.page_size, self.device = page_size, device
         self.padding_row = padding_row
         self.buckets = {b: _Bucket(b, device, padding_row) for b in buckets_for(max_batch)}
@@ -74,6 +76,10 @@ class DecodeGraphs:
 
     def _forward(self, bucket: _Bucket, opaque: bool) -> torch.Tensor:
         batch = AttentionBatch.decode(self.tables[bucket.rows], bucket.positions, self.page_size, opaque)
+        if self.window_tables is not None:
+            batch.windowed = AttentionBatch.decode(
+                self.window_tables[bucket.rows], bucket.positions, self.page_size, opaque
+            )
         return self.model(bucket.tokens, bucket.positions, self.kv_layers, batch)
 
     def capture(self) -> None:

@@ -181,13 +181,15 @@ def load_shard(args) -> LoadedShard:
         time.perf_counter() - t0,
     )
     kv_dtype = kv_dtype_for(args.kv_dtype, model, dtype)
-    per_page = bytes_per_page(model.cfg, args.page_size, kv_dtype)
+    windows = [block.attn.window for block in model.layers]
+    per_page, window_per_page = bytes_per_page(model.cfg, windows, args.page_size, kv_dtype)
+    budget = int(args.kv_memory_gb * 2**30)
     info = shard_pb2.ShardInfo(
         model=source.name,
         vocab_size=full.vocab_size,
         context_length=full.max_position,
         page_size=args.page_size,
-        max_pages=max(0, int(args.kv_memory_gb * 2**30 // per_page) - 1),  # - padding
+        max_pages=max(0, budget // per_page - 1),  # - padding
         tp_rank=layout.tp_rank,
         tp_size=layout.tp,
         pp_stage=layout.pp_stage,
@@ -203,6 +205,9 @@ def load_shard(args) -> LoadedShard:
         attention_pair_cost=full.attention_pair_cost,
         num_layers=full.num_layers,
         rope_long_from=full.rope_long_from if full.rope_long_factors else 0,
+        window=full.sliding_window if full.sliding_layers else 0,
+        window_kv_bytes_per_page=window_per_page,
+        kv_budget_bytes=budget,
     )
     log.info("weights: %s", ", ".join(f"{k} {v}" for k, v in info.weight_formats.items()))
     return LoadedShard(model, layout, device, dtype, kv_dtype, decode_graphs, info, keep)

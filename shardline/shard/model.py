@@ -279,9 +279,13 @@ class Transformer(nn.Module):
             x = x * self.cfg.embedding_scale
         cos_sin = self.rotary.at(positions, x.dtype)
         local = cos_sin if self.local_rotary is None else self.local_rotary.at(positions, x.dtype)
+        windowed = batch.windowed or batch
         # islice, not self.layers[layers]: slicing a ModuleList builds a new one (70 us a step)
         for layer, (k_pages, v_pages) in islice(zip(self.layers, kv_pages), layers.start, layers.stop):
-            x = layer(x, local if layer.attn.window else cos_sin, k_pages, v_pages, batch)
+            if layer.attn.window:
+                x = layer(x, local, k_pages, v_pages, windowed)
+            else:
+                x = layer(x, cos_sin, k_pages, v_pages, batch)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ class Span:
     start_pos: int
     block_table: torch.Tensor  # the sequence's pages
     rotary_base: int = 0  # the rotary tables' row of its position 0 (SequenceState's)
+    window_table: torch.Tensor | None = None  # its window pages, with a window pool
 
 
 def pieces(seqs: list[Span], limit: int) -> list[list[tuple[int, Span]]]:
@@ -35,7 +36,14 @@ def pieces(seqs: list[Span], limit: int) -> list[list[tuple[int, Span]]]:
         done = 0
         while done < len(s.token_ids):
             n = min(room, len(s.token_ids) - done)
-            piece.append((i, Span(s.token_ids[done : done + n], s.start_pos + done, s.block_table, s.rotary_base)))
+            piece.append(
+                (
+                    i,
+                    Span(
+                        s.token_ids[done : done + n], s.start_pos + done, s.block_table, s.rotary_base, s.window_table
+                    ),
+                )
+            )
             done, room = done + n, room - n
             if room == 0:
                 out.append(piece)

@@ -30,6 +30,7 @@ class Entry:
     start_pos: int
     emit: bool
     new_pages: tuple[int, ...]
+    new_window_pages: tuple[int, ...]  # with a window pool: the window pages of new_pages' positions
     sampling: SamplingParams | None  # on the sequence's first step only
     prompt_logprobs: int | None  # alternatives per scored prompt position
     next_token: int | None  # the prompt token after the last input, scored against it
@@ -61,6 +62,7 @@ class Context:
     held: int  # sequences this shard holds
     has_room: bool  # for one more
     long_rope: bool  # whether the model has long rotary factors
+    window_pages: int = 0  # in the window pool (0: there is none)
 
 
 Rule = Callable[[shard_pb2.SequenceStep, SequenceState | None, Context], str | None]
@@ -147,6 +149,15 @@ def _positions_in_its_pages(s, state, at):
         return f"page id {max(s.new_pages)} outside the pool of {at.num_pages} pages"
 
 
+def _a_window_page_per_page(s, state, at):
+    if s.new_window_pages and not at.window_pages:
+        return "the plan names window pages, but this shard has no window pool"
+    if at.window_pages and len(s.new_window_pages) != len(s.new_pages):
+        return f"{len(s.new_window_pages)} window pages for {len(s.new_pages)} new pages"
+    if s.new_window_pages and max(s.new_window_pages) > at.window_pages:  # == : its padding page
+        return f"window page id {max(s.new_window_pages)} outside the window pool of {at.window_pages} pages"
+
+
 def _tokens_in_the_vocabulary(s, state, at):
     wrong = max(max(s.token_ids, default=0), max(s.proposals, default=0), s.next_token)  # next_token: 0 unset
     if wrong >= at.vocab_size:
@@ -185,6 +196,7 @@ RULES: tuple[Rule, ...] = (
     _a_mask_per_proposal,
     _masks_cover_the_vocabulary,
     _positions_in_its_pages,
+    _a_window_page_per_page,
     _tokens_in_the_vocabulary,
     _alternatives_within_bounds,
     _long_rope_where_the_model_has_it,
@@ -218,6 +230,7 @@ def read(s: shard_pb2.SequenceStep, state: SequenceState | None, at: Context) ->
         start_pos=s.start_pos,
         emit=s.emit,
         new_pages=tuple(s.new_pages),
+        new_window_pages=tuple(s.new_window_pages),
         sampling=SamplingParams(
             sp.temperature, sp.top_p or 1.0, sp.top_k, sp.seed, sp.logprobs if sp.HasField("logprobs") else None
         )

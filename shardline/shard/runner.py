@@ -107,13 +107,16 @@ class ModelRunner:
         self.table: SequenceTable | None = None
         self.graphs: DecodeGraphs | None = None
 
-    def allocate(self, num_pages: int, max_seqs: int, decode_graphs: bool = False) -> None:
-        """A fresh KV pool and sequence table (whatever the shard held before is gone), and the
-        decode graphs that read them when asked for (`capture_decode_graphs`)."""
+    def allocate(self, num_pages: int, max_seqs: int, window_pages: int = 0, decode_graphs: bool = False) -> None:
+        """A fresh KV pool (and window pool, shard/kv_cache.py) and sequence table (whatever the
+        shard held before is gone), and the decode graphs that read them when asked for
+        (`capture_decode_graphs`)."""
         self.kv = self.table = self.graphs = None  # let the old pool go before the new one is allocated
-        self.kv = KVPages(self.model.cfg, num_pages, self.page_size, self.kv_dtype, self.device)
+        windows = [block.attn.window for block in self.model.layers]
+        self.kv = KVPages(self.model.cfg, num_pages, self.page_size, self.kv_dtype, self.device, windows, window_pages)
         max_pages = -(-self.max_position // self.page_size)
-        self.table = SequenceTable(max_seqs, max_pages, self.kv.padding_page, self.device)
+        window_padding = self.kv.window_padding_page if window_pages else None
+        self.table = SequenceTable(max_seqs, max_pages, self.kv.padding_page, self.device, window_padding)
         if decode_graphs:
             self.capture_decode_graphs(max_seqs)
 
@@ -131,6 +134,7 @@ class ModelRunner:
                 self.model,
                 self.kv.layers,
                 self.table.tables,
+                self.table.window_tables,
                 self.table.padding_row,
                 self.page_size,
                 max_seqs,
@@ -148,15 +152,19 @@ class ModelRunner:
             state = self.table.admit(e.seq_id, e.start_pos, e.sampling, self.model.rotary.long_rows * e.long_rope)
         elif state.verified is not None:  # the positions of the last verification it keeps
             state.next_pos, state.verified = e.start_pos, None
-        self.table.append_pages(state, list(e.new_pages))
+        self.table.append_pages(state, list(e.new_pages), list(e.new_window_pages))
+        if self.table.window_tables is not None:
+            self.table.forget_outside(state, self.model.cfg.sliding_window, e.start_pos, self.page_size)
         return state
 
     def _decode_batch(self, tokens: list[int], states: list[SequenceState]):
         """(tokens, rotary rows, attention batch) of a decode step: the model's inputs."""
         positions = self._tensor([st.next_pos for st in states])
         width = max(len(st.pages) for st in states)
-        tables = self.table.tables[self._tensor([st.row for st in states]), :width]
-        batch = AttentionBatch.decode(tables, positions, self.page_size)
+        rows = self._tensor([st.row for st in states])
+        batch = AttentionBatch.decode(self.table.tables[rows, :width], positions, self.page_size)
+        if self.table.window_tables is not None:
+            batch.windowed = AttentionBatch.decode(self.table.window_tables[rows, :width], positions, self.page_size)
         return self._tensor(tokens), self._rotary_rows(positions, [st.rotary_base for st in states]), batch
 
     def _rotary_rows(self, positions: torch.Tensor, bases: list[int], counts: list[int] | None = None) -> torch.Tensor:
@@ -168,39 +176,43 @@ class ModelRunner:
         return positions + (offsets if counts is None else offsets.repeat_interleave(self._tensor(counts)))
 
     def _prefill_batch(self, spans: list[Span], as_rows: bool = False):
-        ps = self.page_size
         tokens = self._tensor([t for s in spans for t in s.token_ids])
         positions = torch.cat(
             [torch.arange(s.start_pos, s.start_pos + len(s.token_ids), device=self.device) for s in spans]
         )
         counts = [len(s.token_ids) for s in spans]
         pairs = sum(len(s.token_ids) * (s.start_pos + len(s.token_ids)) for s in spans)
-        if self.device.type == "cpu" and (as_rows or pairs <= ROWS_ATTENTION_PAIRS):  # as decode rows
-            width = max(len(s.block_table) for s in spans)
-            tables = torch.cat(
-                [
-                    F.pad(s.block_table, (0, width - len(s.block_table)), value=self.kv.padding_page).expand(
-                        len(s.token_ids), width
-                    )
-                    for s in spans
-                ]
-            )
-            batch = AttentionBatch.decode(tables, positions, ps)
-            return tokens, self._rotary_rows(positions, [s.rotary_base for s in spans], counts), batch
+        as_rows = self.device.type == "cpu" and (as_rows or pairs <= ROWS_ATTENTION_PAIRS)  # as decode rows
+        batch = self._spans_batch(spans, positions, as_rows, [s.block_table for s in spans], self.kv.padding_page)
+        if spans[0].window_table is not None:
+            tables = [s.window_table for s in spans]
+            batch.windowed = self._spans_batch(spans, positions, as_rows, tables, self.kv.window_padding_page)
+        return tokens, self._rotary_rows(positions, [s.rotary_base for s in spans], counts), batch
+
+    def _spans_batch(self, spans: list[Span], positions, as_rows: bool, tables: list, padding: int) -> AttentionBatch:
+        """The attention batch of a prefill step's spans over block `tables` (one per span) of one
+        pool, whose padding page is `padding`: as decode rows, or as chunks."""
+        ps = self.page_size
+        if as_rows:
+            width = max(len(table) for table in tables)
+            rows = [
+                F.pad(table, (0, width - len(table)), value=padding).expand(len(s.token_ids), width)
+                for s, table in zip(spans, tables)
+            ]
+            return AttentionBatch.decode(torch.cat(rows), positions, ps)
         slots = torch.cat(
             [
-                s.block_table[pos // ps] * ps + pos % ps
-                for s, pos in zip(spans, positions.split([len(s.token_ids) for s in spans]))
+                table[pos // ps] * ps + pos % ps
+                for table, pos in zip(tables, positions.split([len(s.token_ids) for s in spans]))
             ]
         )
-        batch = AttentionBatch(
+        return AttentionBatch(
             slots=slots,
             is_decode=False,
             query_lens=[len(s.token_ids) for s in spans],
             start_positions=[s.start_pos for s in spans],
-            block_tables_list=[s.block_table for s in spans],
+            block_tables_list=tables,
         )
-        return tokens, self._rotary_rows(positions, [s.rotary_base for s in spans], counts), batch
 
     def _forward(self, tokens, positions, batch, hidden_in=None, layers: slice = slice(None)) -> torch.Tensor | None:
         """Runs this shard's layers (`layers` of them, from `hidden_in` when they start past the
@@ -229,6 +241,7 @@ class ModelRunner:
             held,
             self.table.has_room(),
             self.model.rotary.long_rows > 0,
+            self.kv.window_padding_page,  # the window pool's pages come before it (0: no pool)
         )
 
     @torch.inference_mode()
@@ -300,7 +313,13 @@ class ModelRunner:
         `kept_for` (for prompt log-probabilities, or a layer group's partial chunks); (None, {})
         off the last stage. `as_rows`: every token as a decode row, however long its context."""
         spans = [
-            Span(e.tokens, e.start_pos, self.table.tables[st.row, : len(st.pages)], st.rotary_base)
+            Span(
+                e.tokens,
+                e.start_pos,
+                self.table.tables[st.row, : len(st.pages)],
+                st.rotary_base,
+                self._window_table(st),
+            )
             for e, st in zip(entries, states)
         ]
         rows = [None] * len(spans)
@@ -326,6 +345,10 @@ class ModelRunner:
         if rows[0] is None:
             return None, {}
         return torch.stack(rows), {i: torch.cat(parts) for i, parts in kept.items()}
+
+    def _window_table(self, st: SequenceState) -> torch.Tensor | None:
+        tables = self.table.window_tables
+        return None if tables is None else tables[st.row, : len(st.window_pages)]
 
     def _sample(self, entries, states, last, every: dict[int, torch.Tensor], out: StepOutput) -> None:
         """On the sampling shard: scores prompt positions, samples emitting sequences (verifies

@@ -7,17 +7,23 @@ decode step's plan names only the new token (and a new page when one was appende
 entry that disagrees with the cache fails that sequence, with a message saying how (see
 `shard/plan_reader.py`); it is never silently re-synchronized.
 
+With a window pool (shard/kv_cache.py) each row has a second table, `window_tables[row]`, of
+the windowed layers' pages for the same positions. A window pool page is forgotten (its entry
+set to the window pool's padding page) as soon as the window of a step's first position leaves it
+behind, by the rule the router frees it by (shard.proto, `new_window_pages`).
+
 Invariants kept here:
 - every held sequence has exactly one row, and no two share one;
 - `tables[row]` holds the sequence's pages in order, then the padding page up to the width;
+  `window_tables[row]` the same of its window pages, the ones forgotten being padding;
 - a released (or never admitted) row holds only the padding page, so a stale row can never
-  address a page the router has given to someone else; the last row (`padding_row`) is never
-  given out: padding entries of a captured decode batch read it.
+  address a page the router has given to someone else (nor a forgotten window page); the last
+  row (`padding_row`) is never given out: padding entries of a captured decode batch read it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +37,8 @@ class SequenceState:
     sampling: SamplingParams
     next_pos: int  # positions whose K/V this shard holds
     rotary_base: int = 0  # the rotary tables' row of its position 0 (Rotary: the long factors' rows)
+    # its window block table (with a window pool), the forgotten pages as padding
+    window_pages: list[int] = field(default_factory=list)
     sampled: int | None = None  # the token it sampled in its last step, if that step emitted
     # A prompt chunk part way through the layers (StepPlan.layer_start): the hidden states of
     # its tokens after `partial_layers` layers. Its positions are not in `next_pos` until the
@@ -41,6 +49,7 @@ class SequenceState:
     # shard wrote `next_pos` positions, but holds only those up to the next plan's start_pos,
     # which lies between the two: the router alone learns how many proposals were accepted.
     verified: int | None = None
+    forgotten: int = 0  # its first window pages that were forgotten
 
     def holds_verified(self, start_pos: int) -> bool:
         """Whether a plan may go on from `start_pos`: a position its last verification settles."""
@@ -51,9 +60,16 @@ class SequenceState:
 
 
 class SequenceTable:
-    def __init__(self, rows: int, max_pages: int, padding_page: int, device: torch.device):
+    def __init__(
+        self, rows: int, max_pages: int, padding_page: int, device: torch.device, window_padding_page: int | None = None
+    ):
+        """`window_padding_page`: the window pool's (None: there is no window pool)."""
         self.padding_page, self.padding_row = padding_page, rows
         self.tables = torch.full((rows + 1, max_pages), padding_page, dtype=torch.int64, device=device)
+        self.window_padding_page = window_padding_page
+        self.window_tables = None
+        if window_padding_page is not None:
+            self.window_tables = torch.full_like(self.tables, window_padding_page)
         self._free_rows = list(range(rows - 1, -1, -1))
         self.held: dict[int, SequenceState] = {}
 
@@ -72,11 +88,24 @@ class SequenceTable:
         self.held[seq_id] = state
         return state
 
-    def append_pages(self, state: SequenceState, pages: list[int]) -> None:
+    def append_pages(self, state: SequenceState, pages: list[int], window_pages: list[int] = ()) -> None:
         if pages:
             n = len(state.pages)
             self.tables[state.row, n : n + len(pages)] = torch.tensor(pages, dtype=torch.int64)
             state.pages.extend(pages)
+        if window_pages:
+            n = len(state.window_pages)
+            self.window_tables[state.row, n : n + len(window_pages)] = torch.tensor(window_pages, dtype=torch.int64)
+            state.window_pages.extend(window_pages)
+
+    def forget_outside(self, state: SequenceState, window: int, start_pos: int, page_size: int) -> None:
+        """Forgets the window pages of positions below `start_pos - window + 1`: no query from
+        `start_pos` on sees them, and the router gives them back to the pool."""
+        gone = min(max(0, start_pos - window + 1) // page_size, len(state.window_pages))
+        if gone > state.forgotten:
+            self.window_tables[state.row, state.forgotten : gone] = self.window_padding_page
+            state.window_pages[state.forgotten : gone] = [self.window_padding_page] * (gone - state.forgotten)
+            state.forgotten = gone
 
     def release(self, seq_id: int) -> None:
         """Forgets a sequence. Idempotent: the router releases every sequence it announced, also
@@ -84,6 +113,8 @@ class SequenceTable:
         state = self.held.pop(seq_id, None)
         if state is not None:
             self.tables[state.row].fill_(self.padding_page)
+            if self.window_tables is not None:
+                self.window_tables[state.row].fill_(self.window_padding_page)
             self._free_rows.append(state.row)
 
     def release_all(self) -> None:

@@ -120,10 +120,18 @@ class ShardService(shard_pb2_grpc.ShardServicer):
 
     def Warmup(self, request, context):
         self._refuse_if_leaving(context)
-        if request.num_pages < 1 or request.num_pages > self.info.max_pages:
+        info = self.info
+        pool_bytes = (request.num_pages + 1) * (info.kv_bytes_per_page - info.window_kv_bytes_per_page)
+        pool_bytes += (request.window_pages + 1) * info.window_kv_bytes_per_page
+        if request.num_pages < 1 or request.num_pages > info.max_pages and not request.window_pages:
             context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"num_pages {request.num_pages} outside [1, {self.info.max_pages}]"
+                grpc.StatusCode.INVALID_ARGUMENT, f"num_pages {request.num_pages} outside [1, {info.max_pages}]"
             )
+        if request.window_pages and (not info.window or pool_bytes > info.kv_budget_bytes):
+            why = (
+                "the model has no sliding-window layers" if not info.window else f"{pool_bytes} bytes exceed the budget"
+            )
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a window pool of {request.window_pages} pages: {why}")
         if self.streaming.is_set():
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a step stream is still open")
         if not 1 <= request.max_batch <= MAX_SEQUENCES:
@@ -131,7 +139,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, f"max_batch {request.max_batch} outside [1, {MAX_SEQUENCES}]"
             )
         try:  # allocating can fail (memory) and be retried; the group stays as it is
-            self.work.call(self.runner.allocate, request.num_pages, request.max_batch)
+            self.work.call(self.runner.allocate, request.num_pages, request.max_batch, request.window_pages)
         except Exception as e:
             log.exception("allocating the KV pool failed")
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"allocating {request.num_pages} pages failed: {e!r}")

@@ -147,12 +147,16 @@ class PageManager:
                 log.append(change)
 
     # -- admission and allocation ----------------------------------------------------------------
+    def fits(self, hits: list[int], total_pages: int) -> bool:
+        """Whether `admit` would pin `hits` and reserve the rest of `total_pages`."""
+        hit_evictable = sum(1 for p in hits if self.ref[p] == 0)
+        return total_pages - len(hits) <= self.available - hit_evictable
+
     def admit(self, hits: list[int], total_pages: int, prompt_tokens: int) -> bool:
         """Pins the hit pages and reserves the rest of `total_pages`, or does nothing at all."""
-        need = total_pages - len(hits)
-        hit_evictable = sum(1 for p in hits if self.ref[p] == 0)
-        if need > self.available - hit_evictable:
+        if not self.fits(hits, total_pages):
             return False
+        need = total_pages - len(hits)
         for page in hits:
             if self.ref[page] == 0:
                 (self.probation if page in self.probation else self.protected).remove(page)
@@ -182,6 +186,12 @@ class PageManager:
                 self.protected_flag[page] = 0
                 return page
         raise AssertionError("reservation accounting broke: nothing to reclaim")
+
+    def reserve(self, n: int) -> None:
+        """Promises `n` more pages to a sequence that holds them already reserved or referenced
+        and has just released as many (a window that moved on): the promise is kept by them."""
+        assert n >= 0 and self.reserved + n <= self.free + self.evictable
+        self.reserved += n
 
     def unreserve(self, n: int) -> None:
         assert 0 <= n <= self.reserved

@@ -27,6 +27,7 @@ from shardline.router.core.config import ReplicaConfig
 from shardline.router.core.engine import Engine, Load
 from shardline.router.core.events import RequestEvents
 from shardline.router.core.kv_manager import KVManager
+from shardline.router.core.kv_pools import pool_sizes, window_span
 from shardline.router.core.page_manager import PageManager
 from shardline.router.core.scheduler import Scheduler
 from shardline.router.core.sequence import Failure, Sequence
@@ -46,6 +47,7 @@ class Served:
     warmups: list[Warmup]
     head: ShardInfo  # the sampling shard's: the model as served
     num_pages: int
+    window_pages: int  # in the window pool (kv_pools.py; 0: none)
     layer_groups: int  # as the scheduler runs them: 1 where they do not apply
     eos_ids: frozenset[int]  # the shards' and the tokenizer's
 
@@ -98,6 +100,11 @@ class Replica:
         """The page pool and prefix index of the current connection (None before the first)."""
         return self.engine.pool if self.engine is not None else None
 
+    @property
+    def window_pool(self) -> PageManager | None:
+        """The sliding-window layers' own pool of the current connection, where there is one."""
+        return self.engine.scheduler.kv.window_pool if self.engine is not None else None
+
     # -- connect ------------------------------------------------------------------------------
     async def _connect(self) -> None:
         config = self.config
@@ -116,11 +123,19 @@ class Replica:
             wrong.append(f"vocabulary of {head.vocab_size} tokens (the router's tokenizer has {self.codec.vocab_size})")
         if wrong:
             raise ShardError("the shards serve a different model: " + "; ".join(wrong))
-        capacity = min(i.max_pages for i in infos)
-        num_pages = min(config.num_pages, capacity) if config.num_pages else capacity
-        if num_pages < 1:
-            raise ShardError(f"the shards have room for {capacity} pages; raise --kv-memory-gb")
-        warmups = await self.shards.warmup(num_pages, config.max_batch)
+        # A window pool frees what the window leaves behind as a prompt's chunks are computed:
+        # with whole prompts (--chunk-size 0) a windowed model's are cut at the window.
+        chunk_size = config.chunk_size or head.window
+        step_tokens = max(chunk_size, config.spec_tokens + 2)  # a verification's, or a step's sent ahead
+        span = window_span(head.window, step_tokens, head.page_size) if head.window else 0
+        context_pages = -(-head.context_length // head.page_size)
+        sizes = pool_sizes(infos, config.max_batch, span, config.num_pages, context_pages)
+        num_pages = sizes.pages
+        if num_pages < 1 or sizes.window_pages and sizes.window_pages < span:
+            raise ShardError(f"the shards have room for {num_pages} pages ({sizes}); raise --kv-memory-gb")
+        if not sizes.window_pages:
+            chunk_size = config.chunk_size
+        warmups = await self.shards.warmup(num_pages, config.max_batch, sizes.window_pages)
         buckets = {tuple(w.decode_graph_buckets) for w in warmups}
         if len(buckets) > 1:  # every shard opened its step stream: the next attempt must find them closed
             await self.shards.close_streams(abandon=False)
@@ -136,11 +151,21 @@ class Replica:
             protected_ratio=config.slru_protected_ratio,
             model_key=f"{head.model}/{head.dtype}",
         )
+        window_pool = None
+        if sizes.window_pages:
+            window_pool = PageManager(
+                sizes.window_pages,
+                head.page_size,
+                policy=config.eviction,
+                prefix_cache=config.prefix_cache,
+                protected_ratio=config.slru_protected_ratio,
+                model_key=pool.model_key,
+            )
         scheduler = Scheduler(
-            KVManager(pool),
+            KVManager(pool, window_pool, head.window, span),
             config.max_batch,
             config.max_batch_tokens,
-            chunk_size=config.chunk_size,
+            chunk_size=chunk_size,
             aging_s=config.priority_aging_s,
             mixed_steps=config.mixed_steps,
             pair_cost=head.attention_pair_cost,
@@ -149,15 +174,18 @@ class Replica:
             stages=head.pp_size,
             speculator=Speculator(config.speculative, config.spec_tokens, head.context_length),
         )
-        self.served = Served(list(infos), list(warmups), head, num_pages, scheduler.layer_groups, frozenset(eos))
+        self.served = Served(
+            list(infos), list(warmups), head, num_pages, sizes.window_pages, scheduler.layer_groups, frozenset(eos)
+        )
         self.engine = Engine(scheduler, self.shards, self.codec, head.context_length, self.observers)
         log.info(
-            "serving %s: TP%d x PP%d, %d pages of %d tokens",
+            "serving %s: TP%d x PP%d, %d pages of %d tokens%s",
             head.model,
             head.tp_size,
             head.pp_size,
             num_pages,
             head.page_size,
+            f", {sizes.window_pages} window pages" if sizes.window_pages else "",
         )
 
     # -- the replica's life ---------------------------------------------------------------------

@@ -86,6 +86,11 @@ class SequencePages:
     reserved: int = 0  # pages promised at admission and not yet taken
     prompt_hashes: list[bytes] | None = None  # chain hashes of the prompt's full pages
     published: list[bytes] = field(default_factory=list)  # hashes of block_table's published prefix
+    # With a window pool (kv_manager.py): the windowed layers' pages of the same positions, those
+    # the window no longer reaches being the pool size (the shards' padding page), and what is
+    # left of that pool's reservation.
+    window_table: list[int] = field(default_factory=list)
+    window_reserved: int = 0
 
 
 @dataclass(eq=False)

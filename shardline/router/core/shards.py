@@ -43,6 +43,9 @@ class ShardInfo:
     attention_pair_cost: float
     num_layers: int
     rope_long_from: int  # prompts longer turn by the long rotary factors (0: none)
+    window: int  # the longest sliding window of the model's layers (0: none)
+    window_kv_bytes_per_page: int  # of its windowed layers, a part of kv_bytes_per_page
+    kv_budget_bytes: int
 
 
 @dataclass(frozen=True)
@@ -89,8 +92,9 @@ class Shards(Protocol):
 
     async def info(self, timeout: float) -> list[ShardInfo]: ...
 
-    async def warmup(self, num_pages: int, max_batch: int) -> list[Warmup]:
-        """A fresh pool on every shard: they hold no sequence from here on."""
+    async def warmup(self, num_pages: int, max_batch: int, window_pages: int = 0) -> list[Warmup]:
+        """A fresh pool (and window pool, of `window_pages`) on every shard: they hold no
+        sequence from here on."""
 
     async def send(self, step_id: int, step: Step) -> None:
         """Sends the step; the shards run steps in the order they were sent."""

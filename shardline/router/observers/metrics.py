@@ -172,6 +172,12 @@ class _AtScrape:
         prefilling = GaugeMetricFamily(p + "num_requests_prefilling", "Admitted requests still prefilling")
         usage = GaugeMetricFamily(p + "kv_cache_usage_perc", "Share of KV pages referenced or reserved, 0 to 1")
         pages = GaugeMetricFamily(p + "kv_cache_pages", "KV pages by state", labels=["state"])
+        window = GaugeMetricFamily(
+            p + "kv_window_pages", "Pages of the sliding-window layers' own pool by state", labels=["state"]
+        )
+        if replica.window_pool is not None:
+            for state in ("referenced", "reserved", "evictable", "free"):
+                window.add_metric([state], getattr(replica.window_pool, state))
         if load is not None:
             running.add_metric([], load.running)
             waiting.add_metric([], load.waiting)
@@ -179,7 +185,7 @@ class _AtScrape:
             usage.add_metric([], (pool.referenced + pool.reserved) / pool.num_pages if pool.num_pages else 0.0)
             for state in ("referenced", "reserved", "evictable", "free"):
                 pages.add_metric([state], getattr(pool, state))
-        yield from (running, waiting, prefilling, usage, pages)
+        yield from (running, waiting, prefilling, usage, pages, window)
         yield from _vllm_named(load, pool)
 
 

@@ -61,6 +61,7 @@ def _entry(s: Scheduled, step: Step, told: Told) -> shard_pb2.SequenceStep:
         emit=s.emit,
         first=held is None,
         new_pages=block_table[held or 0 :],
+        new_window_pages=seq.pages.window_table[held or 0 :],
         proposals=s.proposals,
         sampling=_sampling(seq.sampling) if held is None else None,
         long_rope=seq.long_rope and held is None,

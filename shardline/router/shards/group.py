@@ -51,11 +51,10 @@ class ShardClient:
         # wait_for_ready: a shard that is still loading its weights is not an error.
         return await self.stub.Info(shard_pb2.InfoRequest(), wait_for_ready=True, timeout=timeout)
 
-    async def warmup(self, num_pages: int, max_batch: int) -> shard_pb2.WarmupResponse:
+    async def warmup(self, num_pages: int, max_batch: int, window_pages: int = 0) -> shard_pb2.WarmupResponse:
         # Capturing decode graphs compiles them on a first start: minutes on a small CPU.
-        response = await self.stub.Warmup(
-            shard_pb2.WarmupRequest(num_pages=num_pages, max_batch=max_batch), timeout=1800
-        )
+        request = shard_pb2.WarmupRequest(num_pages=num_pages, max_batch=max_batch, window_pages=window_pages)
+        response = await self.stub.Warmup(request, timeout=1800)
         self._stream = self.stub.Steps()
         return response
 
@@ -157,11 +156,13 @@ class ShardGroup:
         self.sampler = next(n for n, i in enumerate(infos) if i.pp_stage == pp - 1 and i.tp_rank == 0)
         return infos
 
-    async def warmup(self, num_pages: int, max_batch: int) -> list[shard_pb2.WarmupResponse]:
+    async def warmup(self, num_pages: int, max_batch: int, window_pages: int = 0) -> list[shard_pb2.WarmupResponse]:
         """Every shard's warmup, waited for to the end: a shard that warmed up while another did
         not has opened its step stream, which is closed again (cleanly: it keeps its state), or
         the next attempt would find it open."""
-        answers = await asyncio.gather(*(s.warmup(num_pages, max_batch) for s in self.shards), return_exceptions=True)
+        answers = await asyncio.gather(
+            *(s.warmup(num_pages, max_batch, window_pages) for s in self.shards), return_exceptions=True
+        )
         failed = [a for a in answers if isinstance(a, BaseException)]
         if not failed:
             self.ms_per_token = max(self.ms_per_token, *(a.prefill_ms_per_token for a in answers))

@@ -27,8 +27,8 @@ class ShardLink:
     async def info(self, timeout: float) -> list[ShardInfo]:
         return [info_of(i) for i in await self.group.info(timeout)]
 
-    async def warmup(self, num_pages: int, max_batch: int) -> list[Warmup]:
-        answers = await self.group.warmup(num_pages, max_batch)
+    async def warmup(self, num_pages: int, max_batch: int, window_pages: int = 0) -> list[Warmup]:
+        answers = await self.group.warmup(num_pages, max_batch, window_pages)
         self.told, self._sent = Told(), {}
         return [warmup_of(w) for w in answers]
 
