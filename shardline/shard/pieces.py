@@ -7,6 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+from shardline.kernels.attention import AttentionBatch
 
 # A piece holds at most PREFILL_PIECE_TOKENS tokens, and fewer where its largest activations (the
 # MLP's gate and up rows and their product: 3 x intermediate values a token) would pass
@@ -51,3 +54,28 @@ def pieces(seqs: list[Span], limit: int) -> list[list[tuple[int, Span]]]:
     if piece:
         out.append(piece)
     return out
+
+
+def spans_batch(
+    spans: list[Span], positions, tables: list, padding: int, page_size: int, as_rows: bool
+) -> AttentionBatch:
+    """The attention batch of a piece's spans at `positions` over block `tables` (one per span)
+    of one pool, whose padding page is `padding`: as decode rows (a row per token), or as chunks."""
+    if as_rows:
+        width = max(len(table) for table in tables)
+        rows = [
+            F.pad(table, (0, width - len(table)), value=padding).expand(len(s.token_ids), width)
+            for s, table in zip(spans, tables)
+        ]
+        return AttentionBatch.decode(torch.cat(rows), positions, page_size)
+    counts = [len(s.token_ids) for s in spans]
+    slots = [
+        table[pos // page_size] * page_size + pos % page_size for table, pos in zip(tables, positions.split(counts))
+    ]
+    return AttentionBatch(
+        slots=torch.cat(slots),
+        is_decode=False,
+        query_lens=counts,
+        start_positions=[s.start_pos for s in spans],
+        block_tables_list=tables,
+    )

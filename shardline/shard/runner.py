@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from shardline.kernels.attention import AttentionBatch, decode_capturable
 from shardline.kernels.token_mask import mask_logits, packed_masks
@@ -45,7 +44,7 @@ from shardline.shard.kv_cache import KVPages
 from shardline.shard.layout import Layout
 from shardline.shard.logprobs import from_logits, score
 from shardline.shard.model import Transformer
-from shardline.shard.pieces import PREFILL_PIECE_TOKENS, Span, pieces
+from shardline.shard.pieces import PREFILL_PIECE_TOKENS, Span, pieces, spans_batch
 from shardline.shard.plan_reader import Context, Entry, plan_layers, read
 from shardline.shard.sampler import finite_rows, sample, verify
 from shardline.shard.sequences import SequenceState, SequenceTable
@@ -183,36 +182,12 @@ class ModelRunner:
         counts = [len(s.token_ids) for s in spans]
         pairs = sum(len(s.token_ids) * (s.start_pos + len(s.token_ids)) for s in spans)
         as_rows = self.device.type == "cpu" and (as_rows or pairs <= ROWS_ATTENTION_PAIRS)  # as decode rows
-        batch = self._spans_batch(spans, positions, as_rows, [s.block_table for s in spans], self.kv.padding_page)
+        ps = self.page_size
+        batch = spans_batch(spans, positions, [s.block_table for s in spans], self.kv.padding_page, ps, as_rows)
         if spans[0].window_table is not None:
             tables = [s.window_table for s in spans]
-            batch.windowed = self._spans_batch(spans, positions, as_rows, tables, self.kv.window_padding_page)
+            batch.windowed = spans_batch(spans, positions, tables, self.kv.window_padding_page, ps, as_rows)
         return tokens, self._rotary_rows(positions, [s.rotary_base for s in spans], counts), batch
-
-    def _spans_batch(self, spans: list[Span], positions, as_rows: bool, tables: list, padding: int) -> AttentionBatch:
-        """The attention batch of a prefill step's spans over block `tables` (one per span) of one
-        pool, whose padding page is `padding`: as decode rows, or as chunks."""
-        ps = self.page_size
-        if as_rows:
-            width = max(len(table) for table in tables)
-            rows = [
-                F.pad(table, (0, width - len(table)), value=padding).expand(len(s.token_ids), width)
-                for s, table in zip(spans, tables)
-            ]
-            return AttentionBatch.decode(torch.cat(rows), positions, ps)
-        slots = torch.cat(
-            [
-                table[pos // ps] * ps + pos % ps
-                for table, pos in zip(tables, positions.split([len(s.token_ids) for s in spans]))
-            ]
-        )
-        return AttentionBatch(
-            slots=slots,
-            is_decode=False,
-            query_lens=[len(s.token_ids) for s in spans],
-            start_positions=[s.start_pos for s in spans],
-            block_tables_list=tables,
-        )
 
     def _forward(self, tokens, positions, batch, hidden_in=None, layers: slice = slice(None)) -> torch.Tensor | None:
         """Runs this shard's layers (`layers` of them, from `hidden_in` when they start past the
