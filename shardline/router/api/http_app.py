@@ -45,7 +45,7 @@ from shardline.router.api.openai.completions import CompletionAnswer, completion
 from shardline.router.api.openai.errors import ApiError, invalid_body
 from shardline.router.api.openai.response_store import ResponseStore
 from shardline.router.api.openai.schema import ChatCompletionRequest, CompletionRequest, Model, ModelList
-from shardline.router.api.openai.tools import declares_calls
+from shardline.router.api.openai.tools import tool_format
 from shardline.router.api.reasoning import reasoning_format
 from shardline.router.core.replica import Replica
 from shardline.router.observers.tracing import Tracing, request_attributes
@@ -98,7 +98,7 @@ class HttpApi:
         self.replica, self.admission, self.tracing, self.keys = replica, admission, tracing, keys
         self.served_names, self.metrics = list(served_names or []), metrics
         self.created = int(time.time())
-        blocks = self.tool_blocks = declares_calls(replica.codec.template_source)  # calls in <tool_call> blocks
+        calls = self.tool_format = tool_format(replica.codec.template_source)  # how the model writes calls
         reasoning = reasoning_format(replica.codec)  # reasoning in <think> blocks
         app = self.app = FastAPI(title="Shardline", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(ApiError, self._error)
@@ -112,8 +112,8 @@ class HttpApi:
             Endpoint(
                 "chat",
                 ChatCompletionRequest,
-                lambda body: chat_requests(body, blocks),
-                lambda body, choices, model, codec: ChatAnswer(body, choices, model, codec, blocks, reasoning),
+                lambda body: chat_requests(body, calls),
+                lambda body, choices, model, codec: ChatAnswer(body, choices, model, codec, calls, reasoning),
             ),
         )
         self._route(
@@ -122,10 +122,10 @@ class HttpApi:
         )
         context_length = lambda: replica.served.head.context_length
         self.responses = ResponseStore()
-        self._route("/v1/responses", responses.endpoint(self.responses, blocks, context_length, reasoning))
+        self._route("/v1/responses", responses.endpoint(self.responses, calls, context_length, reasoning))
         app.get("/v1/responses/{response_id}")(self.retrieve)
         app.delete("/v1/responses/{response_id}")(self.delete)
-        self._route("/v1/messages", messages.endpoint(blocks, context_length, reasoning))
+        self._route("/v1/messages", messages.endpoint(calls, context_length, reasoning))
         app.post("/v1/messages/count_tokens")(self.count_tokens)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
@@ -252,7 +252,7 @@ class HttpApi:
         body = parse(messages.CountTokensRequest, await read_body(request))
         self._model(body.model)
         return JSONResponse(
-            {"input_tokens": len(await self._prompt_ids(messages.prompt_request(body, self.tool_blocks)))}
+            {"input_tokens": len(await self._prompt_ids(messages.prompt_request(body, self.tool_format)))}
         )
 
     async def tokenize(self, request: Request) -> JSONResponse:

@@ -35,6 +35,7 @@ from shardline.router.api.openai.chat import ChatAnswer, chat_requests
 from shardline.router.api.openai.choices import Choices
 from shardline.router.api.openai.errors import ApiError, invalid_body
 from shardline.router.api.openai.schema import ChatCompletionRequest, ToolCall
+from shardline.router.api.openai.tools import ToolFormat
 from shardline.router.api.reasoning import ReasoningFormat
 from shardline.router.core.sequence import FinishReason, Output
 
@@ -56,20 +57,20 @@ def as_chat(body: CountTokensRequest, max_tokens: int | None = None) -> ChatComp
         raise invalid_body(e) from None
 
 
-def prompt_request(body: CountTokensRequest, tool_blocks: bool) -> pb.GenerateRequest:
+def prompt_request(body: CountTokensRequest, tool_format: ToolFormat) -> pb.GenerateRequest:
     """The prompt a Messages request would be served with (what count_tokens counts)."""
-    return chat_requests(as_chat(body), tool_blocks)[0]
+    return chat_requests(as_chat(body), tool_format)[0]
 
 
-def endpoint(tool_blocks: bool, context_length: Callable[[], int], reasoning: ReasoningFormat | None = None):
+def endpoint(tool_format: ToolFormat, context_length: Callable[[], int], reasoning: ReasoningFormat | None = None):
     """`/v1/messages` (http_app.py's Endpoint). `context_length`: the served model's."""
 
     def requests(body: MessagesRequest) -> list[pb.GenerateRequest]:
         fits = body.max_tokens < context_length()
-        return chat_requests(as_chat(body, body.max_tokens if fits else None), tool_blocks)
+        return chat_requests(as_chat(body, body.max_tokens if fits else None), tool_format)
 
     def answer(body: MessagesRequest, choices: Choices, model: str, codec: TextCodec) -> MessagesAnswer:
-        return MessagesAnswer(body, choices, model, codec, tool_blocks, reasoning)
+        return MessagesAnswer(body, choices, model, codec, tool_format, reasoning)
 
     return Endpoint("chat", MessagesRequest, requests, answer)
 
@@ -100,10 +101,10 @@ class MessagesAnswer(ChatAnswer):
         choices: Choices,
         model: str,
         codec: TextCodec,
-        tool_blocks: bool,
+        tool_format: ToolFormat,
         reasoning: ReasoningFormat | None = None,
     ):
-        super().__init__(as_chat(request, request.max_tokens), choices, model, codec, tool_blocks, reasoning)
+        super().__init__(as_chat(request, request.max_tokens), choices, model, codec, tool_format, reasoning)
         self.request = request
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None

@@ -26,14 +26,14 @@ from shardline.router.api.openai.schema import (
     ToolCall,
     TopLogprob,
 )
-from shardline.router.api.openai.tools import ToolCallReader
+from shardline.router.api.openai.tools import ToolCallReader, ToolFormat
 from shardline.router.api.reasoning import ReasoningFormat, ReasoningReader
 
 
-def chat_requests(body: ChatCompletionRequest, tool_blocks: bool) -> list[pb.GenerateRequest]:
+def chat_requests(body: ChatCompletionRequest, tool_format: ToolFormat) -> list[pb.GenerateRequest]:
     """The choices' requests. Without max_tokens a chat is open-ended (max_new_tokens 0): up to
-    the context. `tool_blocks`: the model writes its calls in <tool_call> blocks."""
-    req = base_request(body, tools.grammar(body, tool_blocks))
+    the context. `tool_format`: how the model writes its calls."""
+    req = base_request(body, tools.grammar(body, tool_format))
     req.max_new_tokens = body.max_completion_tokens or body.max_tokens or 0
     if body.logprobs:
         req.logprobs = body.top_logprobs or 0
@@ -68,12 +68,12 @@ class ChatAnswer(Answer):
         choices: Choices,
         model: str,
         codec: TextCodec,
-        tool_blocks: bool,
+        tool_format: ToolFormat,
         reasoning: ReasoningFormat | None = None,
     ):
         super().__init__(body, choices, model, codec)
-        kind = tools.mode(body, tool_blocks)
-        self.readers = [ToolCallReader(kind, tool_blocks) for _ in self.text]
+        kind = tools.mode(body, tool_format)
+        self.readers = [ToolCallReader(kind, tool_format) for _ in self.text]
         self.reasoners = [ReasoningReader(reasoning) for _ in self.text]
 
     def _read(self, index: int, text: str, final: bool) -> tuple[str, str, list[ToolCall]]:

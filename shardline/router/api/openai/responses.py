@@ -46,6 +46,7 @@ from shardline.router.api.openai.responses_schema import (
     Usage,
 )
 from shardline.router.api.openai.schema import TEMPERATURE, TOP_P, ChatCompletionRequest, TokenLogprob, ToolCall
+from shardline.router.api.openai.tools import ToolFormat
 from shardline.router.api.reasoning import ReasoningFormat
 
 ERROR_CODES = {400: "invalid_prompt", 429: "rate_limit_exceeded"}  # the Response's error.code; else server_error
@@ -79,7 +80,10 @@ def as_chat(body: ResponsesRequest, history: list[dict], ceiling_fits: bool = Tr
 
 
 def endpoint(
-    store: ResponseStore, tool_blocks: bool, context_length: Callable[[], int], reasoning: ReasoningFormat | None = None
+    store: ResponseStore,
+    tool_format: ToolFormat,
+    context_length: Callable[[], int],
+    reasoning: ReasoningFormat | None = None,
 ) -> Endpoint:
     """`/v1/responses` (http_app.py's Endpoint). `context_length`: the served model's."""
 
@@ -92,10 +96,10 @@ def endpoint(
 
     def requests(body: ResponsesRequest) -> list[pb.GenerateRequest]:
         fits = body.max_output_tokens is None or body.max_output_tokens < context_length()
-        return chat_requests(as_chat(body, body.history, fits), tool_blocks)
+        return chat_requests(as_chat(body, body.history, fits), tool_format)
 
     def answer(body: ResponsesRequest, choices: Choices, model: str, codec: TextCodec) -> ResponsesAnswer:
-        return ResponsesAnswer(body, choices, model, codec, tool_blocks, store, reasoning)
+        return ResponsesAnswer(body, choices, model, codec, tool_format, store, reasoning)
 
     return Endpoint("chat", ResponsesRequest, requests, answer, prepare)
 
@@ -126,11 +130,11 @@ class ResponsesAnswer(ChatAnswer):
         choices: Choices,
         model: str,
         codec: TextCodec,
-        tool_blocks: bool,
+        tool_format: ToolFormat,
         store: ResponseStore,
         reasoning: ReasoningFormat | None = None,
     ):
-        super().__init__(as_chat(request, request.history), choices, model, codec, tool_blocks, reasoning)
+        super().__init__(as_chat(request, request.history), choices, model, codec, tool_format, reasoning)
         self.request, self.store = request, store
         self.message_id = "msg_" + self.id.removeprefix(self.id_prefix)
         self.reasoning_id = "rs_" + self.id.removeprefix(self.id_prefix)

@@ -1,16 +1,19 @@
 """Tool calls in the OpenAI API: the grammar that makes a call valid by construction, and the
 calls read back out of a choice's text, whole or as the text streams.
 
-How a model writes a call is what its chat template declares. A template that mentions
-`<tool_call>` (Qwen2.5, Qwen3, Hermes) has the model write each call as
-`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one per line when it makes
-several; for any other model a call is that JSON object alone, one per answer.
+How a model writes a call is what its chat template declares (`tool_format`):
+- Hermes / Qwen (a template that mentions `<tool_call>`): each call as
+  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one per line when it makes
+  several;
+- Llama 3.1 to 3.3 (a template that asks for `{"name": function name, "parameters": ...}`): one
+  call as that JSON object alone, its arguments under "parameters";
+- any other model: one call as `{"name": ..., "arguments": {...}}` alone.
 
 - `tool_choice` "required" or a named function: the output is constrained to calls of the
   tools (of that one tool), with arguments valid for its `parameters` schema.
 - "auto" (the default when tools are given): with a declared format, the output is either text
-  that does not begin with `<tool_call>` or calls, so a call the model starts is valid; without
-  one the output is text, unconstrained.
+  that does not begin as a call does (`<tool_call>`; for Llama 3, `{`) or calls, so a call the
+  model starts is valid; without one the output is text, unconstrained.
 - "none": the tools are rendered into the prompt, the output is text.
 
 A choice whose text holds calls answers `message.tool_calls` (content null) and finish reason
@@ -23,6 +26,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass
 
 from shardline.router.api.openai.schema import (
     ChatCompletionRequest,
@@ -38,12 +42,31 @@ OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
-def declares_calls(template_source: str | None) -> bool:
-    """Whether a chat template has the model write calls in <tool_call> blocks."""
-    return bool(template_source) and "<tool_call>" in template_source
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a model writes its calls."""
+
+    blocks: bool  # each call in a <tool_call> block (else one JSON object alone)
+    arguments: str = "arguments"  # the key of a call's arguments
+    start: str = ""  # what a call's text begins with, where the template declares the format ("": none)
 
 
-def _call_schema(body: ChatCompletionRequest) -> dict:
+HERMES = ToolFormat(blocks=True, start=OPEN)
+LLAMA3 = ToolFormat(blocks=False, arguments="parameters", start="{")
+PLAIN = ToolFormat(blocks=False)
+
+
+def tool_format(template_source: str | None) -> ToolFormat:
+    """The format a chat template declares for its model's calls."""
+    source = template_source or ""
+    if "<tool_call>" in source:
+        return HERMES
+    if '"parameters": dictionary of argument name' in source:  # Llama 3.1, 3.2 and 3.3's words
+        return LLAMA3
+    return PLAIN
+
+
+def _call_schema(body: ChatCompletionRequest, fmt: ToolFormat) -> dict:
     tools = body.tools or []
     if isinstance(body.tool_choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == body.tool_choice.function.name]
@@ -52,9 +75,9 @@ def _call_schema(body: ChatCompletionRequest) -> dict:
             "type": "object",
             "properties": {
                 "name": {"const": t.function.name},
-                "arguments": t.function.parameters or {"type": "object"},
+                fmt.arguments: t.function.parameters or {"type": "object"},
             },
-            "required": ["name", "arguments"],
+            "required": ["name", fmt.arguments],
             "additionalProperties": False,
         }
         for t in tools
@@ -62,7 +85,7 @@ def _call_schema(body: ChatCompletionRequest) -> dict:
     return {"anyOf": calls, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
 
 
-def mode(body: ChatCompletionRequest, blocks: bool) -> str | None:
+def mode(body: ChatCompletionRequest, fmt: ToolFormat) -> str | None:
     """ "calls" (the output is calls), "auto" (text or calls) or None (text) for this request."""
     if not body.tools or body.tool_choice == "none":
         return None
@@ -71,16 +94,18 @@ def mode(body: ChatCompletionRequest, blocks: bool) -> str | None:
     constrained = body.structured_outputs is not None or (
         body.response_format is not None and body.response_format.type != "text"
     )
-    return "auto" if blocks and not constrained else None
+    return "auto" if fmt.start and not constrained else None
 
 
-def grammar(body: ChatCompletionRequest, blocks: bool) -> str | None:
+def grammar(body: ChatCompletionRequest, fmt: ToolFormat) -> str | None:
     """The Lark grammar (llguidance's) that constrains this request's output, or None."""
-    kind = mode(body, blocks)
+    kind = mode(body, fmt)
     if kind is None:
         return None
-    call = "%json " + json.dumps(_call_schema(body))
-    if not blocks:
+    call = "%json " + json.dumps(_call_schema(body, fmt))
+    if not fmt.blocks:
+        if kind == "auto":  # text that does not begin as a call does, or the call
+            return f"start: TEXT | call\nTEXT: /(?s:.*)/ & ~/{re.escape(fmt.start)}(?s:.*)/\ncall: {call}\n"
         return f"start: {call}\n"
     many = ' ("\\n" call)*' if body.parallel_tool_calls and not isinstance(body.tool_choice, NamedToolChoice) else ""
     rules = f"calls: call{many}\ncall: {json.dumps(OPEN)} {call} {json.dumps(CLOSE)}\n"
@@ -89,14 +114,14 @@ def grammar(body: ChatCompletionRequest, blocks: bool) -> str | None:
     return "start: calls\n" + rules
 
 
-def _call(text: str) -> ToolCall | None:
+def _call(text: str, key: str) -> ToolCall | None:
     try:
         data = json.loads(text)
     except ValueError:
         return None
-    if not (isinstance(data, dict) and isinstance(data.get("name"), str) and "arguments" in data):
+    if not (isinstance(data, dict) and isinstance(data.get("name"), str) and key in data):
         return None
-    arguments = data["arguments"]
+    arguments = data[key]
     return ToolCall(
         id=f"call_{uuid.uuid4().hex[:24]}",
         function=FunctionCall(
@@ -110,8 +135,8 @@ class ToolCallReader:
     """One choice's text, split into content and calls as it arrives. `feed` returns the content
     that may be sent now and the calls completed by this delta; `end` what is left."""
 
-    def __init__(self, kind: str | None, blocks: bool):
-        self.kind, self.blocks = kind, blocks
+    def __init__(self, kind: str | None, fmt: ToolFormat):
+        self.kind, self.fmt = kind, fmt
         self.calls: list[ToolCall] = []
         self._text = ""  # what is not yet sent as content or read as calls
         self._calling = kind == "calls"
@@ -121,18 +146,19 @@ class ToolCallReader:
             return delta, []
         self._text += delta
         if not self._calling:
-            if self._text.startswith(OPEN):
+            start = self.fmt.start
+            if self._text.startswith(start):
                 self._calling = True
-            elif OPEN.startswith(self._text):
+            elif start.startswith(self._text):
                 return "", []  # may still become a call: withheld
             else:  # text: from here on passed through
                 self.kind, text, self._text = None, self._text, ""
                 return text, []
-        if not self.blocks:
+        if not self.fmt.blocks:
             return "", []
         found = []
         while (m := _BLOCK.search(self._text)) is not None:
-            call = _call(m[1])
+            call = _call(m[1], self.fmt.arguments)
             if call is not None:
                 found.append(call)
             self._text = self._text[m.end() :]
@@ -144,7 +170,7 @@ class ToolCallReader:
         text, self._text = self._text, ""
         if self.kind is None:
             return text, []
-        call = None if self.blocks else _call(text)
+        call = None if self.fmt.blocks else _call(text, self.fmt.arguments)
         if call is not None:
             self.calls.append(call)
             return "", [call]
