@@ -127,7 +127,9 @@ def hermes(tiny_models, tmp_path_factory):
 
 
 def client_of(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0, timeout=120)
+    # A liveness deadline, not a speed bound: 16 constrained answers at once beside another
+    # test file's servers on 2 cores took past 120 s.
+    return openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0, timeout=600)
 
 
 def model_of(server) -> str:
