@@ -125,10 +125,11 @@ def test_the_shard_forgets_the_pages_the_router_gives_back():
         seq.num_computed = start
         sent = len(seq.pages.window_table)
         kv.grow(seq, start + CHUNK)
-        table.append_pages(state, [], seq.pages.window_table[sent:])
+        table.append_pages(state, seq.pages.block_table[sent:], seq.pages.window_table[sent:])
         table.forget_outside(state, WINDOW, start, PAGE)
         forgotten = [i for i, p in enumerate(seq.pages.window_table) if p == kv.forgotten]
-        assert [i for i, p in enumerate(state.window_pages) if p == kv.forgotten] == forgotten
+        held = table.window_tables[0, : len(state.pages)].tolist()
+        assert [i for i, p in enumerate(held) if p == kv.forgotten] == forgotten
         assert table.window_tables[0, forgotten].eq(kv.forgotten).all()
     kv.release(seq)
 

@@ -181,8 +181,7 @@ def load_shard(args) -> LoadedShard:
         time.perf_counter() - t0,
     )
     kv_dtype = kv_dtype_for(args.kv_dtype, model, dtype)
-    windows = [block.attn.window for block in model.layers]
-    per_page, window_per_page = bytes_per_page(model.cfg, windows, args.page_size, kv_dtype)
+    per_page, window_per_page = bytes_per_page(model.cfg, model.windows, args.page_size, kv_dtype)
     budget = int(args.kv_memory_gb * 2**30)
     info = shard_pb2.ShardInfo(
         model=source.name,

@@ -255,6 +255,11 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.build_rotary()
 
+    @property
+    def windows(self) -> list[int]:
+        """Each layer's sliding window (0: none), as this module runs its layers."""
+        return [block.attn.window for block in self.layers]
+
     def build_rotary(self) -> None:
         """The rotary tables (on the default device): a loader builds them where the model runs,
         once its weights are in."""

@@ -4,7 +4,7 @@ consecutive tokens of some sequences that one forward pass computes (shard/runne
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -39,14 +39,7 @@ def pieces(seqs: list[Span], limit: int) -> list[list[tuple[int, Span]]]:
         done = 0
         while done < len(s.token_ids):
             n = min(room, len(s.token_ids) - done)
-            piece.append(
-                (
-                    i,
-                    Span(
-                        s.token_ids[done : done + n], s.start_pos + done, s.block_table, s.rotary_base, s.window_table
-                    ),
-                )
-            )
+            piece.append((i, replace(s, token_ids=s.token_ids[done : done + n], start_pos=s.start_pos + done)))
             done, room = done + n, room - n
             if room == 0:
                 out.append(piece)

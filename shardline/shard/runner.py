@@ -111,7 +111,7 @@ class ModelRunner:
         shard held before is gone), and the decode graphs that read them when asked for
         (`capture_decode_graphs`)."""
         self.kv = self.table = self.graphs = None  # let the old pool go before the new one is allocated
-        windows = [block.attn.window for block in self.model.layers]
+        windows = self.model.windows
         self.kv = KVPages(self.model.cfg, num_pages, self.page_size, self.kv_dtype, self.device, windows, window_pages)
         max_pages = -(-self.max_position // self.page_size)
         window_padding = self.kv.window_padding_page if window_pages else None
@@ -323,7 +323,7 @@ class ModelRunner:
 
     def _window_table(self, st: SequenceState) -> torch.Tensor | None:
         tables = self.table.window_tables
-        return None if tables is None else tables[st.row, : len(st.window_pages)]
+        return None if tables is None else tables[st.row, : len(st.pages)]
 
     def _sample(self, entries, states, last, every: dict[int, torch.Tensor], out: StepOutput) -> None:
         """On the sampling shard: scores prompt positions, samples emitting sequences (verifies

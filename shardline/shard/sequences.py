@@ -23,7 +23,7 @@ Invariants kept here:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -37,8 +37,6 @@ class SequenceState:
     sampling: SamplingParams
     next_pos: int  # positions whose K/V this shard holds
     rotary_base: int = 0  # the rotary tables' row of its position 0 (Rotary: the long factors' rows)
-    # its window block table (with a window pool), the forgotten pages as padding
-    window_pages: list[int] = field(default_factory=list)
     sampled: int | None = None  # the token it sampled in its last step, if that step emitted
     # A prompt chunk part way through the layers (StepPlan.layer_start): the hidden states of
     # its tokens after `partial_layers` layers. Its positions are not in `next_pos` until the
@@ -49,7 +47,7 @@ class SequenceState:
     # shard wrote `next_pos` positions, but holds only those up to the next plan's start_pos,
     # which lies between the two: the router alone learns how many proposals were accepted.
     verified: int | None = None
-    forgotten: int = 0  # its first window pages that were forgotten
+    forgotten: int = 0  # with a window pool: its first window pages that were forgotten
 
     def holds_verified(self, start_pos: int) -> bool:
         """Whether a plan may go on from `start_pos`: a position its last verification settles."""
@@ -89,22 +87,21 @@ class SequenceTable:
         return state
 
     def append_pages(self, state: SequenceState, pages: list[int], window_pages: list[int] = ()) -> None:
+        """Appends `pages` to its block table and, with a window pool, `window_pages` (as many, for
+        the same positions) to its window table."""
         if pages:
             n = len(state.pages)
             self.tables[state.row, n : n + len(pages)] = torch.tensor(pages, dtype=torch.int64)
+            if window_pages:
+                self.window_tables[state.row, n : n + len(pages)] = torch.tensor(window_pages, dtype=torch.int64)
             state.pages.extend(pages)
-        if window_pages:
-            n = len(state.window_pages)
-            self.window_tables[state.row, n : n + len(window_pages)] = torch.tensor(window_pages, dtype=torch.int64)
-            state.window_pages.extend(window_pages)
 
     def forget_outside(self, state: SequenceState, window: int, start_pos: int, page_size: int) -> None:
         """Forgets the window pages of positions below `start_pos - window + 1`: no query from
         `start_pos` on sees them, and the router gives them back to the pool."""
-        gone = min(max(0, start_pos - window + 1) // page_size, len(state.window_pages))
+        gone = min(max(0, start_pos - window + 1) // page_size, len(state.pages))
         if gone > state.forgotten:
             self.window_tables[state.row, state.forgotten : gone] = self.window_padding_page
-            state.window_pages[state.forgotten : gone] = [self.window_padding_page] * (gone - state.forgotten)
             state.forgotten = gone
 
     def release(self, seq_id: int) -> None:

@@ -120,18 +120,20 @@ class ShardService(shard_pb2_grpc.ShardServicer):
 
     def Warmup(self, request, context):
         self._refuse_if_leaving(context)
-        info = self.info
-        pool_bytes = (request.num_pages + 1) * (info.kv_bytes_per_page - info.window_kv_bytes_per_page)
-        pool_bytes += (request.window_pages + 1) * info.window_kv_bytes_per_page
-        if request.num_pages < 1 or request.num_pages > info.max_pages and not request.window_pages:
+        info, pages, window_pages = self.info, request.num_pages, request.window_pages
+        if pages < 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_pages {pages}: at least one page")
+        if window_pages and not info.window:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a window pool for a model without sliding-window layers")
+        # the pools and their padding pages (without a window pool, every layer's pages in one)
+        per_page, windowed = info.kv_bytes_per_page, info.window_kv_bytes_per_page if window_pages else 0
+        pool_bytes = (pages + 1) * (per_page - windowed) + (window_pages + 1) * windowed
+        if pool_bytes > info.kv_budget_bytes:
             context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"num_pages {request.num_pages} outside [1, {info.max_pages}]"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{pages} pages and {window_pages} window pages take {pool_bytes} bytes, "
+                f"past the KV budget of {info.kv_budget_bytes}",
             )
-        if request.window_pages and (not info.window or pool_bytes > info.kv_budget_bytes):
-            why = (
-                "the model has no sliding-window layers" if not info.window else f"{pool_bytes} bytes exceed the budget"
-            )
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a window pool of {request.window_pages} pages: {why}")
         if self.streaming.is_set():
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a step stream is still open")
         if not 1 <= request.max_batch <= MAX_SEQUENCES:
@@ -139,10 +141,10 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, f"max_batch {request.max_batch} outside [1, {MAX_SEQUENCES}]"
             )
         try:  # allocating can fail (memory) and be retried; the group stays as it is
-            self.work.call(self.runner.allocate, request.num_pages, request.max_batch, request.window_pages)
+            self.work.call(self.runner.allocate, pages, request.max_batch, window_pages)
         except Exception as e:
             log.exception("allocating the KV pool failed")
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"allocating {request.num_pages} pages failed: {e!r}")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"allocating {pages} pages failed: {e!r}")
         try:
             prefill_ms_per_token = self.work.call(self._warm_up, request.max_batch)
         except Exception as e:  # inside the forward pass, as a failed step: the state is unknown

@@ -47,7 +47,6 @@ class Served:
     warmups: list[Warmup]
     head: ShardInfo  # the sampling shard's: the model as served
     num_pages: int
-    window_pages: int  # in the window pool (kv_pools.py; 0: none)
     layer_groups: int  # as the scheduler runs them: 1 where they do not apply
     eos_ids: frozenset[int]  # the shards' and the tokenizer's
 
@@ -125,16 +124,15 @@ class Replica:
             raise ShardError("the shards serve a different model: " + "; ".join(wrong))
         # A window pool frees what the window leaves behind as a prompt's chunks are computed:
         # with whole prompts (--chunk-size 0) a windowed model's are cut at the window.
-        chunk_size = config.chunk_size or head.window
-        step_tokens = max(chunk_size, config.spec_tokens + 2)  # a verification's, or a step's sent ahead
+        window_chunk = config.chunk_size or head.window
+        step_tokens = max(window_chunk, config.spec_tokens + 2)  # a verification's, or a step's sent ahead
         span = window_span(head.window, step_tokens, head.page_size) if head.window else 0
         context_pages = -(-head.context_length // head.page_size)
         sizes = pool_sizes(infos, config.max_batch, span, config.num_pages, context_pages)
         num_pages = sizes.pages
         if num_pages < 1 or sizes.window_pages and sizes.window_pages < span:
             raise ShardError(f"the shards have room for {num_pages} pages ({sizes}); raise --kv-memory-gb")
-        if not sizes.window_pages:
-            chunk_size = config.chunk_size
+        chunk_size = window_chunk if sizes.window_pages else config.chunk_size
         warmups = await self.shards.warmup(num_pages, config.max_batch, sizes.window_pages)
         buckets = {tuple(w.decode_graph_buckets) for w in warmups}
         if len(buckets) > 1:  # every shard opened its step stream: the next attempt must find them closed
@@ -174,9 +172,7 @@ class Replica:
             stages=head.pp_size,
             speculator=Speculator(config.speculative, config.spec_tokens, head.context_length),
         )
-        self.served = Served(
-            list(infos), list(warmups), head, num_pages, sizes.window_pages, scheduler.layer_groups, frozenset(eos)
-        )
+        self.served = Served(list(infos), list(warmups), head, num_pages, scheduler.layer_groups, frozenset(eos))
         self.engine = Engine(scheduler, self.shards, self.codec, head.context_length, self.observers)
         log.info(
             "serving %s: TP%d x PP%d, %d pages of %d tokens%s",
