@@ -29,6 +29,7 @@ ARCHITECTURES = {
     "olmo2": "olmo2",
     "phi3": "phi3",
     "gemma3_text": "gemma3",
+    "gpt_oss": "gpt-oss",
 }
 # Architectures whose Q/K rows the converter permutes: its LlamaModel and those built on it
 _PERMUTED = ("llama", "smollm3", "granite")
@@ -56,7 +57,10 @@ _LAYER = {
 # OLMo 2's norms follow its sublayers: its `post_attention_layernorm` is no MLP input norm
 _OLMO2_LAYER = {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 _GEMMA3_LAYER = _OLMO2_LAYER | {"pre_feedforward_layernorm": "ffn_norm"}  # and norms before them too
+# gpt-oss's MLP input norm under OLMo 2's name, its router as any mixture's
+_GPT_OSS_LAYER = {"post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
 _EXPERT_KINDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
 
@@ -71,7 +75,7 @@ def gguf_tensors(folder: Path) -> dict[str, np.ndarray]:
 
     raw = json.loads((folder / "config.json").read_text())
     arch = ARCHITECTURES[raw["model_type"]]
-    names = _LAYER | {"olmo2": _OLMO2_LAYER, "gemma3": _GEMMA3_LAYER}.get(arch, {})
+    names = _LAYER | {"olmo2": _OLMO2_LAYER, "gemma3": _GEMMA3_LAYER, "gpt-oss": _GPT_OSS_LAYER}.get(arch, {})
     heads, kv_heads = raw["num_attention_heads"], raw.get("num_key_value_heads", raw["num_attention_heads"])
     sd = {}
     for f in sorted(folder.glob("*.safetensors")):
@@ -84,6 +88,20 @@ def gguf_tensors(folder: Path) -> dict[str, np.ndarray]:
         if m := _EXPERT.fullmatch(name):
             layer, expert, kind = int(m[1]), int(m[2]), _EXPERT_KINDS[m[3]]
             experts.setdefault((layer, kind), {})[expert] = w
+            continue
+        if m := _FUSED_EXPERTS.fullmatch(name):  # gpt-oss's, x @ W, gate and up interleaved
+            layer, kind, bias = m[1], m[2], m[3]
+            at = f"blk.{layer}.ffn_{{}}_exps.{'bias' if bias else 'weight'}"
+            if kind == "down_proj":
+                out[at.format("down")] = w if bias else w.swapaxes(1, 2)
+            else:
+                gate, up = (
+                    (w[..., ::2], w[..., 1::2]) if bias else (w[..., ::2].swapaxes(1, 2), w[..., 1::2].swapaxes(1, 2))
+                )
+                out[at.format("gate")], out[at.format("up")] = gate, up
+            continue
+        if name.endswith("self_attn.sinks"):
+            out[name.replace("model.layers.", "blk.").replace("self_attn.sinks", "attn_sinks.weight")] = w
             continue
         if name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
             out[{"model.embed_tokens.weight": "token_embd", "lm_head.weight": "output"}.get(name, "output_norm")] = w
@@ -161,9 +179,11 @@ def _add_gemma3_keys(writer, raw: dict) -> None:
     writer.add_sliding_window(raw["sliding_window"])
 
 
-def write_gguf_of(folder: Path, path: Path) -> Path:
-    """`folder`'s checkpoint as an F32 GGUF at `path`."""
-    from gguf import GGUFWriter
+def write_gguf_of(folder: Path, path: Path, expert_type: str = "F32") -> Path:
+    """`folder`'s checkpoint as an F32 GGUF at `path`; its experts' weights MXFP4 where asked, as
+    llama.cpp's converter writes gpt-oss's (see `with_mxfp4_experts`)."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
 
     raw = json.loads((folder / "config.json").read_text())
     arch = ARCHITECTURES[raw["model_type"]]
@@ -187,8 +207,8 @@ def write_gguf_of(folder: Path, path: Path) -> Path:
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(raw["num_experts_per_tok"])
-        if "moe_intermediate_size" in raw:
-            writer.add_expert_feed_forward_length(raw["moe_intermediate_size"])
+        if "moe_intermediate_size" in raw or arch == "gpt-oss":
+            writer.add_expert_feed_forward_length(raw.get("moe_intermediate_size") or raw["intermediate_size"])
         if raw.get("shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(raw["shared_expert_intermediate_size"])
     for key, add in [
@@ -203,15 +223,49 @@ def write_gguf_of(folder: Path, path: Path) -> Path:
         _add_phi3_rotary(writer, raw, head_dim)
     if arch == "gemma3":
         _add_gemma3_keys(writer, raw)
+    if arch == "gpt-oss":
+        writer.add_sliding_window(raw["sliding_window"])
+    if rope.get("rope_type") == "yarn":  # the converter's TextModel
+        from gguf import RopeScalingType
+
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     if rope.get("rope_type") == "llama3":  # the converter's LlamaModel: the divisors as a tensor
         from shardline.shard.config import ModelConfig
 
         writer.add_tensor("rope_freqs.weight", np.array(ModelConfig.from_hf(folder).rope_factors, dtype=np.float32))
     add_smollm2_tokenizer(writer)
     for name, w in gguf_tensors(folder).items():
-        writer.add_tensor(name, np.ascontiguousarray(w))
+        if expert_type == "MXFP4" and re.fullmatch(r"blk\.\d+\.ffn_\w+_exps\.weight", name):
+            writer.add_tensor(name, quantize(w, GGMLQuantizationType.MXFP4), raw_dtype=GGMLQuantizationType.MXFP4)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(w))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def with_mxfp4_experts(folder: Path, out: Path) -> Path:
+    """A copy of gpt-oss's checkpoint `folder` at `out` whose experts' weights are rounded to MXFP4
+    along the rows a GGUF blocks them by (each expert's gate, up and down as the file holds them):
+    the weights an MXFP4 GGUF of it holds exactly, for transformers to be the reference of."""
+    import shutil
+
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize, quantize
+    from safetensors.numpy import load_file, save_file
+
+    def rounded(w: np.ndarray) -> np.ndarray:  # blocks of 32 along the last axis
+        return dequantize(quantize(np.ascontiguousarray(w, dtype=np.float32), T.MXFP4), T.MXFP4).reshape(w.shape)
+
+    shutil.copytree(folder, out)
+    sd = load_file(out / "model.safetensors")
+    for name in [n for n in sd if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        sd[name] = rounded(sd[name].swapaxes(1, 2)).swapaxes(1, 2).copy()  # x @ W: the file's rows are W's columns
+    save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+    return out

@@ -120,6 +120,30 @@ TINY_CONFIGS = {
         tie_word_embeddings=True,
         pad_token_id=None,
     ),
+    # gpt-oss: sliding layers of a 16-token window between full ones, sinks, biases everywhere,
+    # 8 experts of 32 units (clamped SwiGLU), 2 per token, and YaRN's frequencies (its correction
+    # range unrounded, as gpt-oss's own)
+    "gpt_oss": dict(
+        hidden_size=64,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=16,
+        rope_parameters=dict(
+            rope_type="yarn",
+            factor=8.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=256,  # of the tiny models' 2048 positions
+            rope_theta=10000.0,
+        ),
+        tie_word_embeddings=False,
+    ),
     # Mixtures of experts: 8 experts of 32 units (16 per TP rank), 2 per token; Qwen3-MoE with a
     # dense layer among its sparse ones, Qwen2-MoE with a shared expert and unnormalized weights.
     "qwen3_moe": dict(
@@ -196,6 +220,7 @@ def make_tiny_model(arch: str, path: Path, seed: int = 0, context: int = 2048) -
         "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[arch]
     tok = smollm2_tokenizer()
     config = cls[0](
@@ -214,6 +239,8 @@ def make_tiny_model(arch: str, path: Path, seed: int = 0, context: int = 2048) -
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 param.add_(torch.randn_like(param) * 0.3)
+            if arch == "gpt_oss" and name.endswith("experts.gate_up_proj"):  # past its SwiGLU's clamp of 7
+                param.mul_(4)
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return path

@@ -3,7 +3,9 @@ SmolLM3 (no rotary embedding in every 4th layer), Granite 3
 (embedding, residual, attention and logit multipliers), OLMo 2 (norms after each sublayer
 rather than before, q/k norms across all heads), Phi-3 (fused projections, a partial rotary
 embedding with LongRoPE's factors) and Gemma 3 (local sliding-window layers with their own rotary
-base, GELU, pre and post norms of 1 + w, scales, a logit cap); Mistral with a window.
+base, GELU, pre and post norms of 1 + w, scales, a logit cap); Mistral with a window; gpt-oss
+(sliding and full layers in turn, attention sinks, biases on every projection, experts' clamped
+SwiGLU, YaRN).
 
 Tiny random ones made with transformers' own classes, served from their Hugging Face folders and
 from GGUFs written as llama.cpp's converter writes them (harness/gguf_of.py; F32, the exact
@@ -37,7 +39,7 @@ pytestmark = pytest.mark.processes  # every test here starts processes
 @pytest.fixture(scope="module")
 def ggufs(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    archs = ("mistral", "smollm3", "granite", "olmo2", "phi3", "gemma3_text")
+    archs = ("mistral", "smollm3", "granite", "olmo2", "phi3", "gemma3_text", "gpt_oss")
     return {arch: write_gguf_of(tiny_models[arch], root / f"{arch}.gguf") for arch in archs}
 
 
@@ -168,6 +170,8 @@ def variants(tiny_models, tmp_path_factory):
         ("mistral-windowed", ["--pp", "2"]),
         ("llama31", ["--chunk-size", "7"]),
         ("llama31-gguf", ["--tp", "2"]),  # the divisors from the file's rope_freqs
+        ("gpt_oss", ["--tp", "2", "--chunk-size", "7"]),  # each rank's heads' sinks, rank 0's biases
+        ("gpt_oss-gguf", ["--pp", "2"]),  # YaRN's unrounded range, llama.cpp's clamp of 7
     ],
 )
 def test_position_dependent_features_score_every_position_as_transformers(tiny_models, variants, ggufs, arch, flags):
@@ -277,3 +281,62 @@ def test_gemma3s_local_layers_hold_only_their_windows_pages_and_their_prefix_is_
         assert held["shardline:kv_window_pages", "referenced"] == held["shardline:kv_window_pages", "reserved"] == 0
     finally:
         assert server.stop() == 0
+
+
+def test_gpt_oss_gguf_dequantized_holds_its_checkpoints_tensors(tiny_models, ggufs):
+    """The dequantized read of gpt-oss's GGUF (every expert's weights and biases split from the
+    file's stacked tensors, the sinks, the router's bias) gives exactly the tensors its checkpoint
+    gives once its fused experts are split (shard/weights.py), name for name."""
+    import torch
+    from safetensors.torch import load_file
+
+    from shardline.shard.weights import read_gguf, split_fused_experts
+
+    want = load_file(tiny_models["gpt_oss"] / "model.safetensors")
+    split_fused_experts(want)
+    _, got = read_gguf(resolve_model(str(ggufs["gpt_oss"])))
+    assert "model.layers.0.mlp.experts.7.down_proj.bias" in got and "model.layers.3.self_attn.sinks" in got
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_gpt_oss_mxfp4_experts_serve_exactly_the_values_the_file_holds(tiny_models, tmp_path):
+    """gpt-oss's experts as MXFP4 (as llama.cpp's converter writes them): read natively, each
+    expert's layers hold the values of its blocks (the 8-bit kernel's grid holds e2m1 values
+    times a power of two; its answers to unit rows round as its int8 activations' scale does),
+    and its biases beside them; read dequantized, every tensor is
+    the checkpoint's rounded to MXFP4 (harness/gguf_of.py's `with_mxfp4_experts`)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from harness.gguf_of import with_mxfp4_experts
+    from shardline.kernels.quantized import QuantizedLinear
+    from shardline.shard.gguf_loader import GgufLoader
+    from shardline.shard.layout import Layout
+    from shardline.shard.weights import read_gguf, split_fused_experts
+    from tests.test_gguf_loader import _close, _served
+
+    rounded = with_mxfp4_experts(tiny_models["gpt_oss"], tmp_path / "rounded")
+    path = write_gguf_of(rounded, tmp_path / "mxfp4.gguf", expert_type="MXFP4")
+    want = load_file(rounded / "model.safetensors")
+    split_fused_experts(want)
+    assert not torch.equal(
+        want["model.layers.0.mlp.experts.0.up_proj.weight"],
+        load_file(tiny_models["gpt_oss"] / "model.safetensors")["model.layers.0.mlp.experts.gate_up_proj"][
+            0, :, 1::2
+        ].T,
+    )
+    source = resolve_model(str(path))
+    _, dequantized = read_gguf(source)
+    assert all(torch.equal(dequantized[name], want[name]) for name in want)
+    model = GgufLoader(describe(source), Layout(), torch.float32, dense_copy=False).load()
+    for i, block in enumerate(model.layers):
+        for e, expert in enumerate(block.mlp.experts):
+            x = f"model.layers.{i}.mlp.experts.{e}."
+            assert isinstance(expert.w13, QuantizedLinear) and expert.w13.bits == 8
+            gate_up = torch.cat([want[x + "gate_proj.weight"], want[x + "up_proj.weight"]])
+            bias = torch.cat([want[x + "gate_proj.bias"], want[x + "up_proj.bias"]])
+            assert _close(_served(expert.w13), gate_up) and torch.equal(expert.w13.bias, bias), (i, e)
+            assert _close(_served(expert.w2), want[x + "down_proj.weight"])
+            assert torch.equal(expert.w2.bias, want[x + "down_proj.bias"])

@@ -145,7 +145,8 @@ ONE_SCALE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # the gguf package quantiz
 
 
 @pytest.mark.parametrize(
-    "kind, written_by", [(k, "gguf") for k in ONE_SCALE] + [(k, "random") for k in [*ONE_SCALE, "Q4_K", "Q5_K"]]
+    "kind, written_by",
+    [(k, "gguf") for k in [*ONE_SCALE, "MXFP4"]] + [(k, "random") for k in [*ONE_SCALE, "Q4_K", "Q5_K"]],
 )
 def test_blocks_become_the_groups_the_gguf_package_dequantizes_them_to(kind, written_by):
     rng = np.random.default_rng(1)
@@ -157,7 +158,7 @@ def test_blocks_become_the_groups_the_gguf_package_dequantizes_them_to(kind, wri
     codes, scale, lo = groups_of(kind, raw)
     want = dequantize(raw, GGMLQuantizationType[kind]).reshape(16, k)
     assert torch.equal(grid_weights(codes.double(), scale.double(), lo.double()), torch.from_numpy(want).double())
-    assert codes.min() >= 0 and codes.max() <= {"Q4": 15, "Q5": 31, "Q8": 254}[kind[:2]]
+    assert codes.min() >= 0 and codes.max() <= {"Q4": 15, "Q5": 31, "Q8": 254, "MX": 254}[kind[:2]]
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])

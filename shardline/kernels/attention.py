@@ -6,6 +6,11 @@ rounded to it as they are written, and cached K/V widened back as they are read.
 A sliding-window layer (`window` > 0: Gemma 3's local layers, Mistral's) lets a query at position
 p see the keys at p - window + 1 .. p only, as transformers masks them (q - k < window).
 
+An attention sink (gpt-oss's: a learned logit per head, `sinks`) is one more term in each
+softmax's denominator that adds no value: a head's output is the plain one scaled by
+sum(exp(scores)) / (sum(exp(scores)) + exp(sink)), that is by sigmoid(lse - sink), where lse is
+the log-sum-exp of the scores that every path here already keeps to merge its blocks.
+
 The portable path is plain torch (runs on CPU and CUDA). On CUDA with flash-attn installed, the
 paged-KV entry points of flash-attn are used instead. A slot is `page * page_size + offset`.
 """
@@ -98,22 +103,30 @@ def paged_attention(
     batch: AttentionBatch,
     scale: float,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] of this step's tokens -> [T, heads, head_dim].
 
     Writes k/v into the pages first, then attends each query over its sequence's cached context
-    (its last `window` positions, where that is not 0).
+    (its last `window` positions, where that is not 0), each head's softmax beside its sink
+    (`sinks` [heads]), where there are sinks.
     """
     if batch.opaque:
         return decode_attention(
-            q, k, v, k_pages, v_pages, batch.slots, batch.block_tables, batch.context_lens, scale, window
+            q, k, v, k_pages, v_pages, batch.slots, batch.block_tables, batch.context_lens, scale, window, sinks
         )
     write_kv(k_pages, v_pages, k, v, batch.slots)
     if uses_flash(q.device, q.dtype, k_pages.shape[1], k_pages.dtype):
-        return _flash(q, k_pages, v_pages, batch, scale, window)
+        return _flash(q, k_pages, v_pages, batch, scale, window, sinks)
     if batch.is_decode:
-        return _decode_torch(q, k_pages, v_pages, batch, scale, window)
-    return _prefill_torch(q, k, v, k_pages, v_pages, batch, scale, window)
+        return _decode_torch(q, k_pages, v_pages, batch, scale, window, sinks)
+    return _prefill_torch(q, k, v, k_pages, v_pages, batch, scale, window, sinks)
+
+
+def _sunk(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """out [..., d] with its log-sum-exp [...], scaled as the sinks (broadcast to lse's shape)
+    make it (module docstring)."""
+    return out * torch.sigmoid(lse.float() - sinks.float())[..., None].to(out.dtype)
 
 
 # Decode attends in blocks of this many context tokens: a batch's temporary K/V copies are at
@@ -194,7 +207,7 @@ def _decode_blocks(batch: AttentionBatch, page_size: int, dtype: torch.dtype, wi
     return blocks
 
 
-def _decode_torch(q, k_pages, v_pages, batch: AttentionBatch, scale, window: int = 0):
+def _decode_torch(q, k_pages, v_pages, batch: AttentionBatch, scale, window: int = 0, sinks=None):
     """Split-KV decode: the context is read in blocks of DECODE_BLOCK_TOKENS, each block only for
     the sequences that reach into it (with a window: whose window does), and the blocks' partial
     results are merged by their log-sum-exp (as flash-decoding does). A batch of short sequences
@@ -222,10 +235,12 @@ def _decode_torch(q, k_pages, v_pages, batch: AttentionBatch, scale, window: int
             out, lse = _merge(out, lse, o, o_lse)
         else:
             out[rows], lse[rows] = _merge(out[rows], lse[rows], o, o_lse)
+    if sinks is not None:  # [B, kv_heads, group, d]: the sinks of a KV head's q heads as rows
+        out = _sunk(out, lse, sinks.view(kv_heads, heads // kv_heads))
     return out.to(q.dtype).reshape(bsz, heads, head_dim)
 
 
-def _prefill_torch(q, k_new, v_new, k_pages, v_pages, batch: AttentionBatch, scale, window: int = 0):
+def _prefill_torch(q, k_new, v_new, k_pages, v_pages, batch: AttentionBatch, scale, window: int = 0, sinks=None):
     """Per sequence: causal attention over its new tokens and, for a chunk after the first, plain
     attention over its cached context, merged by log-sum-exp. Neither needs a mask, so both run
     in torch's fused kernel (on 4-D inputs; 3-D ones take a slow path) in O(tokens) memory. A
@@ -237,9 +252,13 @@ def _prefill_torch(q, k_new, v_new, k_pages, v_pages, batch: AttentionBatch, sca
     for n, start, table in zip(batch.query_lens, batch.start_positions, batch.block_tables_list):
         qs, ks, vs = (t[offset : offset + n].transpose(0, 1)[None] for t in (q, k_new, v_new))
         if window and start + n > window:
-            out = _windowed(qs, ks, vs, k_pages, v_pages, table, start, window, scale)
-        elif start == 0:
+            out, lse = _windowed(qs, ks, vs, k_pages, v_pages, table, start, window, scale)
+        elif start == 0 and sinks is None:
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)[0]
+        elif start == 0:  # the same, with the log-sum-exp the sinks need
+            group = qs.shape[1] // kv_heads
+            out, lse = _attend(qs, ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1), scale, causal=True)
+            out, lse = out[0], lse[0]
         else:
             heads = qs.shape[1]
             group = heads // kv_heads
@@ -251,8 +270,10 @@ def _prefill_torch(q, k_new, v_new, k_pages, v_pages, batch: AttentionBatch, sca
             o, o_lse = _attend(
                 q_kv, _gathered(k_pages, table, start, q.dtype), _gathered(v_pages, table, start, q.dtype), scale
             )
-            out, _ = _merge(out[0].float(), lse[0].float(), o.reshape(heads, n, head_dim), o_lse.reshape(heads, n))
+            out, lse = _merge(out[0].float(), lse[0].float(), o.reshape(heads, n, head_dim), o_lse.reshape(heads, n))
             out = out.to(q.dtype)
+        if sinks is not None:  # out [heads, n, d]
+            out = _sunk(out, lse, sinks[:, None])
         outs.append(out.transpose(0, 1))
         offset += n
     return torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -260,7 +281,8 @@ def _prefill_torch(q, k_new, v_new, k_pages, v_pages, batch: AttentionBatch, sca
 
 def _windowed(qs, ks, vs, k_pages, v_pages, table, start: int, window: int, scale):
     """One chunk's attention within its window: its new tokens' keys and the cached ones the
-    first of them still sees, under a mask of what each token sees (q - k < window, k <= q)."""
+    first of them still sees, under a mask of what each token sees (q - k < window, k <= q).
+    Returns (out [heads, n, d], log-sum-exp [heads, n])."""
     n, heads = qs.shape[2], qs.shape[1]
     group = heads // k_pages.shape[2]
     lo = max(0, start - window + 1)  # the first position any of the tokens sees
@@ -271,36 +293,34 @@ def _windowed(qs, ks, vs, k_pages, v_pages, table, start: int, window: int, scal
     k_pos = torch.arange(lo, start + n, device=qs.device)[None, :]
     seen = (k_pos <= q_pos) & (q_pos - k_pos < window)
     bias = torch.zeros(seen.shape, dtype=qs.dtype, device=qs.device).masked_fill_(~seen, float("-inf"))
-    out, _ = _attend(qs, ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1), scale, bias)
-    return out[0]
+    out, lse = _attend(qs, ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1), scale, bias)
+    return out[0], lse[0]
 
 
-def _flash(q, k_pages, v_pages, batch: AttentionBatch, scale, window: int = 0):  # pragma: no cover - CUDA only
-    if batch.is_decode:
+def _flash(q, k_pages, v_pages, batch: AttentionBatch, scale, window=0, sinks=None):  # pragma: no cover - CUDA only
+    def attend(q, seqlens, tables):  # q [B, n, heads, d] -> the same
         out = flash_attn_with_kvcache(
-            q.unsqueeze(1),
+            q,
             k_pages,
             v_pages,
-            cache_seqlens=batch.context_lens.to(torch.int32),
-            block_table=batch.block_tables.to(torch.int32),
+            cache_seqlens=seqlens.to(torch.int32),
+            block_table=tables.to(torch.int32),
             softmax_scale=scale,
             causal=True,
             window_size=(window - 1 if window else -1, 0 if window else -1),
+            return_softmax_lse=sinks is not None,
         )
-        return out.squeeze(1)
+        if sinks is None:
+            return out
+        out, lse = out  # lse [B, heads, n]
+        return _sunk(out, lse.transpose(1, 2), sinks)
+
+    if batch.is_decode:
+        return attend(q.unsqueeze(1), batch.context_lens, batch.block_tables).squeeze(1)
     outs, offset = [], 0
     for n, start, table in zip(batch.query_lens, batch.start_positions, batch.block_tables_list):
-        out = flash_attn_with_kvcache(
-            q[offset : offset + n].unsqueeze(0),
-            k_pages,
-            v_pages,
-            cache_seqlens=torch.tensor([start + n], dtype=torch.int32, device=q.device),
-            block_table=table[None].to(torch.int32),
-            softmax_scale=scale,
-            causal=True,
-            window_size=(window - 1 if window else -1, 0 if window else -1),
-        )
-        outs.append(out.squeeze(0))
+        seqlens = torch.tensor([start + n], device=q.device)
+        outs.append(attend(q[offset : offset + n].unsqueeze(0), seqlens, table[None]).squeeze(0))
         offset += n
     return torch.cat(outs)
 
@@ -323,11 +343,12 @@ def decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     window: int,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     batch = AttentionBatch(slots=slots, is_decode=True, block_tables=block_tables, context_lens=context_lens)
-    return paged_attention(q, k, v, k_pages, v_pages, batch, scale, window)
+    return paged_attention(q, k, v, k_pages, v_pages, batch, scale, window, sinks)
 
 
 @decode_attention.register_fake
-def _(q, k, v, k_pages, v_pages, slots, block_tables, context_lens, scale, window):
+def _(q, k, v, k_pages, v_pages, slots, block_tables, context_lens, scale, window, sinks):
     return torch.empty_like(q)

@@ -9,7 +9,10 @@ straight from a tensor's bytes: no fp32 weights, and no grid to recover.
 - Q8_0: d * q, q in -127..127 (llama.cpp's quantizer never writes -128): scale d, lo -127d,
   8-bit codes q + 127;
 - Q5_0, Q5_1, Q5_K: as Q4_0, Q4_1 and Q4_K with a fifth bit per code (codes 0..31, so served by
-  the 8-bit kernel: exactly, where a 4-bit grid cannot hold them).
+  the 8-bit kernel: exactly, where a 4-bit grid cannot hold them);
+- MXFP4 (gpt-oss's experts): a shared power of two 2^(e - 128) times e2m1 values doubled, which
+  are the integers -12..12 of a 4-bit code's table: scale 2^(e - 128), lo -127 times it, 8-bit
+  codes value + 127 as Q8_0's (exactly; twice the bits of the file's).
 
 Q6_K has no such grid (its scales are per 16 weights, two to a group of 32): the 6-bit kernel
 holds its blocks as they are (kernels/int6_linear.cpp, `q6_k_pack`), exactly too; Q4_K's the
@@ -24,9 +27,14 @@ import numpy as np
 import torch
 
 GROUP = 32
-BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8}
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q5_K": 176}
-BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q8_0": 32, "Q5_0": 32, "Q5_1": 32, "Q5_K": 256, "Q6_K": 256}
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8, "MXFP4": 8}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q5_K": 176, "MXFP4": 17}
+BLOCK_WEIGHTS = {
+    **{"Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q8_0": 32, "Q5_0": 32, "Q5_1": 32, "Q5_K": 256, "Q6_K": 256},
+    "MXFP4": 32,
+}
+# MXFP4's 4-bit codes -> their e2m1 values doubled (gguf's and llama.cpp's table)
+_E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int16)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -59,6 +67,10 @@ def groups_of(kind: str, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, 
     elif kind == "Q8_0":
         d = _f16(b[..., 0:2])
         codes, scale, lo = b[..., 2:34].view(np.int8).astype(np.int16) + 127, d, -127 * d
+    elif kind == "MXFP4":
+        # e8m0's 2^(e - 127), halved as the values are doubled (llama.cpp's ggml_e8m0_to_fp32_half)
+        d = np.ldexp(np.float32(1), b[..., 0].astype(np.int32) - 128).astype(np.float32)
+        codes, scale, lo = _E2M1_DOUBLED[_nibbles(b[..., 1:17])] + 127, d, -127 * d
     elif kind == "Q5_0":
         d = _f16(b[..., 0:2])
         codes, scale, lo = _nibbles(b[..., 6:22]) | _fifth_bits(b[..., 2:6]), d, -16 * d

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from shardline.common.gguf_header import GgufHeader
+from shardline.shard.rope_scaling import rotary_from_gguf, rotary_from_hf
 
 
 @dataclass
@@ -18,7 +18,8 @@ class ModelConfig:
     (no rotary embedding in `nope_layers`), Granite 3 (the four scales) and OLMo 2 (norms after
     each sublayer rather than before, q/k norms across all heads), Phi-3/Phi-4-mini (fused
     projections in its files; a partial rotary embedding with LongRoPE's per-frequency factors)
-    and Gemma 3 (local sliding-window layers, GELU, norms before and after each sublayer).
+    and Gemma 3 (local sliding-window layers, GELU, norms before and after each sublayer); gpt-oss
+    (sliding layers in turn with full ones, attention sinks, biases, clamped SwiGLU experts, YaRN).
 
     A mixture's layers are sparse (`num_experts` MLPs of `expert_intermediate_size`, a token's
     `experts_per_token` picked by a router) but for `dense_layers` (an MLP of `intermediate_size`)."""
@@ -75,9 +76,18 @@ class ModelConfig:
     # Gemma's: GELU (tanh approximation) in the MLP, norms that scale by 1 + w (`norm_offset`,
     # added to a checkpoint's norm weights at load; llama.cpp's converter adds it to a GGUF's),
     # and a soft cap on the logits (cap * tanh(logits / cap); 0: none).
-    mlp_activation: str = "silu"  # silu | gelu_tanh
+    mlp_activation: str = "silu"  # silu | gelu_tanh | clamped_swiglu
     norm_offset: float = 0.0
     final_logit_softcap: float = 0.0
+    # gpt-oss's: a bias on attention's output projection (Llama's too where `attention_bias`), a
+    # learned logit per head in each softmax's denominator (an attention sink), biases on the
+    # router and every expert's projections, and its experts' clamped SwiGLU (gate at most
+    # `activation_limit`, up within it: (up + 1) * gate * sigmoid(activation_alpha * gate)).
+    output_bias: bool = False
+    attention_sinks: bool = False
+    expert_bias: bool = False
+    activation_limit: float = 0.0
+    activation_alpha: float = 1.0
 
     def is_sparse(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -128,6 +138,7 @@ class ModelConfig:
             max_position=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             qkv_bias=arch in ("qwen2", "qwen2_moe") or raw.get("attention_bias", False),
+            output_bias=raw.get("attention_bias", False),
             qk_norm=arch in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text"),
             eos_token_ids=eos,
             name=raw.get("_name_or_path") or path.name,
@@ -135,7 +146,7 @@ class ModelConfig:
             experts_per_token=raw.get("num_experts_per_tok", 0) if experts else 0,
             expert_intermediate_size=(raw.get("moe_intermediate_size") or raw["intermediate_size"]) if experts else 0,
             shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0) if experts else 0,
-            norm_topk_prob=raw.get("norm_topk_prob", arch == "mixtral"),
+            norm_topk_prob=raw.get("norm_topk_prob", arch in ("mixtral", "gpt_oss")),
             dense_layers=dense if experts else [],
             nope_layers=[i for i in range(layers) if not rotates[i]],
             qk_norm_across_heads=arch == "olmo2",
@@ -146,15 +157,16 @@ class ModelConfig:
             attention_scale=raw.get("attention_multiplier", 0.0),
             logit_scale=raw.get("logits_scaling", 1.0),
         )
-        fields |= _rotary_from_hf(raw, rope, head_dim) | _windows_from_hf(raw, arch, layers, local_rope)
-        return cls(**fields | (_gemma_from_hf(raw) if arch == "gemma3_text" else {}))
+        fields |= rotary_from_hf(raw, rope, head_dim) | _windows_from_hf(raw, arch, layers, local_rope)
+        family = _gemma_from_hf(raw) if arch == "gemma3_text" else _gpt_oss_from_hf(raw) if arch == "gpt_oss" else {}
+        return cls(**fields | family)
 
     @classmethod
     def from_gguf(cls, header: GgufHeader, name: str) -> ModelConfig:
         field_value = header.get
         arch = field_value("general.architecture")
         window = field_value(f"{arch}.attention.sliding_window")
-        if window and window < field_value(f"{arch}.context_length", 4096) and arch != "gemma3":
+        if window and window < field_value(f"{arch}.context_length", 4096) and arch not in ("gemma3", "gpt-oss"):
             raise ValueError(f"sliding-window attention ({window} tokens) is not served yet")
         tensors = {t.name for t in header.tensors}
         hidden = field_value(f"{arch}.embedding_length")
@@ -176,6 +188,9 @@ class ModelConfig:
             max_position=field_value(f"{arch}.context_length", 4096),
             tie_word_embeddings="output.weight" not in tensors,
             qkv_bias="blk.0.attn_q.bias" in tensors,
+            output_bias="blk.0.attn_output.bias" in tensors,
+            attention_sinks="blk.0.attn_sinks.weight" in tensors,
+            expert_bias="blk.0.ffn_gate_inp.bias" in tensors,
             qk_norm="blk.0.attn_q_norm.weight" in tensors,
             eos_token_ids=[] if eos is None else [int(eos)],
             name=name,
@@ -195,13 +210,20 @@ class ModelConfig:
             nope_layers=[i for i in range(layers) if (i + 1) % 4 == 0] if arch == "smollm3" else [],
             qk_norm_across_heads=arch == "olmo2",
             pre_norms="blk.0.attn_norm.weight" in tensors,
-            post_norms="blk.0.post_attention_norm.weight" in tensors,
+            post_norms="blk.0.post_ffw_norm.weight" in tensors,  # gpt-oss's post_attention_norm is the MLP's input's
             embedding_scale=float(field_value(f"{arch}.embedding_scale", 1.0)),
             residual_scale=float(field_value(f"{arch}.residual_scale", 1.0)),
             attention_scale=float(field_value(f"{arch}.attention.scale", 0.0)),
             logit_scale=float(field_value(f"{arch}.logit_scale", 1.0)),
-        ) | _rotary_from_gguf(header, arch)
-        return cls(**fields | (_gemma_from_gguf(header, arch) if arch == "gemma3" else {}))
+        ) | rotary_from_gguf(header, arch)
+        family = (
+            _gemma_from_gguf(header, arch)
+            if arch == "gemma3"
+            else _gpt_oss_from_gguf(header)
+            if arch == "gpt-oss"
+            else {}
+        )
+        return cls(**fields | family)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -211,94 +233,19 @@ class ModelConfig:
         return cls(**json.loads(text))
 
 
-def _rotary_from_hf(raw: dict, rope: dict, head_dim: int) -> dict:
-    """The rotary fields from a config.json: plain, or LongRoPE's (Phi-3's "longrope", once "su").
-    LongRoPE's factors are short below `original_max_position_embeddings` and long from there on,
-    position by position: transformers' generation, which switches to the long factors once the
-    sequence outgrows that length, gives these tables to every prompt within it and to every
-    token generated past it (a longer prompt it turns with the long factors throughout)."""
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "linear", "llama3", "longrope", "su"):
-        raise ValueError(f"rope scaling {rope} is not supported")
-    partial = rope.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0
-    fields = dict(rotary_dim=int(head_dim * partial) if partial != 1 else 0)
-    if kind == "default":
-        return fields
-    if kind == "linear":
-        return fields | dict(rope_scale=float(rope["factor"]))
-    if kind == "llama3":
-        theta = float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0))
-        return fields | dict(rope_factors=_llama3_factors(rope, head_dim, theta))
-    original = rope.get("original_max_position_embeddings") or raw["original_max_position_embeddings"]
-    factor = rope.get("factor") or raw["max_position_embeddings"] / original
-    attention = rope.get("attention_factor")
-    if attention is None:  # the paper's, as transformers computes it
-        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
-    return fields | dict(
-        rope_factors=list(rope["short_factor"]),
-        rope_long_factors=list(rope["long_factor"]),
-        rope_long_from=original,
-        rope_attention_factor=attention,
-    )
-
-
-def _llama3_factors(rope: dict, head_dim: int, theta: float) -> list[float]:
-    """Llama 3.1's rope scaling as per-frequency divisors (what llama.cpp's converter writes as
-    `rope_freqs`): wavelengths shorter than the original context / high_freq_factor keep their
-    frequency, those longer than it / low_freq_factor divide it by `factor`, those between
-    blend the two as transformers' "llama3" rope does."""
-    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
-    old = rope.get("original_max_position_embeddings", 8192)
-    factors = []
-    for i in range(0, head_dim, 2):
-        wavelen = 2 * math.pi * theta ** (i / head_dim)
-        if wavelen < old / high:
-            factors.append(1.0)
-        elif wavelen > old / low:
-            factors.append(float(factor))
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            factors.append(1 / ((1 - smooth) / factor + smooth))
-    return factors
-
-
-def _rotary_from_gguf(header: GgufHeader, arch: str) -> dict:
-    """The rotary fields as llama.cpp's converter writes them: a dimension count where not all
-    of a head turns, LongRoPE's factors as two F32 tensors and its attention factor as a key."""
-    head_dim = header.get(f"{arch}.attention.key_length") or (
-        header.get(f"{arch}.embedding_length") // header.get(f"{arch}.attention.head_count")
-    )
-    rotary_dim = header.get(f"{arch}.rope.dimension_count", head_dim)
-    fields = dict(rotary_dim=rotary_dim if rotary_dim != head_dim else 0)
-    scaling = header.get(f"{arch}.rope.scaling.type", "none")
-    if scaling == "linear":
-        fields["rope_scale"] = float(header.get(f"{arch}.rope.scaling.factor", 1.0))
-    elif scaling != "none":
-        raise ValueError(f"rope scaling {scaling!r} is not supported")
-    if divisors := header.floats("rope_freqs.weight"):  # Llama 3.1's scaling, per frequency
-        fields["rope_factors"] = divisors
-    short, long = header.floats("rope_factors_short.weight"), header.floats("rope_factors_long.weight")
-    if long is None:
-        return fields
-    return fields | dict(
-        rope_factors=short or [1.0] * len(long),
-        rope_long_factors=long,
-        rope_long_from=header.get(f"{arch}.rope.scaling.original_context_length"),
-        rope_attention_factor=float(header.get(f"{arch}.rope.scaling.attn_factor", 1.0)),
-    )
-
-
 def _windows_from_hf(raw: dict, arch: str, layers: int, local_rope: dict) -> dict:
     """The sliding-window fields: Gemma 3's local layers (`layer_types`, or every layer but each
     `sliding_window_pattern`th), or every layer of a Mistral or Phi-3 whose config sets a window
     (unless it turns it off). A window as long as the context leaves no key out: none."""
     context = raw.get("max_position_embeddings", 4096)
-    if arch == "gemma3_text":
+    if arch in ("gemma3_text", "gpt_oss"):
         pattern = raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6
         types = raw.get("layer_types") or [
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
         ]
         window, sliding = raw["sliding_window"], [i for i, t in enumerate(types) if t == "sliding_attention"]
+        if arch == "gpt_oss":  # its local layers turn by the global tables
+            return dict(sliding_window=window, sliding_layers=sliding)
         local_theta = local_rope.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0
         return dict(sliding_window=window, sliding_layers=sliding, local_rope_theta=float(local_theta))
     window = raw.get("sliding_window") if raw.get("use_sliding_window", arch in ("mistral", "phi3")) else None
@@ -321,6 +268,30 @@ def _gemma_from_hf(raw: dict) -> dict:
         mlp_activation="gelu_tanh",
         norm_offset=1.0,
         final_logit_softcap=raw.get("final_logit_softcapping") or 0.0,
+    )
+
+
+def _gpt_oss_from_hf(raw: dict) -> dict:
+    """gpt-oss's sinks, expert biases and clamped SwiGLU."""
+    return dict(
+        attention_sinks=True,
+        expert_bias=True,
+        mlp_activation="clamped_swiglu",
+        activation_limit=float(raw.get("swiglu_limit", 7.0)),
+        activation_alpha=float(raw.get("swiglu_alpha", 1.702)),
+    )
+
+
+def _gpt_oss_from_gguf(header: GgufHeader) -> dict:
+    """gpt-oss as llama.cpp reads it: every other layer local, from the first; its SwiGLU's clamp
+    and slope are llama.cpp's constants (the file holds neither)."""
+    layers = header.get("gpt-oss.block_count")
+    return dict(
+        sliding_window=header.get("gpt-oss.attention.sliding_window"),
+        sliding_layers=list(range(0, layers, 2)),
+        mlp_activation="clamped_swiglu",
+        activation_limit=7.0,
+        activation_alpha=1.702,
     )
 
 

@@ -1,5 +1,6 @@
 """A Llama-family decoder as a plain torch module (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, SmolLM3,
-Granite 3, OLMo 2, Phi-3, Gemma 3, and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE).
+Granite 3, OLMo 2, Phi-3, Gemma 3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and
+gpt-oss).
 
 The forward pass takes a flat batch of tokens from any number of sequences; where their K/V lives
 is described by an `AttentionBatch`. It returns hidden states: the caller picks the positions it
@@ -127,7 +128,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.wqkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.wo = nn.Linear(q_size, cfg.hidden_size, bias=cfg.output_bias)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if cfg.attention_sinks else None
         # per head (Qwen3), or across all of q's heads and all of k's (OLMo 2)
         self.qk_norm_across_heads = cfg.qk_norm_across_heads
         q_width, k_width = (q_size, kv_size) if cfg.qk_norm_across_heads else (self.head_dim, self.head_dim)
@@ -150,23 +152,36 @@ class Attention(nn.Module):
         if self.rotates:  # q and k rotate as one tensor: one set of operators per layer instead of two
             qk = Rotary.apply(qk, cos_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = paged_attention(q, k, v, k_pages, v_pages, batch, self.scale, self.window)
+        out = paged_attention(q, k, v, k_pages, v_pages, batch, self.scale, self.window, self.sinks)
         return self.wo(out.reshape(-1, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    """w2(act(gate) * up), act SiLU or (Gemma's) GELU's tanh approximation."""
+    """w2(act(gate) * up), act SiLU or (Gemma's) GELU's tanh approximation; or gpt-oss's clamped
+    SwiGLU, (up + 1) * gate * sigmoid(alpha * gate) with gate and up clamped to `limit`."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu"):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str = "silu",
+        bias: bool = False,
+        limit: float = 0.0,
+        alpha: float = 1.0,
+    ):
         super().__init__()
-        self.w13 = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.activation = activation
+        self.w13 = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.activation, self.limit, self.alpha = activation, limit, alpha
 
     def forward(self, x):
         gate, up = self.w13(x).chunk(2, dim=-1)
-        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
-        return self.w2(act * up)
+        if self.activation == "silu":
+            return self.w2(F.silu(gate) * up)
+        if self.activation == "gelu_tanh":
+            return self.w2(F.gelu(gate, approximate="tanh") * up)
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return self.w2((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
 
 
 class MoE(nn.Module):
@@ -182,8 +197,13 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.experts_per_token, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.expert_intermediate_size) for _ in range(cfg.num_experts))
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.expert_bias)
+        expert = dict(
+            activation=cfg.mlp_activation, bias=cfg.expert_bias, limit=cfg.activation_limit, alpha=cfg.activation_alpha
+        )
+        self.experts = nn.ModuleList(
+            MLP(cfg.hidden_size, cfg.expert_intermediate_size, **expert) for _ in range(cfg.num_experts)
+        )
         shared = cfg.shared_expert_intermediate_size
         self.shared = MLP(cfg.hidden_size, shared) if shared else None
         self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared else None

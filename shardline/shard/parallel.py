@@ -90,12 +90,22 @@ def mlp_units(size: int, layout: Layout) -> range:
     return layer_range(size, layout.tp_rank, layout.tp)
 
 
-def _split_mlp(mlp: MLP, units: range) -> None:
+def _summed_once(bias: torch.Tensor, layout: Layout) -> nn.Parameter:
+    """A row-parallel layer's bias, which the all-reduce of its ranks' outputs adds once: rank 0's."""
+    return nn.Parameter(bias.clone() if layout.tp_rank == 0 else torch.zeros_like(bias), requires_grad=False)
+
+
+def _split_mlp(mlp: MLP, units: range, layout: Layout) -> None:
     inter = mlp.w2.weight.shape[1]
-    gate = _rows(mlp.w13.weight, units.start, len(units))
-    up = _rows(mlp.w13.weight, inter + units.start, len(units))
-    mlp.w13.weight = nn.Parameter(torch.cat([gate, up]), requires_grad=False)
+
+    def gate_up(t: torch.Tensor) -> nn.Parameter:
+        gate, up = _rows(t, units.start, len(units)), _rows(t, inter + units.start, len(units))
+        return nn.Parameter(torch.cat([gate, up]), requires_grad=False)
+
+    mlp.w13.weight = gate_up(mlp.w13.weight)
     mlp.w2.weight = nn.Parameter(_cols(mlp.w2.weight, units.start, len(units)), requires_grad=False)
+    if mlp.w13.bias is not None:  # gpt-oss's experts'
+        mlp.w13.bias, mlp.w2.bias = gate_up(mlp.w13.bias), _summed_once(mlp.w2.bias, layout)
 
 
 def slice_tensor_parallel(model: Transformer, layout: Layout) -> None:
@@ -132,13 +142,17 @@ def slice_tensor_parallel(model: Transformer, layout: Layout) -> None:
         if attn.wqkv.bias is not None:
             attn.wqkv.bias = nn.Parameter(split_qkv(attn.wqkv.bias), requires_grad=False)
         attn.wo.weight = nn.Parameter(_cols(attn.wo.weight, q_heads.start * hd, len(q_heads) * hd), requires_grad=False)
+        if attn.wo.bias is not None:
+            attn.wo.bias = _summed_once(attn.wo.bias, layout)
+        if attn.sinks is not None:
+            attn.sinks = nn.Parameter(_rows(attn.sinks, q_heads.start, len(q_heads)), requires_grad=False)
         if isinstance(mlp, MoE):
             for expert in mlp.experts:
-                _split_mlp(expert, mlp_units(cfg.expert_intermediate_size, layout))
+                _split_mlp(expert, mlp_units(cfg.expert_intermediate_size, layout), layout)
             if mlp.shared is not None:
-                _split_mlp(mlp.shared, mlp_units(cfg.shared_expert_intermediate_size, layout))
+                _split_mlp(mlp.shared, mlp_units(cfg.shared_expert_intermediate_size, layout), layout)
         else:
-            _split_mlp(mlp, units)
+            _split_mlp(mlp, units, layout)
 
 
 def connect_tensor_parallel(model: Transformer, layout: Layout, group) -> None:

@@ -30,7 +30,7 @@ from shardline.common.model_source import ModelSource
 from shardline.kernels import gguf_groups, grid, native, operands, quantized, stacked
 from shardline.kernels.quantized import QuantizedEmbedding, QuantizedLinear, TiedEmbedding
 from shardline.kernels.stacked import StackedLinear
-from shardline.shard import gguf_loader
+from shardline.shard import gguf_loader, gguf_parts
 from shardline.shard.config import ModelConfig
 from shardline.shard.layout import Layout
 from shardline.shard.model import RMSNorm, Transformer, uninitialized
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 # What makes the kept weights what they are, besides the file and the flags: a change to any of
 # these sources starts a new file (as a change to the kernels' starts a new build of them).
-MAKERS = [gguf_loader, gguf_groups, quantized, stacked, operands, grid, sys.modules[__name__]]
+MAKERS = [gguf_loader, gguf_parts, gguf_groups, quantized, stacked, operands, grid, sys.modules[__name__]]
 
 
 def path_for(source: ModelSource, layout: Layout, dtype: torch.dtype, dense_copy: bool) -> Path:

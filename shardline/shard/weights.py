@@ -57,9 +57,17 @@ def hf_name(gguf_name: str, expert: int | None = None) -> str:
     if gguf_name in _GGUF_NAMES:
         return _GGUF_NAMES[gguf_name]
     _, layer, part, kind = gguf_name.split(".")
+    if part == "attn_sinks":  # gpt-oss's, a parameter of its own in the checkpoint
+        return f"model.layers.{layer}.self_attn.sinks"
     if part in _GGUF_EXPERTS:
         return f"model.layers.{layer}.mlp.experts.{expert}.{_GGUF_EXPERTS[part]}.{kind}"
     return f"model.layers.{layer}.{_GGUF_BLOCK_NAMES[part]}.{kind}"
+
+
+def _per_expert(gguf_name: str, dims: int) -> bool:
+    """Whether a GGUF tensor holds every expert's, one after the other: their weights (3-D) or
+    their biases (2-D: gpt-oss's)."""
+    return dims == 3 or (dims == 2 and gguf_name.endswith("_exps.bias"))
 
 
 def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -78,7 +86,7 @@ def read_gguf(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]
         if t.name.startswith(("rope_factors_", "rope_freqs")):  # hyper-parameters, in the config
             continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32)
-        if len(t.shape) == 3:  # experts: one tensor each
+        if _per_expert(t.name, len(t.shape)):  # experts: one tensor each
             for e, rows in enumerate(w.reshape(tuple(int(d) for d in reversed(t.shape)))):
                 sd[hf_name(t.name, e)] = torch.from_numpy(np.ascontiguousarray(rows))
             continue
@@ -107,6 +115,7 @@ def load_state_dict(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.T
             raise FileNotFoundError(f"no *.safetensors in {source.path}")
         for f in tqdm(files, desc="loading safetensors", unit="file"):
             sd.update(load_file(f))
+        split_fused_experts(sd)
         return ModelConfig.from_hf(source.path), sd
     cache = source.cache_dir
     weights, config = cache / "model.safetensors", cache / "shardline_config.json"
@@ -143,6 +152,10 @@ def parameter_sources(cfg: ModelConfig, available: Collection[str]) -> dict[str,
             own[o + "attn.q_norm.weight"] = [a + "q_norm.weight"]
             own[o + "attn.k_norm.weight"] = [a + "k_norm.weight"]
         own[o + "attn.wo.weight"] = [a + "o_proj.weight"]
+        if cfg.output_bias:
+            own[o + "attn.wo.bias"] = [a + "o_proj.bias"]
+        if cfg.attention_sinks:
+            own[o + "attn.sinks"] = [a + "sinks"]
         if cfg.is_sparse(i):
             own.update(_moe_sources(cfg, p, o + "mlp.", available))
         elif p + "mlp.gate_up_proj.weight" in available:  # Phi-3's, fused
@@ -181,14 +194,36 @@ def _moe_sources(cfg: ModelConfig, p: str, o: str, available: Collection[str]) -
             own[f"{o}experts.{e}.w2.weight"] = [x + "w2.weight"]
         return own
     own[o + "gate.weight"] = [p + "mlp.gate.weight"]
+    kinds = ("weight", "bias") if cfg.expert_bias else ("weight",)
+    if cfg.expert_bias:
+        own[o + "gate.bias"] = [p + "mlp.gate.bias"]
     experts = [(f"{o}experts.{e}.", f"{p}mlp.experts.{e}.") for e in range(cfg.num_experts)]
     if cfg.shared_expert_intermediate_size:
         experts.append((o + "shared.", p + "mlp.shared_expert."))
         own[o + "shared_gate.weight"] = [p + "mlp.shared_expert_gate.weight"]
     for mine, theirs in experts:
-        own[mine + "w13.weight"] = [theirs + "gate_proj.weight", theirs + "up_proj.weight"]
-        own[mine + "w2.weight"] = [theirs + "down_proj.weight"]
+        for kind in kinds:
+            own[f"{mine}w13.{kind}"] = [f"{theirs}gate_proj.{kind}", f"{theirs}up_proj.{kind}"]
+            own[f"{mine}w2.{kind}"] = [f"{theirs}down_proj.{kind}"]
     return own
+
+
+def split_fused_experts(sd: dict[str, torch.Tensor]) -> None:
+    """gpt-oss's checkpoint holds each layer's experts as 3-D tensors of x @ W form, gate and up
+    interleaved unit by unit (`experts.gate_up_proj` [E, hidden, 2 * units]), and its router as
+    `mlp.router`: renamed in place to one Qwen-named tensor per expert and kind, as llama.cpp's
+    converter splits them."""
+    for name in [n for n in sd if n.endswith("mlp.experts.gate_up_proj")]:
+        p = name.removesuffix("experts.gate_up_proj")
+        gate_up, gate_up_bias = sd.pop(name), sd.pop(name + "_bias")
+        down, down_bias = sd.pop(p + "experts.down_proj"), sd.pop(p + "experts.down_proj_bias")
+        for e in range(gate_up.shape[0]):
+            x = f"{p}experts.{e}."
+            sd[x + "gate_proj.weight"] = gate_up[e, :, ::2].T.contiguous()
+            sd[x + "up_proj.weight"] = gate_up[e, :, 1::2].T.contiguous()
+            sd[x + "gate_proj.bias"], sd[x + "up_proj.bias"] = gate_up_bias[e, ::2], gate_up_bias[e, 1::2]
+            sd[x + "down_proj.weight"], sd[x + "down_proj.bias"] = down[e].T.contiguous(), down_bias[e]
+        sd[p + "gate.weight"], sd[p + "gate.bias"] = sd.pop(p + "router.weight"), sd.pop(p + "router.bias")
 
 
 def qkv_rows(cfg: ModelConfig) -> torch.Tensor | None:
@@ -241,6 +276,6 @@ def gguf_types(model: Description) -> dict[str, str]:
     """Hugging Face tensor name -> GGUF type name (Q4_1, Q8_0, F32, ...), from the file's header."""
     types = {}
     for t in model.tensors:
-        for e in range(t.dims[2]) if len(t.dims) == 3 else [None]:
+        for e in range(t.dims[-1]) if _per_expert(t.name, len(t.dims)) else [None]:
             types[hf_name(t.name, e)] = t.kind
     return types
