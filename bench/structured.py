@@ -178,7 +178,7 @@ def llguidance_cost(vocab_size: int, valid_outputs: list) -> dict:
     import llguidance as llg
 
     codec = TextCodec(tokenizer_folder(resolve_model(None)))
-    eos = [codec.eos_token_id]
+    eos = sorted(codec.end_token_ids)
     grammars = Grammars(codec.tokenizer.to_str(), vocab_size, eos, timeout_s=30)
     tokenizer = llg.LLTokenizer(codec.tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos)
 

@@ -175,6 +175,15 @@ def _router_flags(p):
         choices=["off", "ngram", "suffix"],
     )
     add_flag(p, "spec-tokens", 8, number(int, 1, 64), "the most tokens proposed for one sequence in one step")
+    add_flag(
+        p,
+        "reasoning-parser",
+        "auto",
+        help="how the HTTP APIs read a model's reasoning apart from its answer: auto as its chat "
+        "template says (gpt-oss's harmony channels, <think> blocks, or none); think: <think> blocks "
+        "whatever the template says; none: the reasoning stays in the answer",
+        choices=["auto", "think", "none"],
+    )
     add_flag(p, "priority-aging-s", 1.0, SECONDS, "seconds of waiting that raise a request's priority by one")
     add_flag(p, "max-waiting", 256, COUNT, "most queued requests before RESOURCE_EXHAUSTED")
     add_flag(p, "shard-timeout", 300.0, SECONDS, "seconds to wait for the shards to come up")

@@ -88,6 +88,9 @@ def test_a_template_says_whether_its_model_reasons_and_whether_its_prompt_opens_
     }
     assert found == {"thinks": ReasoningFormat(opened=False), "opens": ReasoningFormat(opened=True)}
     assert reasoning_format(TextCodec(tiny_models["llama"])) is None  # SmolLM2's template
+    # --reasoning-parser: <think> blocks whatever the template says, or none
+    assert reasoning_format(TextCodec(tiny_models["llama"]), "think") == ReasoningFormat(opened=False)
+    assert reasoning_format(TextCodec(tmp_path / "opens"), "none") is None
 
 
 def test_chat_template_kwargs_reach_the_template_and_may_not_set_its_own_variables(tiny_models, tmp_path):

@@ -17,7 +17,7 @@ TEXT = "Grüße aus Köln 🚀🚀 — naïve café, 東京タワー!\n  indente
 def test_encode_equals_transformers():
     tok, codec = smollm2_tokenizer(), smollm2_codec()  # transformers: the reference; what the router runs
     assert codec.encode(TEXT) == tok.encode(TEXT, add_special_tokens=False)
-    assert codec.eos_token_id == tok.eos_token_id
+    assert codec.end_token_ids == {tok.eos_token_id}
     assert codec.vocab_size == len(tok)
 
 

@@ -118,6 +118,8 @@ def messages_as_chat(body: dict) -> dict:
             "type": "json_schema",
             "json_schema": {"name": "output", "schema": output_format["schema"]},
         }
+    if body.get("structured_outputs"):
+        chat["structured_outputs"] = body["structured_outputs"]
     if body.get("tool_choice"):
         chat["tool_choice"] = _anthropic_tool_choice(body["tool_choice"])
         if body["tool_choice"].get("disable_parallel_tool_use"):
@@ -198,6 +200,8 @@ def responses_as_chat(body: dict, history: list[dict]) -> dict:
         chat["tool_choice"] = _responses_tool_choice(body["tool_choice"])
     if body.get("parallel_tool_calls") is not None:
         chat["parallel_tool_calls"] = body["parallel_tool_calls"]
+    if body.get("structured_outputs"):
+        chat["structured_outputs"] = body["structured_outputs"]
     fmt = (body.get("text") or {}).get("format")
     if fmt:
         chat["response_format"] = _text_format(fmt)

@@ -54,6 +54,14 @@ def _token_text(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
+HARMONY_ENDS = ("<|return|>", "<|call|>")
+
+
+def speaks_harmony(template_source: str | None) -> bool:
+    """Whether a chat template has its model write harmony messages (gpt-oss's)."""
+    return bool(template_source) and "<|channel|>" in template_source and "<|message|>" in template_source
+
+
 class TextCodec:
     """Text <-> token ids for one model folder (tokenizer.json + tokenizer_config.json)."""
 
@@ -63,7 +71,7 @@ class TextCodec:
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         self.special = {k: _token_text(config.get(k)) or "" for k in _SPECIAL}
         eos = self.special["eos_token"]
-        self.eos_token_id = self.tokenizer.token_to_id(eos) if eos else None
+        eos_id = self.tokenizer.token_to_id(eos) if eos else None
         template = config.get("chat_template")
         if (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text()
@@ -71,6 +79,11 @@ class TextCodec:
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self._template = None
         self.template_source: str | None = template or None
+        # gpt-oss's harmony messages: their markers are special tokens that the text keeps (the
+        # router reads them: router/api/harmony.py), and a turn ends at <|return|> or <|call|>
+        self.harmony = speaks_harmony(template)
+        ends = [self.tokenizer.token_to_id(t) for t in HARMONY_ENDS] if self.harmony else []
+        self.end_token_ids = frozenset(i for i in (eos_id, *ends) if i is not None)
         if template:
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
@@ -132,16 +145,17 @@ class TextCodec:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def stream(self) -> Detokenizer:
-        return Detokenizer(self.tokenizer)
+        return Detokenizer(self.tokenizer, keep_special=self.harmony)
 
 
 class Detokenizer:
     """Text deltas for a growing list of token ids. A token that ends inside a UTF-8 character
-    yields nothing until the token completing it arrives; special tokens yield nothing."""
+    yields nothing until the token completing it arrives; special tokens yield nothing, unless
+    `keep_special` (their text)."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, keep_special: bool = False):
         self.tokenizer = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stream = DecodeStream(skip_special_tokens=not keep_special)
 
     def push(self, token_id: int) -> str:
         return self._stream.step(self.tokenizer, token_id) or ""

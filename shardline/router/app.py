@@ -112,7 +112,9 @@ async def serve_router(args) -> int:
             if args.tls_cert_file
             else None
         )
-        api = HttpApi(replica, admission, tracing, keys, args.served_model_name, metrics.registry)
+        api = HttpApi(
+            replica, admission, tracing, keys, args.served_model_name, metrics.registry, args.reasoning_parser
+        )
         http = HttpServer(api.app, args.host, args.http_port, tls)
         await http.start()  # at once: /health answers 503 until the shard group serves
         print(f"router HTTP API {http.address}/v1", flush=True)

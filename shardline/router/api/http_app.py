@@ -94,12 +94,13 @@ class HttpApi:
         keys: ApiKeys | None = None,
         served_names: list[str] | None = None,
         metrics: CollectorRegistry | None = None,
+        reasoning_parser: str = "auto",
     ):
         self.replica, self.admission, self.tracing, self.keys = replica, admission, tracing, keys
         self.served_names, self.metrics = list(served_names or []), metrics
         self.created = int(time.time())
         calls = self.tool_format = tool_format(replica.codec.template_source)  # how the model writes calls
-        reasoning = reasoning_format(replica.codec)  # reasoning in <think> blocks
+        reasoning = reasoning_format(replica.codec, reasoning_parser)  # in <think> blocks, or harmony's
         app = self.app = FastAPI(title="Shardline", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(ApiError, self._error)
         app.add_exception_handler(HTTPException, self._http_error)

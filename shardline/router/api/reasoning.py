@@ -27,14 +27,21 @@ OPEN, CLOSE = "<think>", "</think>"
 
 @dataclass(frozen=True)
 class ReasoningFormat:
-    """A model that reasons in <think> blocks; `opened`: its generation prompt opens one."""
+    """A model that reasons in <think> blocks (`opened`: its generation prompt opens one), or in
+    harmony's analysis channel (gpt-oss's: harmony.py, which reads its calls too)."""
 
     opened: bool = False
+    harmony: bool = False
 
 
-def reasoning_format(codec: TextCodec) -> ReasoningFormat | None:
-    """How the model's chat template has it reason, or None where it does not."""
-    if not codec.template_source or OPEN not in codec.template_source:
+def reasoning_format(codec: TextCodec, parser: str = "auto") -> ReasoningFormat | None:
+    """How the model's chat template has it reason, or None where it does not; `parser`
+    (`--reasoning-parser`) may say <think> blocks ("think") or no reasoning ("none") instead."""
+    if parser == "none":
+        return None
+    if codec.harmony and parser == "auto":
+        return ReasoningFormat(harmony=True)
+    if parser == "auto" and (not codec.template_source or OPEN not in codec.template_source):
         return None
     try:
         prompt = codec.render_chat([{"role": "user", "content": "?"}])

@@ -138,9 +138,7 @@ class Replica:
         if len(buckets) > 1:  # every shard opened its step stream: the next attempt must find them closed
             await self.shards.close_streams(abandon=False)
             raise ShardError(f"the shards captured different decode graph buckets: {sorted(buckets)}")
-        eos = set(head.eos_token_ids)
-        if self.codec.eos_token_id is not None:
-            eos.add(self.codec.eos_token_id)
+        eos = set(head.eos_token_ids) | self.codec.end_token_ids
         pool = PageManager(
             num_pages,
             head.page_size,

@@ -6,8 +6,10 @@ assistant message (prefill: the chat template opens a new turn), server tools. A
 that does not think writes none), `output_config.effort`, `service_tier`, `speed`,
 `inference_geo`, a tool's `strict` (calls are always valid: they are constrained),
 `defer_loading`, `eager_input_streaming`, `input_examples`. `output_config.format` (a JSON schema)
-constrains the text as chat completions' `response_format` does. `temperature`, `top_p` and
-`top_k`, which Anthropic's client no longer names, are taken as older clients send them."""
+constrains the text as chat completions' `response_format` does; `structured_outputs` (not
+Anthropic's: vLLM's, as chat completions takes it) constrains it by any of its kinds (a regex, a
+grammar, ...). `temperature`, `top_p` and `top_k`, which Anthropic's client no longer names, are
+taken as older clients send them."""
 
 from __future__ import annotations
 
@@ -162,6 +164,7 @@ class MessagesRequest(CountTokensRequest):
     service_tier: Literal["auto", "standard_only"] | None = None
     speed: Literal["standard", "fast"] | None = None
     inference_geo: StrictStr | None = None
+    structured_outputs: dict | None = None  # checked as chat completions' (openai/schema.py)
 
 
 # -- answers ---------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import json
 
 from shardline.common.tokenizer import TextCodec
 from shardline.protos import generation_pb2 as pb
+from shardline.router.api.harmony import HarmonyReader
 from shardline.router.api.openai import tools
 from shardline.router.api.openai.answer import Answer
 from shardline.router.api.openai.choices import Choices, base_request, per_choice
@@ -26,7 +27,7 @@ from shardline.router.api.openai.schema import (
     ToolCall,
     TopLogprob,
 )
-from shardline.router.api.openai.tools import ToolCallReader, ToolFormat
+from shardline.router.api.openai.tools import ToolCallReader, ToolFormat, call_deltas
 from shardline.router.api.reasoning import ReasoningFormat, ReasoningReader
 
 
@@ -59,6 +60,33 @@ def chat_messages(messages: list[Message], tool_list: list[Tool] | None) -> pb.C
     return out
 
 
+class SplitReader:
+    """A choice's text read apart: its reasoning first (reasoning.py), then the calls in what is
+    left (tools.py). A choice reader, as harmony.py's HarmonyReader is."""
+
+    def __init__(self, kind: str | None, tool_format: ToolFormat, reasoning: ReasoningFormat | None):
+        self.reasoner, self.caller = ReasoningReader(reasoning), ToolCallReader(kind, tool_format)
+
+    @property
+    def state(self) -> str:
+        return self.reasoner.state
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self.caller.calls
+
+    def read(self, text: str, final: bool) -> tuple[str, str, list[ToolCall]]:
+        reasoning, text = self.reasoner.feed(text)
+        if final:
+            more_reasoning, rest = self.reasoner.end()
+            reasoning, text = reasoning + more_reasoning, text + rest
+        text, calls = self.caller.feed(text)
+        if final:
+            rest, more = self.caller.end()
+            text, calls = text + rest, calls + more
+        return reasoning, text, calls
+
+
 class ChatAnswer(Answer):
     id_prefix = "chatcmpl-"
 
@@ -73,23 +101,14 @@ class ChatAnswer(Answer):
     ):
         super().__init__(body, choices, model, codec)
         kind = tools.mode(body, tool_format)
-        self.readers = [ToolCallReader(kind, tool_format) for _ in self.text]
-        self.reasoners = [ReasoningReader(reasoning) for _ in self.text]
+        harmony = reasoning is not None and reasoning.harmony
+        self.readers = [HarmonyReader() if harmony else SplitReader(kind, tool_format, reasoning) for _ in self.text]
 
     def _read(self, index: int, text: str, final: bool) -> tuple[str, str, list[ToolCall]]:
-        reasoner, reader = self.reasoners[index], self.readers[index]
-        reasoning, text = reasoner.feed(text)
-        if final:
-            more_reasoning, rest = reasoner.end()
-            reasoning, text = reasoning + more_reasoning, text + rest
-        text, calls = reader.feed(text)
-        if final:
-            rest, more = reader.end()
-            text, calls = text + rest, calls + more
-        return reasoning, text, calls
+        return self.readers[index].read(text, final)
 
     def _reasoning_state(self, index: int) -> str:
-        return self.reasoners[index].state
+        return self.readers[index].state
 
     def _finish_reason(self, index: int, reason: str) -> str:
         return "tool_calls" if self.readers[index].calls and reason == "stop" else reason
@@ -140,7 +159,7 @@ class ChatAnswer(Answer):
         ]
 
     def _chunk(self, index: int, delta: str, calls: list[ToolCall], logprobs: list) -> ChatCompletionChunk:
-        tool_calls = self.readers[index].deltas(calls) if calls else None
+        tool_calls = call_deltas(self.readers[index].calls, calls) if calls else None
         content = delta if delta or not tool_calls else None
         return self._chunk_of(
             [

@@ -14,6 +14,7 @@ is cached), `stream_options.include_obfuscation` (no obfuscation is sent), `meta
 `user`, `safety_identifier`, `client_metadata`, `max_tool_calls` (it limits hosted tools), an
 item's `id`, `status` and `phase`, a text part's `annotations`, `logprobs` and
 `prompt_cache_breakpoint`, a function tool's `strict` (calls are always valid: constrained).
+Beside OpenAI's fields, vLLM's `structured_outputs` constrains the text as in chat completions.
 """
 
 from __future__ import annotations
@@ -204,6 +205,7 @@ class ResponsesRequest(Closed):
     service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"] | None = None
     max_tool_calls: StrictInt | None = Field(None, ge=1)
     client_metadata: dict[StrictStr, StrictStr] | None = None  # Codex CLI's
+    structured_outputs: dict | None = None  # not OpenAI's: vLLM's, checked as chat completions' (schema.py)
     truncation: Annotated[Literal["auto", "disabled"] | None, unsupported((None, "disabled"))] = None
     background: Annotated[StrictBool | None, unsupported((None, False))] = None
     _history: list[dict] = PrivateAttr(default_factory=list)

@@ -7,6 +7,8 @@ How a model writes a call is what its chat template declares (`tool_format`):
   several;
 - Llama 3.1 to 3.3 (a template that asks for `{"name": function name, "parameters": ...}`): one
   call as that JSON object alone, its arguments under "parameters";
+- gpt-oss (a harmony template): each call a `commentary` message to `functions.NAME`, read by
+  router/api/harmony.py, and not constrained (its markers are special tokens);
 - any other model: one call as `{"name": ..., "arguments": {...}}` alone.
 
 - `tool_choice` "required" or a named function: the output is constrained to calls of the
@@ -28,6 +30,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from shardline.common.tokenizer import speaks_harmony
 from shardline.router.api.openai.schema import (
     ChatCompletionRequest,
     FunctionCall,
@@ -49,16 +52,20 @@ class ToolFormat:
     blocks: bool  # each call in a <tool_call> block (else one JSON object alone)
     arguments: str = "arguments"  # the key of a call's arguments
     start: str = ""  # what a call's text begins with, where the template declares the format ("": none)
+    harmony: bool = False  # gpt-oss's: calls are harmony messages (router/api/harmony.py reads them)
 
 
 HERMES = ToolFormat(blocks=True, start=OPEN)
 LLAMA3 = ToolFormat(blocks=False, arguments="parameters", start="{")
 PLAIN = ToolFormat(blocks=False)
+HARMONY = ToolFormat(blocks=False, harmony=True)
 
 
 def tool_format(template_source: str | None) -> ToolFormat:
     """The format a chat template declares for its model's calls."""
     source = template_source or ""
+    if speaks_harmony(source):
+        return HARMONY
     if "<tool_call>" in source:
         return HERMES
     if '"parameters": dictionary of argument name' in source:  # Llama 3.1, 3.2 and 3.3's words
@@ -87,8 +94,8 @@ def _call_schema(body: ChatCompletionRequest, fmt: ToolFormat) -> dict:
 
 def mode(body: ChatCompletionRequest, fmt: ToolFormat) -> str | None:
     """ "calls" (the output is calls), "auto" (text or calls) or None (text) for this request."""
-    if not body.tools or body.tool_choice == "none":
-        return None
+    if not body.tools or body.tool_choice == "none" or fmt.harmony:
+        return None  # (a harmony call's markers are special tokens, which no grammar here writes yet)
     if body.calls_forced():
         return "calls"
     constrained = body.structured_outputs is not None or (
@@ -176,14 +183,16 @@ class ToolCallReader:
             return "", [call]
         return "" if not text.strip() and self.calls else text, []
 
-    def deltas(self, calls: list[ToolCall]) -> list[ToolCallDelta]:
-        first = len(self.calls) - len(calls)
-        return [
-            ToolCallDelta(
-                index=first + i,
-                id=c.id,
-                type="function",
-                function=FunctionDelta(name=c.function.name, arguments=c.function.arguments),
-            )
-            for i, c in enumerate(calls)
-        ]
+
+def call_deltas(every: list[ToolCall], new: list[ToolCall]) -> list[ToolCallDelta]:
+    """The stream's deltas of a choice's `new` calls, the last of `every` call it made."""
+    first = len(every) - len(new)
+    return [
+        ToolCallDelta(
+            index=first + i,
+            id=c.id,
+            type="function",
+            function=FunctionDelta(name=c.function.name, arguments=c.function.arguments),
+        )
+        for i, c in enumerate(new)
+    ]
