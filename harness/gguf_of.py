@@ -28,6 +28,7 @@ ARCHITECTURES = {
     "granite": "granite",
     "olmo2": "olmo2",
     "phi3": "phi3",
+    "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "gpt_oss": "gpt-oss",
 }
@@ -75,7 +76,8 @@ def gguf_tensors(folder: Path) -> dict[str, np.ndarray]:
 
     raw = json.loads((folder / "config.json").read_text())
     arch = ARCHITECTURES[raw["model_type"]]
-    names = _LAYER | {"olmo2": _OLMO2_LAYER, "gemma3": _GEMMA3_LAYER, "gpt-oss": _GPT_OSS_LAYER}.get(arch, {})
+    family = {"olmo2": _OLMO2_LAYER, "gemma2": _GEMMA3_LAYER, "gemma3": _GEMMA3_LAYER, "gpt-oss": _GPT_OSS_LAYER}
+    names = _LAYER | family.get(arch, {})
     heads, kv_heads = raw["num_attention_heads"], raw.get("num_key_value_heads", raw["num_attention_heads"])
     sd = {}
     for f in sorted(folder.glob("*.safetensors")):
@@ -83,7 +85,7 @@ def gguf_tensors(folder: Path) -> dict[str, np.ndarray]:
     out, experts = {}, {}
     for name, w in sd.items():
         w = w.astype(np.float32)
-        if arch == "gemma3" and name.endswith("norm.weight"):  # Gemma3RMSNorm's 1 + w, as the converter adds it
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # 1 + w, as the converter adds it
             w = w + 1
         if m := _EXPERT.fullmatch(name):
             layer, expert, kind = int(m[1]), int(m[2]), _EXPERT_KINDS[m[3]]
@@ -224,6 +226,10 @@ def write_gguf_of(folder: Path, path: Path, expert_type: str = "F32") -> Path:
     if arch == "gemma3":
         _add_gemma3_keys(writer, raw)
     if arch == "gpt-oss":
+        writer.add_sliding_window(raw["sliding_window"])
+    if arch == "gemma2":  # the converter's Gemma2Model
+        writer.add_attn_logit_softcapping(raw["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(raw["final_logit_softcapping"])
         writer.add_sliding_window(raw["sliding_window"])
     if rope.get("rope_type") == "yarn":  # the converter's TextModel
         from gguf import RopeScalingType

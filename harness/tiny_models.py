@@ -120,6 +120,22 @@ TINY_CONFIGS = {
         tie_word_embeddings=True,
         pad_token_id=None,
     ),
+    # Gemma 2: every other layer local (a 16-token window), scores capped at 5 (so that the cap
+    # bends them), pre and post norms of 1 + w, GELU, scales and the final logit cap
+    "gemma2": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=16,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+        pad_token_id=None,
+    ),
     # gpt-oss: sliding layers of a 16-token window between full ones, sinks, biases everywhere,
     # 8 experts of 32 units (clamped SwiGLU), 2 per token, and YaRN's frequencies (its correction
     # range unrounded, as gpt-oss's own)
@@ -219,6 +235,7 @@ def make_tiny_model(arch: str, path: Path, seed: int = 0, context: int = 2048) -
         "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
         "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[arch]

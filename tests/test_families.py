@@ -3,7 +3,8 @@ SmolLM3 (no rotary embedding in every 4th layer), Granite 3
 (embedding, residual, attention and logit multipliers), OLMo 2 (norms after each sublayer
 rather than before, q/k norms across all heads), Phi-3 (fused projections, a partial rotary
 embedding with LongRoPE's factors) and Gemma 3 (local sliding-window layers with their own rotary
-base, GELU, pre and post norms of 1 + w, scales, a logit cap); Mistral with a window; gpt-oss
+base, GELU, pre and post norms of 1 + w, scales, a logit cap), Gemma 2 (its block without q/k
+norms, capped attention scores); Mistral with a window; gpt-oss
 (sliding and full layers in turn, attention sinks, biases on every projection, experts' clamped
 SwiGLU, YaRN).
 
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.processes  # every test here starts processes
 @pytest.fixture(scope="module")
 def ggufs(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    archs = ("mistral", "smollm3", "granite", "olmo2", "phi3", "gemma3_text", "gpt_oss")
+    archs = ("mistral", "smollm3", "granite", "olmo2", "phi3", "gemma2", "gemma3_text", "gpt_oss")
     return {arch: write_gguf_of(tiny_models[arch], root / f"{arch}.gguf") for arch in archs}
 
 
@@ -170,6 +171,8 @@ def variants(tiny_models, tmp_path_factory):
         ("mistral-windowed", ["--pp", "2"]),
         ("llama31", ["--chunk-size", "7"]),
         ("llama31-gguf", ["--tp", "2"]),  # the divisors from the file's rope_freqs
+        ("gemma2", ["--chunk-size", "7"]),  # capped scores in every path: decode, chunks, windows
+        ("gemma2-gguf", ["--tp", "2"]),  # the caps and the every-other pattern as llama.cpp reads them
         ("gpt_oss", ["--tp", "2", "--chunk-size", "7"]),  # each rank's heads' sinks, rank 0's biases
         ("gpt_oss-gguf", ["--pp", "2"]),  # YaRN's unrounded range, llama.cpp's clamp of 7
     ],

@@ -11,6 +11,9 @@ softmax's denominator that adds no value: a head's output is the plain one scale
 sum(exp(scores)) / (sum(exp(scores)) + exp(sink)), that is by sigmoid(lse - sink), where lse is
 the log-sum-exp of the scores that every path here already keeps to merge its blocks.
 
+A soft cap on the scores (Gemma 2's `softcap`: cap * tanh(score / cap), after the scale and
+before the mask) leaves torch's fused kernel out: such a layer attends in plain torch.
+
 The portable path is plain torch (runs on CPU and CUDA). On CUDA with flash-attn installed, the
 paged-KV entry points of flash-attn are used instead. A slot is `page * page_size + offset`.
 """
@@ -104,23 +107,35 @@ def paged_attention(
     scale: float,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] of this step's tokens -> [T, heads, head_dim].
 
     Writes k/v into the pages first, then attends each query over its sequence's cached context
     (its last `window` positions, where that is not 0), each head's softmax beside its sink
-    (`sinks` [heads]), where there are sinks.
+    (`sinks` [heads]), where there are sinks, its scores capped at `softcap` (0: none).
     """
     if batch.opaque:
         return decode_attention(
-            q, k, v, k_pages, v_pages, batch.slots, batch.block_tables, batch.context_lens, scale, window, sinks
+            q,
+            k,
+            v,
+            k_pages,
+            v_pages,
+            batch.slots,
+            batch.block_tables,
+            batch.context_lens,
+            scale,
+            window,
+            sinks,
+            softcap,
         )
     write_kv(k_pages, v_pages, k, v, batch.slots)
     if uses_flash(q.device, q.dtype, k_pages.shape[1], k_pages.dtype):
-        return _flash(q, k_pages, v_pages, batch, scale, window, sinks)
+        return _flash(q, k_pages, v_pages, batch, scale, window, sinks, softcap)
     if batch.is_decode:
-        return _decode_torch(q, k_pages, v_pages, batch, scale, window, sinks)
-    return _prefill_torch(q, k, v, k_pages, v_pages, batch, scale, window, sinks)
+        return _decode_torch(q, k_pages, v_pages, batch, scale, window, sinks, softcap)
+    return _prefill_torch(q, k, v, k_pages, v_pages, batch, scale, window, sinks, softcap)
 
 
 def _sunk(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -134,10 +149,13 @@ def _sunk(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Te
 DECODE_BLOCK_TOKENS = 256
 
 
-def attend_plain(q, k, v, scale, bias=None, causal=False):
+def attend_plain(q, k, v, scale, bias=None, causal=False, softcap=0.0):
     """q [B, h, n, d], k/v [B, h, S, d], an additive bias broadcast to [B, h, n, S] or a causal
-    mask (query i sees keys 0..i) -> (out [B, h, n, d], log-sum-exp [B, h, n]), in plain torch."""
+    mask (query i sees keys 0..i) -> (out [B, h, n, d], log-sum-exp [B, h, n]), in plain torch;
+    the scores capped at `softcap` where that is not 0."""
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if bias is not None:
         scores = scores + bias
     if causal:
@@ -154,7 +172,9 @@ def attend_fused_cpu(q, k, v, scale, bias=None, causal=False):
     )
 
 
-def _attend(q, k, v, scale, bias=None, causal=False):
+def _attend(q, k, v, scale, bias=None, causal=False, softcap=0.0):
+    if softcap:
+        return attend_plain(q, k, v, scale, bias, causal, softcap)
     return (attend_fused_cpu if q.device.type == "cpu" else attend_plain)(q, k, v, scale, bias, causal)
 
 
@@ -207,7 +227,7 @@ def _decode_blocks(batch: AttentionBatch, page_size: int, dtype: torch.dtype, wi
     return blocks
 
 
-def _decode_torch(q, k_pages, v_pages, batch: AttentionBatch, scale, window: int = 0, sinks=None):
+def _decode_torch(q, k_pages, v_pages, batch: AttentionBatch, scale, window: int = 0, sinks=None, softcap=0.0):
     """Split-KV decode: the context is read in blocks of DECODE_BLOCK_TOKENS, each block only for
     the sequences that reach into it (with a window: whose window does), and the blocks' partial
     results are merged by their log-sum-exp (as flash-decoding does). A batch of short sequences
@@ -228,7 +248,7 @@ def _decode_torch(q, k_pages, v_pages, batch: AttentionBatch, scale, window: int
         k = k_pages.index_select(0, tables.flatten()).view(n, width * page_size, kv_heads, head_dim).transpose(1, 2)
         v = v_pages.index_select(0, tables.flatten()).view(n, width * page_size, kv_heads, head_dim).transpose(1, 2)
         k, v = k.to(q.dtype), v.to(q.dtype)
-        o, o_lse = _attend(qg if rows is None else qg[rows], k, v, scale, bias)
+        o, o_lse = _attend(qg if rows is None else qg[rows], k, v, scale, bias, softcap=softcap)
         if out is None:
             out, lse = o.float(), o_lse.float()
         elif rows is None:
@@ -240,7 +260,9 @@ def _decode_torch(q, k_pages, v_pages, batch: AttentionBatch, scale, window: int
     return out.to(q.dtype).reshape(bsz, heads, head_dim)
 
 
-def _prefill_torch(q, k_new, v_new, k_pages, v_pages, batch: AttentionBatch, scale, window: int = 0, sinks=None):
+def _prefill_torch(
+    q, k_new, v_new, k_pages, v_pages, batch: AttentionBatch, scale, window: int = 0, sinks=None, softcap=0.0
+):
     """Per sequence: causal attention over its new tokens and, for a chunk after the first, plain
     attention over its cached context, merged by log-sum-exp. Neither needs a mask, so both run
     in torch's fused kernel (on 4-D inputs; 3-D ones take a slow path) in O(tokens) memory. A
@@ -252,24 +274,25 @@ def _prefill_torch(q, k_new, v_new, k_pages, v_pages, batch: AttentionBatch, sca
     for n, start, table in zip(batch.query_lens, batch.start_positions, batch.block_tables_list):
         qs, ks, vs = (t[offset : offset + n].transpose(0, 1)[None] for t in (q, k_new, v_new))
         if window and start + n > window:
-            out, lse = _windowed(qs, ks, vs, k_pages, v_pages, table, start, window, scale)
-        elif start == 0 and sinks is None:
+            out, lse = _windowed(qs, ks, vs, k_pages, v_pages, table, start, window, scale, softcap)
+        elif start == 0 and sinks is None and not softcap:
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)[0]
-        elif start == 0:  # the same, with the log-sum-exp the sinks need
+        elif start == 0:  # the same, with the log-sum-exp the sinks need (or capped scores)
             group = qs.shape[1] // kv_heads
-            out, lse = _attend(qs, ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1), scale, causal=True)
+            kv = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+            out, lse = _attend(qs, *kv, scale, causal=True, softcap=softcap)
             out, lse = out[0], lse[0]
         else:
             heads = qs.shape[1]
             group = heads // kv_heads
             # The new tokens among themselves, causally (K/V repeated per q head: n tokens only).
-            out, lse = _attend(qs, ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1), scale, causal=True)
+            kv = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+            out, lse = _attend(qs, *kv, scale, causal=True, softcap=softcap)
             # The cached context, which every new token sees whole: each KV head's q heads
             # stacked as its queries, so the context is neither masked nor repeated.
             q_kv = qs[0].reshape(kv_heads, group * n, head_dim)[None]
-            o, o_lse = _attend(
-                q_kv, _gathered(k_pages, table, start, q.dtype), _gathered(v_pages, table, start, q.dtype), scale
-            )
+            cached = _gathered(k_pages, table, start, q.dtype), _gathered(v_pages, table, start, q.dtype)
+            o, o_lse = _attend(q_kv, *cached, scale, softcap=softcap)
             out, lse = _merge(out[0].float(), lse[0].float(), o.reshape(heads, n, head_dim), o_lse.reshape(heads, n))
             out = out.to(q.dtype)
         if sinks is not None:  # out [heads, n, d]
@@ -279,7 +302,7 @@ def _prefill_torch(q, k_new, v_new, k_pages, v_pages, batch: AttentionBatch, sca
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def _windowed(qs, ks, vs, k_pages, v_pages, table, start: int, window: int, scale):
+def _windowed(qs, ks, vs, k_pages, v_pages, table, start: int, window: int, scale, softcap=0.0):
     """One chunk's attention within its window: its new tokens' keys and the cached ones the
     first of them still sees, under a mask of what each token sees (q - k < window, k <= q).
     Returns (out [heads, n, d], log-sum-exp [heads, n])."""
@@ -293,11 +316,11 @@ def _windowed(qs, ks, vs, k_pages, v_pages, table, start: int, window: int, scal
     k_pos = torch.arange(lo, start + n, device=qs.device)[None, :]
     seen = (k_pos <= q_pos) & (q_pos - k_pos < window)
     bias = torch.zeros(seen.shape, dtype=qs.dtype, device=qs.device).masked_fill_(~seen, float("-inf"))
-    out, lse = _attend(qs, ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1), scale, bias)
+    out, lse = _attend(qs, ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1), scale, bias, softcap=softcap)
     return out[0], lse[0]
 
 
-def _flash(q, k_pages, v_pages, batch: AttentionBatch, scale, window=0, sinks=None):  # pragma: no cover - CUDA only
+def _flash(q, k_pages, v_pages, batch: AttentionBatch, scale, window=0, sinks=None, softcap=0.0):  # pragma: no cover
     def attend(q, seqlens, tables):  # q [B, n, heads, d] -> the same
         out = flash_attn_with_kvcache(
             q,
@@ -308,6 +331,7 @@ def _flash(q, k_pages, v_pages, batch: AttentionBatch, scale, window=0, sinks=No
             softmax_scale=scale,
             causal=True,
             window_size=(window - 1 if window else -1, 0 if window else -1),
+            softcap=softcap,
             return_softmax_lse=sinks is not None,
         )
         if sinks is None:
@@ -344,11 +368,12 @@ def decode_attention(
     scale: float,
     window: int,
     sinks: torch.Tensor | None,
+    softcap: float,
 ) -> torch.Tensor:
     batch = AttentionBatch(slots=slots, is_decode=True, block_tables=block_tables, context_lens=context_lens)
-    return paged_attention(q, k, v, k_pages, v_pages, batch, scale, window, sinks)
+    return paged_attention(q, k, v, k_pages, v_pages, batch, scale, window, sinks, softcap)
 
 
 @decode_attention.register_fake
-def _(q, k, v, k_pages, v_pages, slots, block_tables, context_lens, scale, window, sinks):
+def _(q, k, v, k_pages, v_pages, slots, block_tables, context_lens, scale, window, sinks, softcap):
     return torch.empty_like(q)

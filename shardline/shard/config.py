@@ -18,7 +18,8 @@ class ModelConfig:
     (no rotary embedding in `nope_layers`), Granite 3 (the four scales) and OLMo 2 (norms after
     each sublayer rather than before, q/k norms across all heads), Phi-3/Phi-4-mini (fused
     projections in its files; a partial rotary embedding with LongRoPE's per-frequency factors)
-    and Gemma 3 (local sliding-window layers, GELU, norms before and after each sublayer); gpt-oss
+    and Gemma 3 (local sliding-window layers, GELU, norms before and after each sublayer; Gemma 2's
+    without q/k norms, its attention scores capped); gpt-oss
     (sliding layers in turn with full ones, attention sinks, biases, clamped SwiGLU experts, YaRN).
 
     A mixture's layers are sparse (`num_experts` MLPs of `expert_intermediate_size`, a token's
@@ -79,6 +80,7 @@ class ModelConfig:
     mlp_activation: str = "silu"  # silu | gelu_tanh | clamped_swiglu
     norm_offset: float = 0.0
     final_logit_softcap: float = 0.0
+    attention_softcap: float = 0.0  # Gemma 2's cap on attention scores (cap * tanh(score / cap); 0: none)
     # gpt-oss's: a bias on attention's output projection (Llama's too where `attention_bias`), a
     # learned logit per head in each softmax's denominator (an attention sink), biases on the
     # router and every expert's projections, and its experts' clamped SwiGLU (gate at most
@@ -151,14 +153,15 @@ class ModelConfig:
             nope_layers=[i for i in range(layers) if not rotates[i]],
             qk_norm_across_heads=arch == "olmo2",
             pre_norms=arch != "olmo2",
-            post_norms=arch in ("olmo2", "gemma3_text"),
+            post_norms=arch in ("olmo2", "gemma2", "gemma3_text"),
             embedding_scale=raw.get("embedding_multiplier", 1.0),
             residual_scale=raw.get("residual_multiplier", 1.0),
             attention_scale=raw.get("attention_multiplier", 0.0),
             logit_scale=raw.get("logits_scaling", 1.0),
         )
         fields |= rotary_from_hf(raw, rope, head_dim) | _windows_from_hf(raw, arch, layers, local_rope)
-        family = _gemma_from_hf(raw) if arch == "gemma3_text" else _gpt_oss_from_hf(raw) if arch == "gpt_oss" else {}
+        gemma = arch in ("gemma2", "gemma3_text")
+        family = _gemma_from_hf(raw) if gemma else _gpt_oss_from_hf(raw) if arch == "gpt_oss" else {}
         return cls(**fields | family)
 
     @classmethod
@@ -166,7 +169,11 @@ class ModelConfig:
         field_value = header.get
         arch = field_value("general.architecture")
         window = field_value(f"{arch}.attention.sliding_window")
-        if window and window < field_value(f"{arch}.context_length", 4096) and arch not in ("gemma3", "gpt-oss"):
+        if (
+            window
+            and window < field_value(f"{arch}.context_length", 4096)
+            and arch not in ("gemma2", "gemma3", "gpt-oss")
+        ):
             raise ValueError(f"sliding-window attention ({window} tokens) is not served yet")
         tensors = {t.name for t in header.tensors}
         hidden = field_value(f"{arch}.embedding_length")
@@ -218,7 +225,7 @@ class ModelConfig:
         ) | rotary_from_gguf(header, arch)
         family = (
             _gemma_from_gguf(header, arch)
-            if arch == "gemma3"
+            if arch in ("gemma2", "gemma3")
             else _gpt_oss_from_gguf(header)
             if arch == "gpt-oss"
             else {}
@@ -235,16 +242,21 @@ class ModelConfig:
 
 def _windows_from_hf(raw: dict, arch: str, layers: int, local_rope: dict) -> dict:
     """The sliding-window fields: Gemma 3's local layers (`layer_types`, or every layer but each
-    `sliding_window_pattern`th), or every layer of a Mistral or Phi-3 whose config sets a window
-    (unless it turns it off). A window as long as the context leaves no key out: none."""
+    `sliding_window_pattern`th), Gemma 2's and gpt-oss's (every other one), or every layer of a
+    Mistral or Phi-3 whose config sets a window (unless it turns it off). A window as long as the
+    context leaves no key out: none."""
     context = raw.get("max_position_embeddings", 4096)
-    if arch in ("gemma3_text", "gpt_oss"):
-        pattern = raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6
+    if arch in ("gemma2", "gemma3_text", "gpt_oss"):
+        pattern = (
+            raw.get("sliding_window_pattern")
+            or raw.get("_sliding_window_pattern")
+            or (6 if arch == "gemma3_text" else 2)
+        )
         types = raw.get("layer_types") or [
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
         ]
         window, sliding = raw["sliding_window"], [i for i, t in enumerate(types) if t == "sliding_attention"]
-        if arch == "gpt_oss":  # its local layers turn by the global tables
+        if arch != "gemma3_text":  # their local layers turn by the global tables
             return dict(sliding_window=window, sliding_layers=sliding)
         local_theta = local_rope.get("rope_theta") or raw.get("rope_local_base_freq") or 10000.0
         return dict(sliding_window=window, sliding_layers=sliding, local_rope_theta=float(local_theta))
@@ -257,9 +269,7 @@ def _windows_from_hf(raw: dict, arch: str, layers: int, local_rope: dict) -> dic
 
 
 def _gemma_from_hf(raw: dict) -> dict:
-    """Gemma 3's scales, activation, norms and caps."""
-    if raw.get("attn_logit_softcapping"):
-        raise ValueError("attention logit soft-capping (Gemma 2's) is not served yet")
+    """Gemma 2's and 3's scales, activation, norms and caps."""
     if raw.get("use_bidirectional_attention"):
         raise ValueError("bidirectional attention (an embedding model's) is not served")
     return dict(
@@ -268,6 +278,7 @@ def _gemma_from_hf(raw: dict) -> dict:
         mlp_activation="gelu_tanh",
         norm_offset=1.0,
         final_logit_softcap=raw.get("final_logit_softcapping") or 0.0,
+        attention_softcap=raw.get("attn_logit_softcapping") or 0.0,
     )
 
 
@@ -297,24 +308,28 @@ def _gpt_oss_from_gguf(header: GgufHeader) -> dict:
 
 def _gemma_from_gguf(header: GgufHeader, arch: str) -> dict:
     """Gemma 3's fields as llama.cpp reads them: every layer but each `sliding_window_pattern`th
-    (6 unless the file says) local, at base `rope.freq_base_swa` (10000 unless it says), the
-    attention scale by the model's size (not in the file: 27B's, of 62 layers, is the hidden
-    size's per head, the others' the head size's), its norms' 1 + w already in the file."""
+    (6 unless the file says; Gemma 2's every other, from the first) local, at base
+    `rope.freq_base_swa` (10000 unless it says; Gemma 2's the global base), the attention scale by
+    the model's size (not in the file: the 27Bs', of 62 and 46 layers, is the hidden size's per
+    head, the others' the head size's), its norms' 1 + w already in the file."""
     layers, hidden = header.get(f"{arch}.block_count"), header.get(f"{arch}.embedding_length")
     head_dim = header.get(f"{arch}.attention.key_length")
-    pattern = header.get(f"{arch}.attention.sliding_window_pattern", 6)
+    pattern = header.get(f"{arch}.attention.sliding_window_pattern", 6 if arch == "gemma3" else 2)
     if isinstance(pattern, list):
         sliding = [i for i, local in enumerate(pattern) if local]
     else:
         sliding = [i for i in range(layers) if pattern == 0 or i % pattern < pattern - 1]
     window = header.get(f"{arch}.attention.sliding_window") or 0
-    per_head = hidden // header.get(f"{arch}.attention.head_count") if layers == 62 else head_dim
+    largest = layers == (62 if arch == "gemma3" else 46)
+    per_head = hidden // header.get(f"{arch}.attention.head_count") if largest else head_dim
+    local_theta = float(header.get(f"{arch}.rope.freq_base_swa", 10000.0)) if arch == "gemma3" else 0.0
     return dict(
         sliding_window=window,
         sliding_layers=sliding if window else [],
-        local_rope_theta=float(header.get(f"{arch}.rope.freq_base_swa", 10000.0)),
+        local_rope_theta=local_theta,
         embedding_scale=hidden**0.5,
         attention_scale=per_head**-0.5,
         mlp_activation="gelu_tanh",
         final_logit_softcap=float(header.get(f"{arch}.final_logit_softcapping", 0.0)),
+        attention_softcap=float(header.get(f"{arch}.attn_logit_softcapping", 0.0)),
     )

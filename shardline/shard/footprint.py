@@ -34,10 +34,23 @@ from shardline.shard.layout import layer_range
 # architectures: Hugging Face model_type, GGUF general.architecture (Mixtral's is llama's)
 SERVED = (
     *("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"),
-    *("smollm3", "granite", "olmo2", "phi3", "gemma3_text", "gpt_oss"),
+    *("smollm3", "granite", "olmo2", "phi3", "gemma2", "gemma3_text", "gpt_oss"),
 )
 SERVED_GGUF = (
-    *("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "smollm3", "granite", "olmo2", "phi3", "gemma3", "gpt-oss"),
+    *(
+        "llama",
+        "qwen2",
+        "qwen3",
+        "qwen2moe",
+        "qwen3moe",
+        "smollm3",
+        "granite",
+        "olmo2",
+        "phi3",
+        "gemma2",
+        "gemma3",
+        "gpt-oss",
+    ),
 )
 # GGUF architectures whose Q and K rows llama.cpp's converter interleaves for its RoPE (its
 # LlamaModel and the converters built on it): the loaders undo it

@@ -1,5 +1,5 @@
 """A Llama-family decoder as a plain torch module (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, SmolLM3,
-Granite 3, OLMo 2, Phi-3, Gemma 3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and
+Granite 3, OLMo 2, Phi-3, Gemma 2 and 3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and
 gpt-oss).
 
 The forward pass takes a flat batch of tokens from any number of sequences; where their K/V lives
@@ -138,6 +138,7 @@ class Attention(nn.Module):
         self.scale = cfg.attention_scale or self.head_dim**-0.5
         self.rotates = layer not in cfg.nope_layers
         self.window = cfg.sliding_window if layer in cfg.sliding_layers else 0  # 0: the whole context
+        self.softcap = cfg.attention_softcap
 
     def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):
         qkv = self.wqkv(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
@@ -152,7 +153,7 @@ class Attention(nn.Module):
         if self.rotates:  # q and k rotate as one tensor: one set of operators per layer instead of two
             qk = Rotary.apply(qk, cos_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = paged_attention(q, k, v, k_pages, v_pages, batch, self.scale, self.window, self.sinks)
+        out = paged_attention(q, k, v, k_pages, v_pages, batch, self.scale, self.window, self.sinks, self.softcap)
         return self.wo(out.reshape(-1, self.num_heads * self.head_dim))
 
 

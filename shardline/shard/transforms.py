@@ -128,7 +128,7 @@ class NativeAttention(Attention):
     def forward(self, x, cos_sin, k_pages, v_pages, batch: AttentionBatch):
         native_step = batch.is_decode and not batch.opaque and native.usable(k_pages)
         # the kernel normalizes q and k per head, and attends over the whole context without sinks
-        if not native_step or self.qk_norm_across_heads or self.window or self.sinks is not None:
+        if not native_step or self.qk_norm_across_heads or self.window or self.sinks is not None or self.softcap:
             return super().forward(x, cos_sin, k_pages, v_pages, batch)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm else (None, None, 0.0)
         cos, sin = cos_sin if self.rotates else Rotary.unrotated(cos_sin)
@@ -259,8 +259,9 @@ def fusable(block: nn.Module) -> bool:
     mixture's routers are dense fp32 layers beside them) and untouched by TP."""
     if block.attn_norm is None or block.attn_out_norm is not None or block.attn.qk_norm_across_heads:
         return False
-    if block.attn.window or block.attn.sinks is not None or getattr(block.mlp, "activation", "silu") != "silu":
-        return False  # the kernel's attention is unwindowed and sinkless, its MLPs SiLU's
+    attn = block.attn
+    if attn.window or attn.sinks is not None or attn.softcap or getattr(block.mlp, "activation", "silu") != "silu":
+        return False  # the kernel's attention is unwindowed, sinkless and uncapped, its MLPs SiLU's
     moe = block.mlp if isinstance(block.mlp, MoE) else None
     if moe is not None and (
         type(moe.gate) is not nn.Linear
