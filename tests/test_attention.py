@@ -145,7 +145,9 @@ def test_decode_in_blocks_matches_dense_and_reads_only_what_each_sequence_reache
     monkeypatch.setattr(attention, "DECODE_BLOCK_TOKENS", 2 * PAGE)  # blocks of 8 tokens
     calls = []
     real = attention._attend
-    monkeypatch.setattr(attention, "_attend", lambda q, k, *a: calls.append(tuple(k.shape[::2])) or real(q, k, *a))
+    monkeypatch.setattr(
+        attention, "_attend", lambda q, k, *a, **kw: calls.append(tuple(k.shape[::2])) or real(q, k, *a, **kw)
+    )
     lens = [3, 40, 1, 17, 8, 9]  # one long sequence, blocks boundaries hit exactly
     (q, k, v), kp, vp, batch, want = _decode_case(lens)
     got = paged_attention(q, k, v, kp, vp, batch, HD**-0.5)
