@@ -1,36 +1,56 @@
-"""Paged attention against a dense causal reference (within a sliding window too), and KV writes
-that touch only their slots."""
+"""Paged attention against a dense causal reference (within a sliding window too, beside
+gpt-oss's attention sinks, and with Gemma 2's scores capped, as transformers' eager attention
+computes them), and KV writes that touch only their slots."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from shardline.kernels.attention import AttentionBatch, paged_attention
 
 PAGE, KVH, HEADS, HD, PAGES = 4, 2, 4, 8, 32
 
 
-def _dense(q, k, v, start, window=0):
+SINKS = torch.tensor([0.5, -1.0, 2.0, 0.0])  # a logit per head
+SOFTCAP = 1.5  # below the random scores' spread, so that it bends them
+
+
+def _dense(q, k, v, start, window=0, sinks=None, softcap=0.0):
     """q [n, H, D] at positions start.., k/v [start+n, KVH, D]; each query sees the keys before
-    it, within the last `window` positions where that is not 0 (transformers' q - k < window)."""
+    it, within the last `window` positions where that is not 0 (transformers' q - k < window),
+    each head's softmax beside its sink, its scores capped at `softcap`, in transformers' order
+    (scale, cap, mask, sink)."""
     ctx = k.shape[0]
     q_pos, k_pos = torch.arange(start, ctx)[:, None], torch.arange(ctx)[None, :]
     mask = k_pos <= q_pos
     if window:
         mask &= q_pos - k_pos < window
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
+    group = HEADS // KVH
+    qh, kh, vh = (
+        q.transpose(0, 1),
+        k.repeat_interleave(group, 1).transpose(0, 1),
+        v.repeat_interleave(group, 1).transpose(0, 1),
     )
-    return out.transpose(0, 1)
+    scores = qh @ kh.transpose(1, 2) * HD**-0.5
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks[:, None, None].expand(-1, scores.shape[1], 1)], -1)
+    probs = torch.softmax(scores, -1)[..., :ctx]
+    return (probs @ vh).transpose(0, 1)
+
+
+EXTRAS = {"plain": {}, "sinks": {"sinks": SINKS}, "softcap": {"softcap": SOFTCAP}}
 
 
 def _slots(table, positions):
     return table[positions // PAGE] * PAGE + positions % PAGE
 
 
+@pytest.mark.parametrize("extra", EXTRAS)
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("kernel", ["fused", "plain"])
-def test_prefill_chunks_and_decode_match_dense(monkeypatch, kernel, window):
+def test_prefill_chunks_and_decode_match_dense(monkeypatch, kernel, window, extra):
     import shardline.kernels.attention as attention
 
     if kernel == "plain":  # the path other devices take, checked here on the CPU
@@ -40,7 +60,7 @@ def test_prefill_chunks_and_decode_match_dense(monkeypatch, kernel, window):
     total = 23
     table = torch.randperm(PAGES)[: -(-total // PAGE)]  # scattered, out-of-order pages
     q, k, v = torch.randn(total, HEADS, HD), torch.randn(total, KVH, HD), torch.randn(total, KVH, HD)
-    want = _dense(q, k, v, 0, window)
+    want = _dense(q, k, v, 0, window, **EXTRAS[extra])
     outs, pos = [], 0
     for n in (9, 6, 1, 7):  # a first chunk, a chunk over cached context, a single token, the rest
         positions = torch.arange(pos, pos + n)
@@ -51,15 +71,15 @@ def test_prefill_chunks_and_decode_match_dense(monkeypatch, kernel, window):
             start_positions=[pos],
             block_tables_list=[table],
         )
-        outs.append(
-            paged_attention(q[pos : pos + n], k[pos : pos + n], v[pos : pos + n], kp, vp, batch, HD**-0.5, window)
-        )
+        new = q[pos : pos + n], k[pos : pos + n], v[pos : pos + n]
+        outs.append(paged_attention(*new, kp, vp, batch, HD**-0.5, window, **EXTRAS[extra]))
         pos += n
     torch.testing.assert_close(torch.cat(outs), want)
 
 
+@pytest.mark.parametrize("extra", EXTRAS)
 @pytest.mark.parametrize("window", [0, 3, 9])
-def test_batched_decode_matches_dense_per_sequence(monkeypatch, window):
+def test_batched_decode_matches_dense_per_sequence(monkeypatch, window, extra):
     """Contexts of several split-KV blocks (of 8 tokens here), windows that start past the first
     block for some sequences and not for others."""
     import shardline.kernels.attention as attention
@@ -92,9 +112,10 @@ def test_batched_decode_matches_dense_per_sequence(monkeypatch, window):
         batch,
         HD**-0.5,
         window,
+        **EXTRAS[extra],
     )
     for i, (q, k, v) in enumerate(seqs):
-        torch.testing.assert_close(got[i], _dense(q, k, v, 0, window)[-1])
+        torch.testing.assert_close(got[i], _dense(q, k, v, 0, window, **EXTRAS[extra])[-1])
 
 
 def test_kv_write_touches_only_scheduled_slots():

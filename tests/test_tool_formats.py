@@ -2,7 +2,8 @@
 Llama 3.x's `{"name": ..., "parameters": {...}}` (its real template, in tests/templates), read
 back into `tool_calls` whole and streamed and into Anthropic's `tool_use` blocks, with "auto"
 letting the model answer text or a valid call, and the call rendered back into the conversation
-as the template writes it."""
+as the template writes it; Mistral's two `[TOOL_CALLS]` formats (Nemo's and Small 3.2's real
+templates) read back, in any pieces, and their ids rendered as the templates take them."""
 
 import json
 import shutil
@@ -15,12 +16,22 @@ import openai
 import pytest
 
 from shardline.common.tokenizer import TextCodec
-from shardline.router.api.openai.tools import HERMES, LLAMA3, PLAIN, tool_format
+from shardline.router.api.openai.tools import (
+    HERMES,
+    LLAMA3,
+    MISTRAL_ARGS,
+    MISTRAL_LIST,
+    PLAIN,
+    ToolCallReader,
+    tool_format,
+)
 from tests.support import Server
 from tests.test_structured import CLOCK, HERMES_TEMPLATE, WEATHER, model_of
 
 TEMPLATES = Path(__file__).parent / "templates"
 LLAMA_TEMPLATE = (TEMPLATES / "llama-3.2-instruct.jinja").read_text()
+NEMO_TEMPLATE = (TEMPLATES / "mistral-nemo-instruct.jinja").read_text()
+SMALL_TEMPLATE = (TEMPLATES / "mistral-small-3.2-instruct.jinja").read_text()
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
 
 
@@ -28,6 +39,35 @@ def test_a_template_declares_its_models_call_format(tiny_models):
     assert tool_format(LLAMA_TEMPLATE) is LLAMA3
     assert tool_format(HERMES_TEMPLATE) is HERMES
     assert tool_format(TextCodec(tiny_models["llama"]).template_source) is PLAIN  # SmolLM2's: none
+    assert tool_format(NEMO_TEMPLATE) is MISTRAL_LIST and tool_format(SMALL_TEMPLATE) is MISTRAL_ARGS
+
+
+@pytest.mark.parametrize(
+    "fmt, text, want",
+    [
+        (
+            MISTRAL_LIST,
+            '[TOOL_CALLS][{"name": "weather", "arguments": {"city": "Paris"}}, {"name": "clock", "arguments": {}}]',
+            [("weather", '{"city": "Paris"}'), ("clock", "{}")],
+        ),
+        (
+            MISTRAL_ARGS,
+            '[TOOL_CALLS]weather[ARGS]{"city": "Paris"}[TOOL_CALLS]clock[CALL_ID]a1b2c3d4e[ARGS]{}',
+            [("weather", '{"city": "Paris"}'), ("clock", "{}")],
+        ),
+        (MISTRAL_ARGS, "Sunny, I think.", "Sunny, I think."),  # text, passed through
+        (MISTRAL_LIST, "[TOOL_CALLS][{broken", "[TOOL_CALLS][{broken"),  # no call: content as it is
+    ],
+)
+def test_mistral_calls_are_read_back_in_any_pieces(fmt, text, want):
+    for size in (1, 4, len(text)):
+        reader, content, calls = ToolCallReader("auto", fmt), "", []
+        for at in range(0, len(text), size):
+            more, made = reader.feed(text[at : at + size])
+            content, calls = content + more, calls + made
+        more, made = reader.end()
+        content, calls = content + more, calls + made
+        assert (content or [(c.function.name, c.function.arguments) for c in calls]) == want, size
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +180,46 @@ def test_llama3s_auto_grammar_lets_text_or_a_valid_call_through(tiny_models):
     assert not accepts('{"name": "clock", "parameters": {"zone": 99}}')  # outside its schema
     assert not accepts('{"name": "clock", "arguments": {"zone": 3}}')  # Hermes' key, not Llama's
     assert not accepts('{"zone": 3}')  # a "{" begins a call
+
+
+@pytest.mark.processes
+def test_mistral_nemo_calls_answer_tool_calls_and_their_ids_render_back(tiny_models, tmp_path):
+    """The tiny model on Mistral Nemo's template, shaped to write its call format (its markers
+    are text in SmolLM2's vocabulary, special tokens in Mistral's): a tool call, whole and
+    streamed, whose id (and its tool result's) the template takes back: ids of 9 characters."""
+    folder = shutil.copytree(tiny_models["llama"], tmp_path / "nemo")
+    (folder / "chat_template.jinja").write_text(NEMO_TEMPLATE)
+    server = Server("--model", str(folder), "--page-size", "16")
+    client = openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    shape = r'\[TOOL_CALLS\]\[\{"name": "weather", "arguments": \{"city": "[a-z]{3,8}", "unit": "celsius"\}\}\]'
+    ask = dict(
+        model=model_of(server),
+        messages=messages,
+        tools=[WEATHER],
+        max_tokens=60,
+        extra_body={"temperature": 0, "structured_outputs": {"regex": shape}},
+    )
+    try:
+        choice = client.chat.completions.create(**ask).choices[0]
+        streamed = [c.choices[0] for c in client.chat.completions.create(**ask, stream=True) if c.choices]
+        (call,) = choice.message.tool_calls
+        history = [
+            *messages,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+        ]
+        root = server.http_url.removesuffix("/v1")
+        tokenized = httpx.post(f"{root}/tokenize", json={"messages": history, "tools": [WEATHER]}, timeout=30)
+        prompt = httpx.post(f"{root}/detokenize", json={"tokens": tokenized.json()["tokens"]}, timeout=30).json()
+        answered = client.chat.completions.create(model=ask["model"], messages=history, tools=[WEATHER], max_tokens=2)
+    finally:
+        assert server.stop() == 0
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert call.function.name == "weather" and call.id.startswith("call_")
+    _valid("weather", call.function.arguments)
+    deltas = [d for s in streamed for d in s.delta.tool_calls or []]
+    assert [d.function.name for d in deltas] == ["weather"] and streamed[-1].finish_reason == "tool_calls"
+    # the template raises on an id of any other length than 9: both rendered as their last 9
+    assert f'"id": "{call.id[-9:]}"' in prompt["prompt"] and f'"call_id": "{call.id[-9:]}"' in prompt["prompt"]
+    assert answered.choices[0].finish_reason in ("length", "stop")

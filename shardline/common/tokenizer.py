@@ -79,9 +79,11 @@ class TextCodec:
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self._template = None
         self.template_source: str | None = template or None
-        # gpt-oss's harmony messages: their markers are special tokens that the text keeps (the
-        # router reads them: router/api/harmony.py), and a turn ends at <|return|> or <|call|>
+        # gpt-oss's harmony messages (router/api/harmony.py): a turn ends at <|return|> or <|call|>
         self.harmony = speaks_harmony(template)
+        # the markers the router reads that are special tokens of their models' vocabularies stay
+        # in the text: harmony's, and Mistral's [TOOL_CALLS] and [ARGS] (router/api/openai/tools.py)
+        self.keeps_special = self.harmony or "[TOOL_CALLS]" in (template or "")
         ends = [self.tokenizer.token_to_id(t) for t in HARMONY_ENDS] if self.harmony else []
         self.end_token_ids = frozenset(i for i in (eos_id, *ends) if i is not None)
         if template:
@@ -145,7 +147,7 @@ class TextCodec:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def stream(self) -> Detokenizer:
-        return Detokenizer(self.tokenizer, keep_special=self.harmony)
+        return Detokenizer(self.tokenizer, keep_special=self.keeps_special)
 
 
 class Detokenizer:

@@ -260,7 +260,7 @@ class HttpApi:
         self._tenant(request)
         body = parse(tokens.TokenizeRequest, await read_body(request))
         self._model(body.model)
-        ids = await self._prompt_ids(tokens.prompt_request(body))
+        ids = await self._prompt_ids(tokens.prompt_request(body, self.tool_format.id_chars))
         return JSONResponse(tokens.tokenized(body, ids, self.replica.served.head.context_length, self.replica.codec))
 
     async def detokenize(self, request: Request) -> JSONResponse:

@@ -41,10 +41,11 @@ class DetokenizeRequest(Closed):
     tokens: list[StrictInt]
 
 
-def prompt_request(body: TokenizeRequest) -> pb.GenerateRequest:
+def prompt_request(body: TokenizeRequest, id_chars: int = 0) -> pb.GenerateRequest:
+    """The prompt a body would be served with; `id_chars`: as chat completions render call ids."""
     if body.prompt is not None:
         return pb.GenerateRequest(prompt=body.prompt)
-    return pb.GenerateRequest(messages=chat_messages(body.messages, body.tools))
+    return pb.GenerateRequest(messages=chat_messages(body.messages, body.tools, id_chars))
 
 
 def tokenized(body: TokenizeRequest, ids: list[int], context_length: int, codec: TextCodec) -> dict:

@@ -38,21 +38,30 @@ def chat_requests(body: ChatCompletionRequest, tool_format: ToolFormat) -> list[
     req.max_new_tokens = body.max_completion_tokens or body.max_tokens or 0
     if body.logprobs:
         req.logprobs = body.top_logprobs or 0
-    req.messages.CopyFrom(chat_messages(body.messages, body.tools))
+    req.messages.CopyFrom(chat_messages(body.messages, body.tools, tool_format.id_chars))
     if body.chat_template_kwargs:
         req.messages.template_kwargs_json = json.dumps(body.chat_template_kwargs)
     return per_choice(req, body)
 
 
-def chat_messages(messages: list[Message], tool_list: list[Tool] | None) -> pb.ChatMessages:
-    """The conversation as the chat template reads it (common/prompts.py)."""
+def chat_messages(messages: list[Message], tool_list: list[Tool] | None, id_chars: int = 0) -> pb.ChatMessages:
+    """The conversation as the chat template reads it (common/prompts.py), call ids cut to their
+    last `id_chars` where the template takes ids of that length (Mistral's 9)."""
+
+    def cut(call_id: str) -> str:
+        return call_id[-id_chars:] if id_chars else call_id
+
     out = pb.ChatMessages()
     for m in messages:
         role = "system" if m.role == "developer" else m.role
-        calls = json.dumps([c.model_dump() for c in m.tool_calls]) if m.tool_calls else ""
+        calls = [c.model_dump() | {"id": cut(c.id)} for c in m.tool_calls or []]
         out.messages.append(
             pb.ChatMessage(
-                role=role, content=m.text(), tool_calls_json=calls, tool_call_id=m.tool_call_id or "", name=m.name or ""
+                role=role,
+                content=m.text(),
+                tool_calls_json=json.dumps(calls) if calls else "",
+                tool_call_id=cut(m.tool_call_id or ""),
+                name=m.name or "",
             )
         )
     if tool_list:

@@ -9,6 +9,10 @@ How a model writes a call is what its chat template declares (`tool_format`):
   call as that JSON object alone, its arguments under "parameters";
 - gpt-oss (a harmony template): each call a `commentary` message to `functions.NAME`, read by
   router/api/harmony.py, and not constrained (its markers are special tokens);
+- Mistral: `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}` (Mistral Nemo's template),
+  or `[TOOL_CALLS]NAME[ARGS]{...}` per call (Mistral Small 3.2's, Devstral's, Ministral 3's);
+  read, not constrained ([TOOL_CALLS] and [ARGS] are special tokens), and a call's id rendered
+  back as its last 9 characters (the templates take ids of 9, as vLLM renders them);
 - any other model: one call as `{"name": ..., "arguments": {...}}` alone.
 
 - `tool_choice` "required" or a named function: the output is constrained to calls of the
@@ -53,12 +57,22 @@ class ToolFormat:
     arguments: str = "arguments"  # the key of a call's arguments
     start: str = ""  # what a call's text begins with, where the template declares the format ("": none)
     harmony: bool = False  # gpt-oss's: calls are harmony messages (router/api/harmony.py reads them)
+    mistral: str = ""  # Mistral's: "list" ([TOOL_CALLS] then a JSON list) or "args" ([TOOL_CALLS]NAME[ARGS]{...})
+    id_chars: int = 0  # the call ids' length the template takes (0: any): their last characters
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar here can write the calls (harmony's and Mistral's markers are
+        special tokens, which it does not write yet)."""
+        return not (self.harmony or self.mistral)
 
 
 HERMES = ToolFormat(blocks=True, start=OPEN)
 LLAMA3 = ToolFormat(blocks=False, arguments="parameters", start="{")
 PLAIN = ToolFormat(blocks=False)
 HARMONY = ToolFormat(blocks=False, harmony=True)
+MISTRAL_LIST = ToolFormat(blocks=False, start="[TOOL_CALLS]", mistral="list", id_chars=9)
+MISTRAL_ARGS = ToolFormat(blocks=False, start="[TOOL_CALLS]", mistral="args", id_chars=9)
 
 
 def tool_format(template_source: str | None) -> ToolFormat:
@@ -70,6 +84,10 @@ def tool_format(template_source: str | None) -> ToolFormat:
         return HERMES
     if '"parameters": dictionary of argument name' in source:  # Llama 3.1, 3.2 and 3.3's words
         return LLAMA3
+    if "[TOOL_CALLS][" in source:
+        return MISTRAL_LIST
+    if "[ARGS]" in source and "[TOOL_CALLS]" in source:
+        return MISTRAL_ARGS
     return PLAIN
 
 
@@ -98,6 +116,8 @@ def mode(body: ChatCompletionRequest, fmt: ToolFormat) -> str | None:
         return None  # (a harmony call's markers are special tokens, which no grammar here writes yet)
     if body.calls_forced():
         return "calls"
+    if not fmt.constrained:  # read: whatever the model writes, text or calls
+        return "auto"
     constrained = body.structured_outputs is not None or (
         body.response_format is not None and body.response_format.type != "text"
     )
@@ -107,7 +127,7 @@ def mode(body: ChatCompletionRequest, fmt: ToolFormat) -> str | None:
 def grammar(body: ChatCompletionRequest, fmt: ToolFormat) -> str | None:
     """The Lark grammar (llguidance's) that constrains this request's output, or None."""
     kind = mode(body, fmt)
-    if kind is None:
+    if kind is None or not fmt.constrained:
         return None
     call = "%json " + json.dumps(_call_schema(body, fmt))
     if not fmt.blocks:
@@ -121,6 +141,16 @@ def grammar(body: ChatCompletionRequest, fmt: ToolFormat) -> str | None:
     return "start: calls\n" + rules
 
 
+def _made(name: str, arguments) -> ToolCall:
+    return ToolCall(
+        id=f"call_{uuid.uuid4().hex[:24]}",
+        function=FunctionCall(
+            name=name,
+            arguments=arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False),
+        ),
+    )
+
+
 def _call(text: str, key: str) -> ToolCall | None:
     try:
         data = json.loads(text)
@@ -128,14 +158,34 @@ def _call(text: str, key: str) -> ToolCall | None:
         return None
     if not (isinstance(data, dict) and isinstance(data.get("name"), str) and key in data):
         return None
-    arguments = data[key]
-    return ToolCall(
-        id=f"call_{uuid.uuid4().hex[:24]}",
-        function=FunctionCall(
-            name=data["name"],
-            arguments=arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False),
-        ),
-    )
+    return _made(data["name"], data[key])
+
+
+def _mistral_calls(text: str, fmt: ToolFormat) -> list[ToolCall]:
+    """A Mistral answer's calls (none where it does not parse as calls)."""
+    if fmt.mistral == "list":
+        calls = [_call(json.dumps(c), "arguments") for c in _json_list(text.strip().removeprefix(fmt.start))]
+        return calls if calls and all(calls) else []
+    calls = []
+    for part in text.strip().split(fmt.start)[1:]:  # NAME[CALL_ID]ID[ARGS]{...}, the id where written
+        name, args = part.split("[ARGS]", 1) if "[ARGS]" in part else ("", "")
+        name = name.split("[CALL_ID]")[0].strip()
+        try:
+            json.loads(args)
+        except ValueError:
+            return []
+        if not name:
+            return []
+        calls.append(_made(name, args.strip()))
+    return calls
+
+
+def _json_list(text: str) -> list:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return []
+    return data if isinstance(data, list) else []
 
 
 class ToolCallReader:
@@ -177,6 +227,10 @@ class ToolCallReader:
         text, self._text = self._text, ""
         if self.kind is None:
             return text, []
+        if self.fmt.mistral:
+            calls = _mistral_calls(text, self.fmt)
+            self.calls += calls
+            return ("", calls) if calls else (text, [])
         call = None if self.fmt.blocks else _call(text, self.fmt.arguments)
         if call is not None:
             self.calls.append(call)
