@@ -341,11 +341,8 @@ def check_fits(footprints: list[Footprint], available: int, what: str) -> None:
 
 
 def footprints(model: Description, args, shards: list[tuple[int, int]], streamed: bool) -> list[Footprint]:
-    """The footprint of each given (pp_stage, tp_rank) shard of the model; Unservable for a
-    layout the model cannot be split into. `args`: a shard's or `serve`'s flags."""
-    if args.tp > 1 and model.cfg.qk_norm_across_heads:
-        name = model.source.name
-        raise Unservable(f"{name}: its q/k norms span all attention heads, which TP would split (use --tp 1)")
+    """The footprint of each given (pp_stage, tp_rank) shard of the model. `args`: a shard's or
+    `serve`'s flags."""
     return [
         shard_footprint(
             model.cfg,

@@ -135,9 +135,10 @@ class GgufLoader:
                 if getattr(block, mine) is not None:
                     getattr(block, mine).weight = nn.Parameter(self._dense(f"{p}{theirs}.weight"), requires_grad=False)
             attn = block.attn
-            if cfg.qk_norm:
-                attn.q_norm.weight = nn.Parameter(self._dense(p + "attn_q_norm.weight"), requires_grad=False)
-                attn.k_norm.weight = nn.Parameter(self._dense(p + "attn_k_norm.weight"), requires_grad=False)
+            if cfg.qk_norm:  # per head, or (OLMo 2's) one weight per q and k row: this rank's rows
+                q_norm, k_norm = (q_rows, kv_rows) if cfg.qk_norm_across_heads else (None, None)
+                attn.q_norm.weight = nn.Parameter(self._dense(p + "attn_q_norm.weight", q_norm), requires_grad=False)
+                attn.k_norm.weight = nn.Parameter(self._dense(p + "attn_k_norm.weight", k_norm), requires_grad=False)
             if p + "attn_qkv.weight" in self.tensors:  # Phi-3's, fused: q's rows, then k's, then v's
                 k_at, v_at = cfg.num_heads * hd, (cfg.num_heads + cfg.num_kv_heads) * hd
                 qkv = [

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardline.shard.layout import Layout, layer_range
-from shardline.shard.model import MLP, MoE, Transformer
+from shardline.shard.model import MLP, MoE, RMSNorm, Transformer
 
 
 def init_distributed(layout: Layout, init_method: str, device: torch.device):
@@ -138,6 +138,13 @@ def slice_tensor_parallel(model: Transformer, layout: Layout) -> None:
 
     for block in model.layers:
         attn, mlp = block.attn, block.mlp
+        if attn.qk_norm_across_heads:  # OLMo 2's norms' weights, one per q (k) row: this rank's rows
+            q_norm, k_norm = (
+                _rows(attn.q_norm.weight, q_heads.start * hd, len(q_heads) * hd),
+                _rows(attn.k_norm.weight, kv.start * hd, len(kv) * hd),
+            )
+            attn.q_norm.weight = nn.Parameter(q_norm, requires_grad=False)
+            attn.k_norm.weight = nn.Parameter(k_norm, requires_grad=False)
         attn.wqkv.weight = nn.Parameter(split_qkv(attn.wqkv.weight), requires_grad=False)
         if attn.wqkv.bias is not None:
             attn.wqkv.bias = nn.Parameter(split_qkv(attn.wqkv.bias), requires_grad=False)
@@ -166,8 +173,13 @@ def connect_tensor_parallel(model: Transformer, layout: Layout, group) -> None:
 
     cfg = model.cfg
     q_heads, kv, units = tp_slice(cfg, layout)
+    ranks = [tp_slice(cfg, replace(layout, tp_rank=r)) for r in range(layout.tp)]
     for block in model.layers:
         block.attn.num_heads, block.attn.num_kv_heads = len(q_heads), len(kv)
+        if block.attn.qk_norm_across_heads:  # every rank's rows, as one vector: its sum over ranks
+            attn, hd = block.attn, cfg.head_dim
+            attn.q_norm = RanksRMSNorm(attn.q_norm, sum(len(q) for q, _, _ in ranks) * hd, group)
+            attn.k_norm = RanksRMSNorm(attn.k_norm, sum(len(k) for _, k, _ in ranks) * hd, group)
         block.attn.wo.register_forward_hook(all_reduce)
         (block.mlp if isinstance(block.mlp, MoE) else block.mlp.w2).register_forward_hook(all_reduce)
     model.cfg = replace(
@@ -178,3 +190,19 @@ def connect_tensor_parallel(model: Transformer, layout: Layout, group) -> None:
         expert_intermediate_size=len(mlp_units(cfg.expert_intermediate_size, layout)),
         shared_expert_intermediate_size=len(mlp_units(cfg.shared_expert_intermediate_size, layout)),
     )
+
+
+class RanksRMSNorm(nn.Module):
+    """An RMSNorm over a vector whose parts are on the TP ranks (OLMo 2's q/k norms across all
+    heads): each rank's sum of squares, all-reduced, over `width`, the count of the values the
+    ranks hold together (a KV head on several ranks counted on each, as its squares are)."""
+
+    def __init__(self, norm: RMSNorm, width: int, group):
+        super().__init__()
+        self.weight, self.eps, self.width, self.group = norm.weight, norm.eps, width, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        squares = xf.pow(2).sum(-1, keepdim=True)
+        dist.all_reduce(squares, group=self.group)
+        return self.weight * (xf * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)
