@@ -208,6 +208,15 @@ def test_position_dependent_features_score_every_position_as_transformers(tiny_m
         assert server.stop() == 0
 
 
+def test_a_checkpoint_of_quantized_weights_is_refused_with_the_reason(tiny_models, tmp_path):
+    """gpt-oss as published: its experts MXFP4 in the safetensors (their `_blocks` and `_scales`)."""
+    folder = shutil.copytree(tiny_models["gpt_oss"], tmp_path / "gpt-oss-mxfp4")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(Unservable, match=r"its weights are quantized \(mxfp4\), which is read from a GGUF only"):
+        describe(resolve_model(str(folder)))
+
+
 def test_qwen2s_sliding_windows_are_refused_as_not_served_yet(tiny_models, tmp_path):
     folder = tmp_path / "qwen2-windowed"
     shutil.copytree(tiny_models["qwen2"], folder)

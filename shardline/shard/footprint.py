@@ -142,6 +142,11 @@ def describe(source: ModelSource) -> Description:
     arch = raw.get("model_type", "llama")
     if arch not in SERVED:
         raise Unservable(f"{source.path.name}: the architecture {arch!r} is not served ({', '.join(SERVED)} are)")
+    if method := (raw.get("quantization_config") or {}).get("quant_method"):  # gpt-oss's MXFP4, GPTQ, AWQ, ...
+        raise Unservable(
+            f"{source.path.name}: its weights are quantized ({method}), which is read from a GGUF only "
+            "(llama.cpp's convert_hf_to_gguf.py writes one), or from a checkpoint of float weights"
+        )
     try:
         cfg = ModelConfig.from_hf(source.path)
     except (KeyError, ValueError) as e:
@@ -156,7 +161,7 @@ def streams(model: Description, args, device_type: str) -> bool:
     return model.source.kind == "gguf" and args.weights == "native" and args.quantize == "none" and device_type == "cpu"
 
 
-HEADER_VERSION = 3  # what a kept header holds: a new version is read from the file again
+HEADER_VERSION = 4  # what a kept header holds: a new version is read from the file again
 
 
 def _read_gguf_header(source: ModelSource) -> tuple[ModelConfig, list[tuple]]:
