@@ -26,7 +26,10 @@ import numpy as np
 class Shape:
     """A published model's dimensions (its config). Dense shapes are `llama` GGUFs; a mixture of
     experts is `qwen3moe` (q/k norms, every layer sparse: `experts` MLPs of `expert_intermediate`,
-    `experts_used` a token, weights renormalized over the picked ones, as qwen3moe always does)."""
+    `experts_used` a token, weights renormalized over the picked ones, as qwen3moe always does);
+    Gemma 3 is `gemma3` (q/k norms, norms after each sublayer too, local layers of `window`
+    tokens at base `rope_base_swa`, five to each global one, whose frequencies `rope_scale`
+    divides), as llama.cpp's converter writes it."""
 
     hidden: int
     intermediate: int  # the dense MLP's (written for a mixture too, where no layer uses it)
@@ -41,10 +44,14 @@ class Shape:
     experts: int = 0
     experts_used: int = 0
     expert_intermediate: int = 0
+    head_size: int = 0  # 0: hidden / heads
+    window: int = 0
+    rope_base_swa: float = 10000.0
+    rope_scale: float = 1.0
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
 
 SHAPES = {
@@ -65,6 +72,24 @@ SHAPES = {
         experts=64,
         experts_used=8,
         expert_intermediate=1024,
+    ),
+    # Gemma 3's (text): the 270M to check a shape by, the 4B to measure
+    "gemma-3-270m": Shape(
+        640, 2048, 18, 4, 1, tied=True, arch="gemma3", rope_base=1e6, rms_eps=1e-6, head_size=256, window=512
+    ),
+    "gemma-3-4b": Shape(
+        2560,
+        10240,
+        34,
+        8,
+        4,
+        tied=True,
+        arch="gemma3",
+        rope_base=1e6,
+        rms_eps=1e-6,
+        head_size=256,
+        window=1024,
+        rope_scale=8.0,
     ),
 }
 
@@ -90,8 +115,10 @@ def tensor_shapes(s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
             (p + "attn_v.weight", (s.kv_heads * hd, hidden)),
             (p + "attn_output.weight", (hidden, s.heads * hd)),
         ]
-        if s.arch == "qwen3moe":
+        if s.arch in ("qwen3moe", "gemma3"):
             tensors += [(p + "attn_q_norm.weight", (hd,)), (p + "attn_k_norm.weight", (hd,))]
+        if s.arch == "gemma3":
+            tensors += [(p + "post_attention_norm.weight", (hidden,)), (p + "post_ffw_norm.weight", (hidden,))]
         if s.experts:
             n, ff = s.experts, s.expert_intermediate
             tensors += [
@@ -128,9 +155,18 @@ def write_f16(shape: str, path: Path, seed: int = 0) -> Path:
     writer.add_rope_freq_base(s.rope_base)
     writer.add_layer_norm_rms_eps(s.rms_eps)
     writer.add_rope_dimension_count(s.head_dim)
-    if s.experts:
+    if s.experts or s.head_size:
         writer.add_key_length(s.head_dim)
         writer.add_value_length(s.head_dim)
+    if s.window:  # Gemma 3's keys, as its converter writes them
+        from gguf import RopeScalingType
+
+        writer.add_sliding_window(s.window)
+        writer.add_rope_freq_base_swa(s.rope_base_swa)
+        if s.rope_scale != 1:
+            writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(s.rope_scale)
+    if s.experts:
         writer.add_expert_count(s.experts)
         writer.add_expert_used_count(s.experts_used)
         writer.add_expert_feed_forward_length(s.expert_intermediate)
